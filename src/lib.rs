@@ -1,0 +1,5 @@
+//! softnic: HPC one-sided networking made real on commodity Ethernet.
+//!
+//! See DESIGN.md (shared) for the map; each module's doc says what it owns.
+
+pub mod wire;

@@ -1,0 +1,378 @@
+//! Ops: the units of work a datagram body carries, several per datagram (coalescing).
+//!
+//! Every op starts with a 24-byte [`OpHeader`]: `kind u8 | flags u8 | len u16 | job u32 |
+//! src_rank u32 | dst_rank u32 | req u64`, where `len` is the whole op's length and `req` the
+//! initiator daemon's request id that replies echo. Kind-specific fields follow, then data.
+
+use super::{get_u32, get_u64, WireError};
+
+pub const OP_HEADER_LEN: usize = 24;
+/// Flag: the last fragment of a segmented put or get reply.
+pub const FLAG_LAST: u8 = 1;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum OpKind {
+    Put = 1,
+    PutAck = 2,
+    Get = 3,
+    GetReply = 4,
+    Amo = 5,
+    AmoReply = 6,
+}
+
+impl OpKind {
+    fn from_u8(v: u8) -> Result<Self, WireError> {
+        Ok(match v {
+            1 => Self::Put,
+            2 => Self::PutAck,
+            3 => Self::Get,
+            4 => Self::GetReply,
+            5 => Self::Amo,
+            6 => Self::AmoReply,
+            _ => return Err(WireError::UnknownOp(v)),
+        })
+    }
+    /// Bytes of kind-specific fields after the common header.
+    fn fixed_len(self) -> usize {
+        match self {
+            Self::Put => 32,
+            Self::PutAck => 8,
+            Self::Get => 24,
+            Self::GetReply => 16,
+            Self::Amo => 32,
+            Self::AmoReply => 16,
+        }
+    }
+}
+
+/// Completion status carried by replies and, through the client, by completion-queue entries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u32)]
+pub enum Status {
+    Ok = 0,
+    /// The access falls outside the target region.
+    OutOfBounds = 1,
+    /// The target region does not allow this kind of access.
+    Permission = 2,
+    /// No region with that handle is registered at the target.
+    NoSuchRegion = 3,
+    /// No process of this job has that rank at the target host (exited, killed, never attached).
+    NoSuchEndpoint = 4,
+    /// The target host's daemon stopped answering; the op may or may not have been applied.
+    PeerDead = 5,
+    /// The request itself was malformed (bad size, misaligned atomic, bad host index…).
+    BadRequest = 6,
+}
+
+impl Status {
+    pub fn from_u32(v: u32) -> Status {
+        match v {
+            0 => Status::Ok,
+            1 => Status::OutOfBounds,
+            2 => Status::Permission,
+            3 => Status::NoSuchRegion,
+            4 => Status::NoSuchEndpoint,
+            5 => Status::PeerDead,
+            _ => Status::BadRequest,
+        }
+    }
+    pub fn is_ok(self) -> bool {
+        self == Status::Ok
+    }
+}
+
+/// The Gemini 64-bit atomic memory operations.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum AmoOp {
+    Aadd = 1,
+    Aand = 2,
+    Aor = 3,
+    Axor = 4,
+    Afadd = 5,
+    Afand = 6,
+    Afor = 7,
+    Afxor = 8,
+    /// Fetch, then `(old & operand2) | (operand & !operand2)`: and-xor with a mask.
+    Afax = 9,
+    /// Compare (operand2) and swap in operand; fetches the old value.
+    Acswap = 10,
+}
+
+impl AmoOp {
+    pub const ALL: [AmoOp; 10] = [
+        AmoOp::Aadd,
+        AmoOp::Aand,
+        AmoOp::Aor,
+        AmoOp::Axor,
+        AmoOp::Afadd,
+        AmoOp::Afand,
+        AmoOp::Afor,
+        AmoOp::Afxor,
+        AmoOp::Afax,
+        AmoOp::Acswap,
+    ];
+    pub fn from_u8(v: u8) -> Option<AmoOp> {
+        AmoOp::ALL.iter().copied().find(|o| *o as u8 == v)
+    }
+    /// Whether the initiator gets the old value back.
+    pub fn is_fetching(self) -> bool {
+        !matches!(self, AmoOp::Aadd | AmoOp::Aand | AmoOp::Aor | AmoOp::Axor)
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct OpHeader {
+    pub job: u32,
+    pub src_rank: u32,
+    pub dst_rank: u32,
+    pub req: u64,
+}
+
+/// A decoded op borrowing its data from the datagram.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OpRef<'a> {
+    /// One fragment of a put: `data` goes at `offset`; the whole put covers
+    /// `[total_off, total_off + total_len)`, checked on every fragment so a partly
+    /// out-of-bounds put changes nothing.
+    Put { h: OpHeader, region: u32, offset: u64, total_off: u64, total_len: u64, last: bool, data: &'a [u8] },
+    PutAck { h: OpHeader, status: Status },
+    Get { h: OpHeader, region: u32, offset: u64, len: u64 },
+    /// One fragment of a get reply: `data` belongs at `frag_off` within the requested range.
+    GetReply { h: OpHeader, status: Status, frag_off: u64, last: bool, data: &'a [u8] },
+    Amo { h: OpHeader, region: u32, op: AmoOp, offset: u64, operand: u64, operand2: u64 },
+    AmoReply { h: OpHeader, status: Status, value: u64 },
+}
+
+impl<'a> OpRef<'a> {
+    pub fn header(&self) -> &OpHeader {
+        match self {
+            OpRef::Put { h, .. }
+            | OpRef::PutAck { h, .. }
+            | OpRef::Get { h, .. }
+            | OpRef::GetReply { h, .. }
+            | OpRef::Amo { h, .. }
+            | OpRef::AmoReply { h, .. } => h,
+        }
+    }
+
+    fn kind(&self) -> OpKind {
+        match self {
+            OpRef::Put { .. } => OpKind::Put,
+            OpRef::PutAck { .. } => OpKind::PutAck,
+            OpRef::Get { .. } => OpKind::Get,
+            OpRef::GetReply { .. } => OpKind::GetReply,
+            OpRef::Amo { .. } => OpKind::Amo,
+            OpRef::AmoReply { .. } => OpKind::AmoReply,
+        }
+    }
+
+    fn data(&self) -> &'a [u8] {
+        match self {
+            OpRef::Put { data, .. } | OpRef::GetReply { data, .. } => data,
+            _ => &[],
+        }
+    }
+
+    /// Bytes this op takes on the wire.
+    pub fn encoded_len(&self) -> usize {
+        Self::len_for(self.kind(), self.data().len())
+    }
+
+    /// Bytes an op of `kind` with `data_len` data bytes takes on the wire.
+    pub fn len_for(kind: OpKind, data_len: usize) -> usize {
+        OP_HEADER_LEN + kind.fixed_len() + data_len
+    }
+
+    /// Largest data payload of a put/get-reply fragment that fits in `room` body bytes.
+    pub fn max_data(kind: OpKind, room: usize) -> usize {
+        room.saturating_sub(OP_HEADER_LEN + kind.fixed_len()).min(u16::MAX as usize - 64)
+    }
+
+    /// Encodes into the front of `buf` (which must hold [`Self::encoded_len`] bytes).
+    pub fn encode(&self, buf: &mut [u8]) -> usize {
+        let len = self.encoded_len();
+        let h = self.header();
+        let last = matches!(self, OpRef::Put { last: true, .. } | OpRef::GetReply { last: true, .. });
+        buf[0] = self.kind() as u8;
+        buf[1] = if last { FLAG_LAST } else { 0 };
+        buf[2..4].copy_from_slice(&(len as u16).to_le_bytes());
+        buf[4..8].copy_from_slice(&h.job.to_le_bytes());
+        buf[8..12].copy_from_slice(&h.src_rank.to_le_bytes());
+        buf[12..16].copy_from_slice(&h.dst_rank.to_le_bytes());
+        buf[16..24].copy_from_slice(&h.req.to_le_bytes());
+        let f = &mut buf[OP_HEADER_LEN..len];
+        let put64 = |f: &mut [u8], at: usize, v: u64| f[at..at + 8].copy_from_slice(&v.to_le_bytes());
+        let put32 = |f: &mut [u8], at: usize, v: u32| f[at..at + 4].copy_from_slice(&v.to_le_bytes());
+        match *self {
+            OpRef::Put { region, offset, total_off, total_len, data, .. } => {
+                put32(f, 0, region);
+                put32(f, 4, 0);
+                put64(f, 8, offset);
+                put64(f, 16, total_off);
+                put64(f, 24, total_len);
+                f[32..].copy_from_slice(data);
+            }
+            OpRef::PutAck { status, .. } => {
+                put32(f, 0, status as u32);
+                put32(f, 4, 0);
+            }
+            OpRef::Get { region, offset, len, .. } => {
+                put32(f, 0, region);
+                put32(f, 4, 0);
+                put64(f, 8, offset);
+                put64(f, 16, len);
+            }
+            OpRef::GetReply { status, frag_off, data, .. } => {
+                put32(f, 0, status as u32);
+                put32(f, 4, 0);
+                put64(f, 8, frag_off);
+                f[16..].copy_from_slice(data);
+            }
+            OpRef::Amo { region, op, offset, operand, operand2, .. } => {
+                put32(f, 0, region);
+                f[4..8].copy_from_slice(&[op as u8, 0, 0, 0]);
+                put64(f, 8, offset);
+                put64(f, 16, operand);
+                put64(f, 24, operand2);
+            }
+            OpRef::AmoReply { status, value, .. } => {
+                put32(f, 0, status as u32);
+                put32(f, 4, 0);
+                put64(f, 8, value);
+            }
+        }
+        len
+    }
+
+    /// Decodes one op from the front of `b`; returns it and its length.
+    pub fn decode(b: &'a [u8]) -> Result<(OpRef<'a>, usize), WireError> {
+        if b.len() < OP_HEADER_LEN {
+            return Err(WireError::OpTruncated(0));
+        }
+        let kind = OpKind::from_u8(b[0])?;
+        let last = b[1] & FLAG_LAST != 0;
+        let len = u16::from_le_bytes([b[2], b[3]]) as usize;
+        let fixed_end = OP_HEADER_LEN + kind.fixed_len();
+        if len < fixed_end || len > b.len() {
+            return Err(WireError::OpTruncated(len));
+        }
+        let h = OpHeader { job: get_u32(b, 4), src_rank: get_u32(b, 8), dst_rank: get_u32(b, 12), req: get_u64(b, 16) };
+        let f = &b[OP_HEADER_LEN..len];
+        let data = &b[fixed_end..len];
+        let has_data = matches!(kind, OpKind::Put | OpKind::GetReply);
+        if !has_data && !data.is_empty() {
+            return Err(WireError::BadField("trailing bytes after a fixed-size op"));
+        }
+        let op = match kind {
+            OpKind::Put => OpRef::Put {
+                h,
+                region: get_u32(f, 0),
+                offset: get_u64(f, 8),
+                total_off: get_u64(f, 16),
+                total_len: get_u64(f, 24),
+                last,
+                data,
+            },
+            OpKind::PutAck => OpRef::PutAck { h, status: Status::from_u32(get_u32(f, 0)) },
+            OpKind::Get => OpRef::Get { h, region: get_u32(f, 0), offset: get_u64(f, 8), len: get_u64(f, 16) },
+            OpKind::GetReply => OpRef::GetReply {
+                h,
+                status: Status::from_u32(get_u32(f, 0)),
+                frag_off: get_u64(f, 8),
+                last,
+                data,
+            },
+            OpKind::Amo => OpRef::Amo {
+                h,
+                region: get_u32(f, 0),
+                op: AmoOp::from_u8(f[4]).ok_or(WireError::BadField("unknown AMO"))?,
+                offset: get_u64(f, 8),
+                operand: get_u64(f, 16),
+                operand2: get_u64(f, 24),
+            },
+            OpKind::AmoReply => OpRef::AmoReply { h, status: Status::from_u32(get_u32(f, 0)), value: get_u64(f, 8) },
+        };
+        Ok((op, len))
+    }
+}
+
+/// Iterates the ops of a datagram body; stops at the first malformed op (yielding its error).
+pub struct OpIter<'a> {
+    body: &'a [u8],
+    failed: bool,
+}
+
+impl<'a> OpIter<'a> {
+    pub fn new(body: &'a [u8]) -> Self {
+        OpIter { body, failed: false }
+    }
+}
+
+impl<'a> Iterator for OpIter<'a> {
+    type Item = Result<OpRef<'a>, WireError>;
+    fn next(&mut self) -> Option<Self::Item> {
+        if self.body.is_empty() || self.failed {
+            return None;
+        }
+        match OpRef::decode(self.body) {
+            Ok((op, n)) => {
+                self.body = &self.body[n..];
+                Some(Ok(op))
+            }
+            Err(e) => {
+                self.failed = true;
+                Some(Err(e))
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn samples(data: &[u8]) -> Vec<OpRef<'_>> {
+        let h = OpHeader { job: 1, src_rank: 2, dst_rank: 3, req: 4 };
+        vec![
+            OpRef::Put { h, region: 5, offset: 6, total_off: 6, total_len: 100, last: true, data },
+            OpRef::PutAck { h, status: Status::OutOfBounds },
+            OpRef::Get { h, region: 1, offset: 2, len: 3 },
+            OpRef::GetReply { h, status: Status::Ok, frag_off: 9, last: false, data },
+            OpRef::Amo { h, region: 1, op: AmoOp::Acswap, offset: 8, operand: 1, operand2: 2 },
+            OpRef::AmoReply { h, status: Status::Ok, value: u64::MAX },
+        ]
+    }
+
+    #[test]
+    fn every_kind_round_trips_in_one_body() {
+        let data = b"hello world";
+        let ops = samples(data);
+        let mut buf = vec![0u8; 1024];
+        let mut at = 0;
+        for op in &ops {
+            at += op.encode(&mut buf[at..]);
+        }
+        let got: Vec<_> = OpIter::new(&buf[..at]).map(|r| r.unwrap()).collect();
+        assert_eq!(got, ops);
+    }
+
+    proptest! {
+        #[test]
+        fn mutated_bodies_never_panic(flip in 0usize..400, val in any::<u8>(), cut in 0usize..400) {
+            let data = [1u8; 17];
+            let mut buf = vec![0u8; 400];
+            let mut at = 0;
+            for op in samples(&data) { at += op.encode(&mut buf[at..]); }
+            buf[flip % at] = val;
+            for r in OpIter::new(&buf[..cut.min(at)]) { let _ = r; }
+        }
+
+        #[test]
+        fn random_bodies_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..300)) {
+            for r in OpIter::new(&bytes) { let _ = r; }
+        }
+    }
+}
