@@ -3,3 +3,4 @@
 //! See DESIGN.md (shared) for the map; each module's doc says what it owns.
 
 pub mod wire;
+pub mod transport;

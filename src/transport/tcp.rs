@@ -1,0 +1,1 @@
+//! TCP driver: placeholder replaced below.

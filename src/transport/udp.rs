@@ -1,0 +1,1 @@
+//! UDP driver: placeholder replaced below.
