@@ -4,3 +4,4 @@
 
 pub mod wire;
 pub mod transport;
+pub mod nic;

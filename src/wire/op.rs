@@ -94,9 +94,9 @@ pub enum AmoOp {
     Afand = 6,
     Afor = 7,
     Afxor = 8,
-    /// Fetch, then `(old & operand2) | (operand & !operand2)`: and-xor with a mask.
+    /// Fetch, then store `(old & operand) ^ operand2` (and-mask, then xor-mask).
     Afax = 9,
-    /// Compare (operand2) and swap in operand; fetches the old value.
+    /// If the word equals operand2 (the comperand), store operand (the swaperand); fetches.
     Acswap = 10,
 }
 

@@ -1,0 +1,186 @@
+//! Initiator side: outstanding operations of this host's clients, keyed by request id, until
+//! the reply (or a dead peer, or a departed client) completes them.
+
+use crate::nic::memory::Region;
+use crate::wire::{OpRef, Status};
+
+pub enum PendingKind {
+    /// Completed by the put ack of the last fragment.
+    Put,
+    /// Reply fragments land in `region` at `offset + frag_off`.
+    Get { region: Region, offset: u64, len: u64 },
+    Amo,
+}
+
+pub struct Pending {
+    /// The daemon session (client) that started the operation.
+    pub session: u64,
+    /// The client's own id for the operation, echoed in its completion.
+    pub client_req: u64,
+    /// Target host, to fail the operation if that host dies.
+    pub host: u16,
+    pub kind: PendingKind,
+}
+
+/// A finished operation, to be posted to the client's completion queue.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Completion {
+    pub session: u64,
+    pub client_req: u64,
+    pub status: Status,
+    /// The fetched value of a fetching AMO.
+    pub value: u64,
+}
+
+struct Slot {
+    gen: u32,
+    op: Option<Pending>,
+}
+
+/// Outstanding operations. Request ids carry a generation so that a late reply to a slot that
+/// was failed and reused is recognised and dropped.
+#[derive(Default)]
+pub struct Initiator {
+    slots: Vec<Slot>,
+    free: Vec<u32>,
+    outstanding: usize,
+}
+
+impl Initiator {
+    pub fn start(&mut self, p: Pending) -> u64 {
+        let idx = match self.free.pop() {
+            Some(i) => i,
+            None => {
+                self.slots.push(Slot { gen: 0, op: None });
+                (self.slots.len() - 1) as u32
+            }
+        };
+        let s = &mut self.slots[idx as usize];
+        s.gen = s.gen.wrapping_add(1);
+        s.op = Some(p);
+        self.outstanding += 1;
+        ((s.gen as u64) << 32) | idx as u64
+    }
+
+    pub fn outstanding(&self) -> usize {
+        self.outstanding
+    }
+
+    fn slot(&mut self, req: u64) -> Option<&mut Slot> {
+        let s = self.slots.get_mut((req & 0xffff_ffff) as usize)?;
+        (s.gen == (req >> 32) as u32 && s.op.is_some()).then_some(s)
+    }
+
+    pub fn get(&mut self, req: u64) -> Option<&Pending> {
+        self.slot(req).and_then(|s| s.op.as_ref())
+    }
+
+    /// Finishes `req` with `status`; `None` if it is unknown (late, duplicate or foreign).
+    pub fn complete(&mut self, req: u64, status: Status, value: u64) -> Option<Completion> {
+        let s = self.slot(req)?;
+        let p = s.op.take()?;
+        self.free.push((req & 0xffff_ffff) as u32);
+        self.outstanding -= 1;
+        Some(Completion { session: p.session, client_req: p.client_req, status, value })
+    }
+
+    /// Handles a reply op from the network.
+    pub fn on_reply(&mut self, op: &OpRef<'_>) -> Option<Completion> {
+        match *op {
+            OpRef::PutAck { h, status } => {
+                matches!(self.get(h.req)?.kind, PendingKind::Put).then_some(())?;
+                self.complete(h.req, status, 0)
+            }
+            OpRef::AmoReply { h, status, value } => {
+                matches!(self.get(h.req)?.kind, PendingKind::Amo).then_some(())?;
+                self.complete(h.req, status, value)
+            }
+            OpRef::GetReply { h, status, frag_off, last, data } => {
+                let p = self.get(h.req)?;
+                let PendingKind::Get { region, offset, len } = &p.kind else { return None };
+                let mut st = status;
+                if st.is_ok() {
+                    let fits = frag_off.checked_add(data.len() as u64).is_some_and(|e| e <= *len);
+                    if fits {
+                        region.write(offset + frag_off, data);
+                    } else {
+                        st = Status::BadRequest;
+                    }
+                }
+                if last || !st.is_ok() {
+                    self.complete(h.req, st, 0)
+                } else {
+                    None
+                }
+            }
+            _ => None,
+        }
+    }
+
+    /// Fails every operation aimed at `host` (declared dead).
+    pub fn fail_host(&mut self, host: u16, out: &mut Vec<Completion>) {
+        self.fail_where(|p| p.host == host, Status::PeerDead, out)
+    }
+
+    /// Forgets every operation of a departed client (nobody is left to tell).
+    pub fn drop_session(&mut self, session: u64) {
+        let mut sink = Vec::new();
+        self.fail_where(|p| p.session == session, Status::NoSuchEndpoint, &mut sink)
+    }
+
+    fn fail_where(&mut self, pred: impl Fn(&Pending) -> bool, status: Status, out: &mut Vec<Completion>) {
+        for i in 0..self.slots.len() {
+            let s = &self.slots[i];
+            if s.op.as_ref().is_some_and(&pred) {
+                let req = ((s.gen as u64) << 32) | i as u64;
+                out.extend(self.complete(req, status, 0));
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::nic::memory::{HeapBacking, Perms};
+    use crate::wire::OpHeader;
+
+    #[test]
+    fn get_fragments_land_and_complete_on_last() {
+        let mut i = Initiator::default();
+        let r = Region::new(HeapBacking::new(16), Perms::READ_WRITE);
+        let req = i.start(Pending { session: 1, client_req: 9, host: 1, kind: PendingKind::Get { region: r.clone(), offset: 4, len: 4 } });
+        let h = OpHeader { req, ..Default::default() };
+        assert_eq!(i.on_reply(&OpRef::GetReply { h, status: Status::Ok, frag_off: 0, last: false, data: b"ab" }), None);
+        let c = i.on_reply(&OpRef::GetReply { h, status: Status::Ok, frag_off: 2, last: true, data: b"cd" }).unwrap();
+        assert_eq!((c.client_req, c.status), (9, Status::Ok));
+        assert_eq!(r.bytes(4, 4), b"abcd");
+        // A duplicate or late reply is ignored.
+        assert_eq!(i.on_reply(&OpRef::GetReply { h, status: Status::Ok, frag_off: 2, last: true, data: b"zz" }), None);
+        assert_eq!(r.bytes(4, 4), b"abcd");
+    }
+
+    #[test]
+    fn oversized_get_reply_is_rejected() {
+        let mut i = Initiator::default();
+        let r = Region::new(HeapBacking::new(16), Perms::READ_WRITE);
+        let req = i.start(Pending { session: 1, client_req: 9, host: 1, kind: PendingKind::Get { region: r, offset: 12, len: 4 } });
+        let h = OpHeader { req, ..Default::default() };
+        let c = i.on_reply(&OpRef::GetReply { h, status: Status::Ok, frag_off: 2, last: true, data: b"abcd" }).unwrap();
+        assert_eq!(c.status, Status::BadRequest);
+    }
+
+    #[test]
+    fn dead_host_fails_its_ops_only() {
+        let mut i = Initiator::default();
+        let a = i.start(Pending { session: 1, client_req: 1, host: 1, kind: PendingKind::Amo });
+        let _b = i.start(Pending { session: 1, client_req: 2, host: 2, kind: PendingKind::Put });
+        let mut out = Vec::new();
+        i.fail_host(1, &mut out);
+        assert_eq!(out.len(), 1);
+        assert_eq!((out[0].client_req, out[0].status), (1, Status::PeerDead));
+        assert_eq!(i.outstanding(), 1);
+        let h = OpHeader { req: a, ..Default::default() };
+        assert_eq!(i.on_reply(&OpRef::AmoReply { h, status: Status::Ok, value: 1 }), None);
+    }
+}

@@ -1,0 +1,213 @@
+//! Registered memory: regions with bounds and permissions, and the endpoint table that maps a
+//! job's rank to the regions its process registered.
+//!
+//! A region is memory shared with a client process (a memfd mapping in the daemon, a heap
+//! buffer in tests). The owning process may read and write it concurrently, as with a hardware
+//! NIC; atomics go through real CPU atomic instructions so they are coherent with the owner's.
+
+use std::collections::HashMap;
+use std::sync::atomic::AtomicU64;
+use std::sync::Arc;
+
+use crate::wire::Status;
+
+/// Memory a region lives in. Implementors guarantee `ptr()..ptr()+len()` stays mapped and
+/// 8-byte aligned at `ptr()` for their whole lifetime.
+pub trait Backing: Send + Sync {
+    fn ptr(&self) -> *mut u8;
+    fn len(&self) -> usize;
+}
+
+/// Plain heap memory, for tests and simulations.
+pub struct HeapBacking(Box<[AtomicU64]>);
+
+impl HeapBacking {
+    pub fn new(len: usize) -> Arc<HeapBacking> {
+        Arc::new(HeapBacking((0..len.div_ceil(8)).map(|_| AtomicU64::new(0)).collect()))
+    }
+}
+
+impl Backing for HeapBacking {
+    fn ptr(&self) -> *mut u8 {
+        self.0.as_ptr() as *mut u8
+    }
+    fn len(&self) -> usize {
+        self.0.len() * 8
+    }
+}
+
+/// Remote access rights of a region.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Perms(pub u8);
+
+impl Perms {
+    pub const READ: Perms = Perms(1);
+    pub const WRITE: Perms = Perms(2);
+    pub const READ_WRITE: Perms = Perms(3);
+    pub fn contains(self, other: Perms) -> bool {
+        self.0 & other.0 == other.0
+    }
+}
+
+/// A registered region: a window `[0, len)` of a backing with remote permissions.
+#[derive(Clone)]
+pub struct Region {
+    backing: Arc<dyn Backing>,
+    perms: Perms,
+}
+
+impl Region {
+    pub fn new(backing: Arc<dyn Backing>, perms: Perms) -> Region {
+        Region { backing, perms }
+    }
+
+    pub fn len(&self) -> usize {
+        self.backing.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Checks `[off, off+len)` lies inside and `need` is granted.
+    pub fn check(&self, off: u64, len: u64, need: Perms) -> Result<(), Status> {
+        if !self.perms.contains(need) {
+            return Err(Status::Permission);
+        }
+        match off.checked_add(len) {
+            Some(end) if end <= self.len() as u64 => Ok(()),
+            _ => Err(Status::OutOfBounds),
+        }
+    }
+
+    /// Checks bounds only (the local side of an operation, owned by the caller).
+    pub fn check_local(&self, off: u64, len: u64) -> Result<(), Status> {
+        self.check(off, len, Perms(0))
+    }
+
+    /// Copies `data` in at `off`. Bounds must have been checked.
+    pub fn write(&self, off: u64, data: &[u8]) {
+        assert!(off as usize + data.len() <= self.len(), "write past a checked region");
+        // SAFETY: in bounds (asserted); the backing stays mapped while `self` holds it. The owner
+        // process may touch these bytes concurrently, which is the contract of NIC memory.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), self.backing.ptr().add(off as usize), data.len()) }
+    }
+
+    /// The bytes at `[off, off+len)`. Bounds must have been checked. The owner may change them
+    /// while they are read, exactly as under a hardware NIC's DMA.
+    pub fn bytes(&self, off: u64, len: usize) -> &[u8] {
+        assert!(off as usize + len <= self.len(), "read past a checked region");
+        // SAFETY: in bounds (asserted) and mapped for the lifetime of `self`.
+        unsafe { std::slice::from_raw_parts(self.backing.ptr().add(off as usize), len) }
+    }
+
+    /// The 64-bit word at `off` for an atomic operation: 8-byte aligned and in bounds, or an error.
+    pub fn atomic(&self, off: u64, need: Perms) -> Result<&AtomicU64, Status> {
+        self.check(off, 8, need)?;
+        if off % 8 != 0 {
+            return Err(Status::BadRequest);
+        }
+        // SAFETY: in bounds, 8-aligned (the backing base is 8-aligned), mapped while `self` lives.
+        Ok(unsafe { &*(self.backing.ptr().add(off as usize) as *const AtomicU64) })
+    }
+}
+
+/// What one process (rank of a job) has registered at this host.
+pub struct Endpoint {
+    /// Opaque id of the daemon session this endpoint belongs to.
+    pub session: u64,
+    /// Region handles index this; a deregistered handle stays `None` and is never reused.
+    pub regions: Vec<Option<Region>>,
+}
+
+impl Endpoint {
+    pub fn region(&self, id: u32) -> Result<&Region, Status> {
+        self.regions.get(id as usize).and_then(|r| r.as_ref()).ok_or(Status::NoSuchRegion)
+    }
+}
+
+/// (job, rank) → endpoint, for the processes attached to this host.
+#[derive(Default)]
+pub struct Endpoints {
+    map: HashMap<(u32, u32), Endpoint>,
+}
+
+impl Endpoints {
+    pub fn insert(&mut self, job: u32, rank: u32, session: u64) -> bool {
+        if self.map.contains_key(&(job, rank)) {
+            return false;
+        }
+        self.map.insert((job, rank), Endpoint { session, regions: Vec::new() });
+        true
+    }
+
+    pub fn remove(&mut self, job: u32, rank: u32) -> Option<Endpoint> {
+        self.map.remove(&(job, rank))
+    }
+
+    pub fn get(&self, job: u32, rank: u32) -> Result<&Endpoint, Status> {
+        self.map.get(&(job, rank)).ok_or(Status::NoSuchEndpoint)
+    }
+
+    pub fn get_mut(&mut self, job: u32, rank: u32) -> Option<&mut Endpoint> {
+        self.map.get_mut(&(job, rank))
+    }
+
+    pub fn region(&self, job: u32, rank: u32, id: u32) -> Result<&Region, Status> {
+        self.get(job, rank)?.region(id)
+    }
+
+    /// Registers a region for an endpoint; returns its handle.
+    pub fn register(&mut self, job: u32, rank: u32, region: Region) -> Result<u32, Status> {
+        let ep = self.map.get_mut(&(job, rank)).ok_or(Status::NoSuchEndpoint)?;
+        ep.regions.push(Some(region));
+        Ok((ep.regions.len() - 1) as u32)
+    }
+
+    pub fn deregister(&mut self, job: u32, rank: u32, id: u32) -> Result<(), Status> {
+        let ep = self.map.get_mut(&(job, rank)).ok_or(Status::NoSuchEndpoint)?;
+        match ep.regions.get_mut(id as usize) {
+            Some(r @ Some(_)) => {
+                *r = None;
+                Ok(())
+            }
+            _ => Err(Status::NoSuchRegion),
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.map.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.map.is_empty()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bounds_and_permissions() {
+        let r = Region::new(HeapBacking::new(64), Perms::READ);
+        assert_eq!(r.check(0, 64, Perms::READ), Ok(()));
+        assert_eq!(r.check(1, 64, Perms::READ), Err(Status::OutOfBounds));
+        assert_eq!(r.check(u64::MAX, 2, Perms::READ), Err(Status::OutOfBounds));
+        assert_eq!(r.check(0, 1, Perms::WRITE), Err(Status::Permission));
+        assert_eq!(r.atomic(4, Perms::READ).err(), Some(Status::BadRequest));
+        assert_eq!(r.atomic(64, Perms::READ).err(), Some(Status::OutOfBounds));
+    }
+
+    #[test]
+    fn handles_are_never_reused() {
+        let mut e = Endpoints::default();
+        assert!(e.insert(1, 0, 7));
+        let a = e.register(1, 0, Region::new(HeapBacking::new(8), Perms::READ)).unwrap();
+        e.deregister(1, 0, a).unwrap();
+        let b = e.register(1, 0, Region::new(HeapBacking::new(8), Perms::READ)).unwrap();
+        assert_ne!(a, b);
+        assert_eq!(e.region(1, 0, a).err(), Some(Status::NoSuchRegion));
+        assert_eq!(e.region(2, 0, b).err(), Some(Status::NoSuchEndpoint));
+    }
+}

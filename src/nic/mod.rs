@@ -1,0 +1,8 @@
+//! The NIC engines: pure logic, no sockets, no threads, no clock.
+//!
+//! [`memory`] resolves (job, rank, region) to registered memory and checks every remote access;
+//! [`gemini`] executes one-sided put/get and the 64-bit AMOs at the target and tracks the
+//! initiator's outstanding operations.
+
+pub mod gemini;
+pub mod memory;
