@@ -5,3 +5,4 @@
 pub mod wire;
 pub mod transport;
 pub mod nic;
+pub mod shm;

@@ -1,0 +1,467 @@
+//! The control block one client shares with its daemon.
+//!
+//! Layout: a 4 KiB header (magic, capacities, then one cache line each for the command ring's
+//! head and tail, the completion queue's head and tail, and the two sleep flags), the command
+//! ring (variable-size records), then the completion queue (32-byte entries).
+//!
+//! Both rings are single-producer single-consumer with release/acquire indices. Each side keeps
+//! its own index privately and only publishes it, so whatever the other side scribbles over the
+//! shared copy cannot move it; the other side's index is read, validated, and a nonsensical
+//! value is a [`ControlError`] (the daemon then disconnects that client).
+
+use std::cell::Cell;
+use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
+
+use super::Mapping;
+use crate::wire::{get_u16, get_u32, get_u64, AmoOp};
+
+const MAGIC: u64 = 0x3143_494e_5446_4f53; // "SOFTNIC1"
+const VERSION: u32 = 1;
+const HEADER: usize = 4096;
+const CMD_HEAD: usize = 64;
+const CMD_TAIL: usize = 128;
+const CQ_HEAD: usize = 192;
+const CQ_TAIL: usize = 256;
+const DAEMON_SLEEPING: usize = 320;
+const CLIENT_SLEEPING: usize = 384;
+const REC_CMD: u32 = 1;
+const REC_PAD: u32 = 2;
+/// Bytes of a command descriptor (after the 8-byte record header).
+pub const COMMAND_LEN: usize = 72;
+pub const CQ_ENTRY_LEN: usize = 32;
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum ControlError {
+    #[error("control block has a bad magic or version: not a softnic control block")]
+    BadHeader,
+    #[error("ring index out of range: the peer corrupted the shared indices")]
+    BadIndex,
+    #[error("malformed command record of {0} bytes")]
+    BadRecord(usize),
+    #[error("unknown command kind {0}")]
+    BadCommand(u8),
+    #[error("command carries {0} inline bytes, more than its record holds or the limit")]
+    BadInline(u64),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[repr(u8)]
+pub enum CommandKind {
+    /// FMA put: payload inline after the descriptor.
+    #[default]
+    PutInline = 1,
+    /// BTE put: the daemon streams `len` bytes from the client's registered `local_region`.
+    PutFrom = 2,
+    /// Get `len` bytes into the client's registered `local_region`.
+    Get = 3,
+    /// A Gemini AMO on the 8-byte word at `remote_off`.
+    Amo = 4,
+}
+
+/// A command descriptor as the client writes it. Decoded from a private copy, never in place.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Command {
+    pub kind: CommandKind,
+    pub amo: u8,
+    /// Target host index (from the job's rank map).
+    pub host: u16,
+    pub rank: u32,
+    pub remote_region: u32,
+    pub client_req: u64,
+    pub remote_off: u64,
+    pub len: u64,
+    pub local_region: u32,
+    pub local_off: u64,
+    pub operand: u64,
+    pub operand2: u64,
+}
+
+impl Command {
+    pub fn encode(&self, b: &mut [u8]) {
+        b[0] = self.kind as u8;
+        b[1] = self.amo;
+        b[2..4].copy_from_slice(&[0, 0]);
+        b[4..6].copy_from_slice(&self.host.to_le_bytes());
+        b[6..8].copy_from_slice(&[0, 0]);
+        b[8..12].copy_from_slice(&self.rank.to_le_bytes());
+        b[12..16].copy_from_slice(&self.remote_region.to_le_bytes());
+        b[16..24].copy_from_slice(&self.client_req.to_le_bytes());
+        b[24..32].copy_from_slice(&self.remote_off.to_le_bytes());
+        b[32..40].copy_from_slice(&self.len.to_le_bytes());
+        b[40..44].copy_from_slice(&self.local_region.to_le_bytes());
+        b[44..48].copy_from_slice(&[0; 4]);
+        b[48..56].copy_from_slice(&self.local_off.to_le_bytes());
+        b[56..64].copy_from_slice(&self.operand.to_le_bytes());
+        b[64..72].copy_from_slice(&self.operand2.to_le_bytes());
+    }
+
+    /// Decodes a record body (descriptor + inline bytes); checks kind and inline length.
+    pub fn decode(b: &[u8]) -> Result<(Command, &[u8]), ControlError> {
+        if b.len() < COMMAND_LEN {
+            return Err(ControlError::BadRecord(b.len()));
+        }
+        let kind = match b[0] {
+            1 => CommandKind::PutInline,
+            2 => CommandKind::PutFrom,
+            3 => CommandKind::Get,
+            4 => CommandKind::Amo,
+            k => return Err(ControlError::BadCommand(k)),
+        };
+        let c = Command {
+            kind,
+            amo: b[1],
+            host: get_u16(b, 4),
+            rank: get_u32(b, 8),
+            remote_region: get_u32(b, 12),
+            client_req: get_u64(b, 16),
+            remote_off: get_u64(b, 24),
+            len: get_u64(b, 32),
+            local_region: get_u32(b, 40),
+            local_off: get_u64(b, 48),
+            operand: get_u64(b, 56),
+            operand2: get_u64(b, 64),
+        };
+        if kind == CommandKind::Amo && AmoOp::from_u8(c.amo).is_none() {
+            return Err(ControlError::BadCommand(c.amo));
+        }
+        let rest = &b[COMMAND_LEN..];
+        let inline = if kind == CommandKind::PutInline {
+            if c.len > rest.len() as u64 {
+                return Err(ControlError::BadInline(c.len));
+            }
+            &rest[..c.len as usize]
+        } else {
+            &[][..]
+        };
+        Ok((c, inline))
+    }
+}
+
+/// A completion-queue entry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct CqEntry {
+    pub client_req: u64,
+    pub status: u32,
+    pub value: u64,
+}
+
+/// One side's view of a control block.
+pub struct Control {
+    map: Mapping,
+    cmd_cap: u64,
+    cq_cap: u64,
+    /// Private copies of the indices this side owns.
+    cmd_head: Cell<u64>,
+    cmd_tail: Cell<u64>,
+    cq_head: Cell<u64>,
+    cq_tail: Cell<u64>,
+}
+
+impl Control {
+    /// Bytes a control block with these capacities takes.
+    pub fn size(cmd_cap: usize, cq_cap: usize) -> usize {
+        HEADER + cmd_cap + cq_cap * CQ_ENTRY_LEN
+    }
+
+    /// Creates a fresh control block (the daemon does this at attach).
+    pub fn create(cmd_cap: usize, cq_cap: usize) -> std::io::Result<Control> {
+        assert!(cmd_cap.is_power_of_two() && cq_cap.is_power_of_two() && cmd_cap >= 4096);
+        let map = Mapping::create("softnic-control", Self::size(cmd_cap, cq_cap))?;
+        // SAFETY: fresh mapping, nobody else has it yet.
+        let b = unsafe { map.slice_mut() };
+        b[0..8].copy_from_slice(&MAGIC.to_le_bytes());
+        b[8..12].copy_from_slice(&VERSION.to_le_bytes());
+        b[12..16].copy_from_slice(&(cmd_cap as u32).to_le_bytes());
+        b[16..20].copy_from_slice(&(cq_cap as u32).to_le_bytes());
+        Ok(Self::with(map, cmd_cap as u64, cq_cap as u64))
+    }
+
+    /// Opens a control block received from the daemon (the client does this).
+    pub fn open(map: Mapping) -> Result<Control, ControlError> {
+        // SAFETY: read-only look at the header.
+        let b = unsafe { map.slice_mut() };
+        if b.len() < HEADER || get_u64(b, 0) != MAGIC || get_u32(b, 8) != VERSION {
+            return Err(ControlError::BadHeader);
+        }
+        let (cmd, cq) = (get_u32(b, 12) as usize, get_u32(b, 16) as usize);
+        if !cmd.is_power_of_two() || !cq.is_power_of_two() || Self::size(cmd, cq) > map.len() {
+            return Err(ControlError::BadHeader);
+        }
+        let c = Self::with(map, cmd as u64, cq as u64);
+        c.cmd_tail.set(c.atomic(CMD_TAIL).load(Ordering::Acquire));
+        c.cq_head.set(c.atomic(CQ_HEAD).load(Ordering::Acquire));
+        Ok(c)
+    }
+
+    fn with(map: Mapping, cmd_cap: u64, cq_cap: u64) -> Control {
+        Control { map, cmd_cap, cq_cap, cmd_head: Cell::new(0), cmd_tail: Cell::new(0), cq_head: Cell::new(0), cq_tail: Cell::new(0) }
+    }
+
+    pub fn mapping(&self) -> &Mapping {
+        &self.map
+    }
+
+    pub fn cmd_capacity(&self) -> usize {
+        self.cmd_cap as usize
+    }
+
+    pub fn cq_capacity(&self) -> usize {
+        self.cq_cap as usize
+    }
+
+    /// Largest inline payload one command can carry in this ring.
+    pub fn max_inline(&self) -> usize {
+        (self.cmd_cap as usize / 4) - 8 - COMMAND_LEN
+    }
+
+    fn atomic(&self, at: usize) -> &AtomicU64 {
+        // SAFETY: fixed, 8-aligned offsets inside the header of a live mapping.
+        unsafe { &*(self.map.as_ptr().add(at) as *const AtomicU64) }
+    }
+
+    fn flag(&self, at: usize) -> &AtomicU32 {
+        // SAFETY: as above.
+        unsafe { &*(self.map.as_ptr().add(at) as *const AtomicU32) }
+    }
+
+    fn ring(&self) -> *mut u8 {
+        // SAFETY: HEADER is within the mapping.
+        unsafe { self.map.as_ptr().add(HEADER) }
+    }
+
+    fn cq(&self) -> *mut u8 {
+        // SAFETY: the CQ follows the command ring inside the mapping.
+        unsafe { self.map.as_ptr().add(HEADER + self.cmd_cap as usize) }
+    }
+
+    // ---- client side: command producer ----
+
+    /// Appends a command (with `inline` payload for FMA puts); `false` when the ring is full.
+    pub fn cmd_push(&self, cmd: &Command, inline: &[u8]) -> bool {
+        let need = (8 + COMMAND_LEN + inline.len()).next_multiple_of(8) as u64;
+        assert!(need <= self.cmd_cap / 4, "inline payload larger than max_inline");
+        let head = self.atomic(CMD_HEAD).load(Ordering::Acquire);
+        let mut tail = self.cmd_tail.get();
+        let pos = tail % self.cmd_cap;
+        let contiguous = self.cmd_cap - pos;
+        let pad = if need > contiguous { contiguous } else { 0 };
+        if self.cmd_cap - tail.wrapping_sub(head) < pad + need {
+            return false;
+        }
+        // SAFETY: every write below stays within [ring, ring + cmd_cap).
+        unsafe {
+            if pad > 0 {
+                let p = self.ring().add(pos as usize);
+                std::ptr::copy_nonoverlapping((pad as u32).to_le_bytes().as_ptr(), p, 4);
+                std::ptr::copy_nonoverlapping(REC_PAD.to_le_bytes().as_ptr(), p.add(4), 4);
+                tail += pad;
+            }
+            let p = self.ring().add((tail % self.cmd_cap) as usize);
+            let mut rec = [0u8; 8 + COMMAND_LEN];
+            rec[0..4].copy_from_slice(&(need as u32).to_le_bytes());
+            rec[4..8].copy_from_slice(&REC_CMD.to_le_bytes());
+            cmd.encode(&mut rec[8..]);
+            std::ptr::copy_nonoverlapping(rec.as_ptr(), p, rec.len());
+            std::ptr::copy_nonoverlapping(inline.as_ptr(), p.add(rec.len()), inline.len());
+        }
+        tail += need;
+        self.cmd_tail.set(tail);
+        self.atomic(CMD_TAIL).store(tail, Ordering::Release);
+        true
+    }
+
+    /// Free bytes in the command ring (client side).
+    pub fn cmd_free(&self) -> u64 {
+        self.cmd_cap - self.cmd_tail.get().wrapping_sub(self.atomic(CMD_HEAD).load(Ordering::Acquire))
+    }
+
+    // ---- daemon side: command consumer ----
+
+    /// Copies the next command record's body into `buf`; returns the record length to pass to
+    /// [`Control::cmd_advance`] once the command has been accepted, or `None` if the ring is empty.
+    pub fn cmd_peek(&self, buf: &mut Vec<u8>) -> Result<Option<u64>, ControlError> {
+        loop {
+            let head = self.cmd_head.get();
+            let tail = self.atomic(CMD_TAIL).load(Ordering::Acquire);
+            let avail = tail.wrapping_sub(head);
+            if avail == 0 {
+                return Ok(None);
+            }
+            if avail > self.cmd_cap || avail % 8 != 0 {
+                return Err(ControlError::BadIndex);
+            }
+            let pos = (head % self.cmd_cap) as usize;
+            let mut hdr = [0u8; 8];
+            // SAFETY: pos is 8-aligned and < cmd_cap, so 8 bytes fit.
+            unsafe { std::ptr::copy_nonoverlapping(self.ring().add(pos), hdr.as_mut_ptr(), 8) };
+            let len = get_u32(&hdr, 0) as u64;
+            let tag = get_u32(&hdr, 4);
+            if len < 8 || len % 8 != 0 || len > avail || pos as u64 + len > self.cmd_cap {
+                return Err(ControlError::BadRecord(len as usize));
+            }
+            match tag {
+                REC_PAD => {
+                    self.cmd_advance(len);
+                    continue;
+                }
+                REC_CMD => {
+                    buf.clear();
+                    buf.resize(len as usize - 8, 0);
+                    // SAFETY: the record lies inside the ring (checked above).
+                    unsafe { std::ptr::copy_nonoverlapping(self.ring().add(pos + 8), buf.as_mut_ptr(), buf.len()) };
+                    return Ok(Some(len));
+                }
+                _ => return Err(ControlError::BadRecord(len as usize)),
+            }
+        }
+    }
+
+    pub fn cmd_advance(&self, len: u64) {
+        let h = self.cmd_head.get() + len;
+        self.cmd_head.set(h);
+        self.atomic(CMD_HEAD).store(h, Ordering::Release);
+    }
+
+    /// Whether the client has published commands the daemon has not consumed.
+    pub fn cmd_pending(&self) -> bool {
+        self.atomic(CMD_TAIL).load(Ordering::Acquire) != self.cmd_head.get()
+    }
+
+    // ---- daemon side: completion producer ----
+
+    /// Posts a completion; `Ok(false)` when the queue is full.
+    pub fn cq_push(&self, e: &CqEntry) -> Result<bool, ControlError> {
+        let tail = self.cq_tail.get();
+        let head = self.atomic(CQ_HEAD).load(Ordering::Acquire);
+        let used = tail.wrapping_sub(head);
+        if used > self.cq_cap {
+            return Err(ControlError::BadIndex);
+        }
+        if used == self.cq_cap {
+            return Ok(false);
+        }
+        let mut b = [0u8; CQ_ENTRY_LEN];
+        b[0..8].copy_from_slice(&e.client_req.to_le_bytes());
+        b[8..12].copy_from_slice(&e.status.to_le_bytes());
+        b[16..24].copy_from_slice(&e.value.to_le_bytes());
+        let at = (tail % self.cq_cap) as usize * CQ_ENTRY_LEN;
+        // SAFETY: slot `at` lies inside the CQ area.
+        unsafe { std::ptr::copy_nonoverlapping(b.as_ptr(), self.cq().add(at), CQ_ENTRY_LEN) };
+        self.cq_tail.set(tail + 1);
+        self.atomic(CQ_TAIL).store(tail + 1, Ordering::Release);
+        Ok(true)
+    }
+
+    // ---- client side: completion consumer ----
+
+    pub fn cq_pop(&self) -> Option<CqEntry> {
+        let head = self.cq_head.get();
+        let tail = self.atomic(CQ_TAIL).load(Ordering::Acquire);
+        if head == tail {
+            return None;
+        }
+        let mut b = [0u8; CQ_ENTRY_LEN];
+        let at = (head % self.cq_cap) as usize * CQ_ENTRY_LEN;
+        // SAFETY: slot inside the CQ area.
+        unsafe { std::ptr::copy_nonoverlapping(self.cq().add(at), b.as_mut_ptr(), CQ_ENTRY_LEN) };
+        self.cq_head.set(head + 1);
+        self.atomic(CQ_HEAD).store(head + 1, Ordering::Release);
+        Some(CqEntry { client_req: get_u64(&b, 0), status: get_u32(&b, 8), value: get_u64(&b, 16) })
+    }
+
+    pub fn cq_pending(&self) -> bool {
+        self.atomic(CQ_TAIL).load(Ordering::Acquire) != self.cq_head.get()
+    }
+
+    // ---- sleep announcements (Dekker-style: store flag, full fence, re-check) ----
+
+    pub fn set_daemon_sleeping(&self, v: bool) {
+        self.flag(DAEMON_SLEEPING).store(v as u32, Ordering::SeqCst);
+    }
+
+    /// After publishing a command: does the daemon need its doorbell rung?
+    pub fn daemon_sleeping(&self) -> bool {
+        fence(Ordering::SeqCst);
+        self.flag(DAEMON_SLEEPING).load(Ordering::SeqCst) != 0
+    }
+
+    pub fn set_client_sleeping(&self, v: bool) {
+        self.flag(CLIENT_SLEEPING).store(v as u32, Ordering::SeqCst);
+    }
+
+    pub fn client_sleeping(&self) -> bool {
+        fence(Ordering::SeqCst);
+        self.flag(CLIENT_SLEEPING).load(Ordering::SeqCst) != 0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn pair() -> (Control, Control) {
+        let d = Control::create(4096, 4).unwrap();
+        let fd = d.mapping().fd().try_clone_to_owned().unwrap();
+        let c = Control::open(Mapping::from_fd(fd, 0, 1 << 20).unwrap()).unwrap();
+        (d, c)
+    }
+
+    #[test]
+    fn commands_wrap_and_keep_order() {
+        let (d, c) = pair();
+        let mut buf = Vec::new();
+        for i in 0..500u64 {
+            let data = vec![i as u8; (i % 300) as usize];
+            let cmd = Command { client_req: i, len: data.len() as u64, ..Default::default() };
+            assert!(c.cmd_push(&cmd, &data));
+            let len = d.cmd_peek(&mut buf).unwrap().unwrap();
+            let (got, inline) = Command::decode(&buf).unwrap();
+            assert_eq!(got, cmd);
+            assert_eq!(inline, &data[..]);
+            d.cmd_advance(len);
+        }
+        assert_eq!(d.cmd_peek(&mut buf), Ok(None));
+    }
+
+    #[test]
+    fn full_ring_and_cq_refuse() {
+        let (d, c) = pair();
+        let mut n = 0;
+        while c.cmd_push(&Command::default(), &[]) {
+            n += 1;
+        }
+        assert_eq!(n, 4096 / 80);
+        for i in 0..4 {
+            assert_eq!(d.cq_push(&CqEntry { client_req: i, status: 0, value: i * 2 }), Ok(true));
+        }
+        assert_eq!(d.cq_push(&CqEntry::default()), Ok(false));
+        assert_eq!(c.cq_pop().unwrap().value, 0);
+        assert_eq!(d.cq_push(&CqEntry::default()), Ok(true));
+    }
+
+    #[test]
+    fn corrupted_indices_are_errors() {
+        let (d, c) = pair();
+        c.atomic(CMD_TAIL).store(1 << 40, Ordering::SeqCst);
+        assert_eq!(d.cmd_peek(&mut Vec::new()), Err(ControlError::BadIndex));
+        c.atomic(CQ_HEAD).store(1 << 40, Ordering::SeqCst);
+        assert_eq!(d.cq_push(&CqEntry::default()), Err(ControlError::BadIndex));
+    }
+
+    proptest! {
+        #[test]
+        fn garbage_ring_never_panics(bytes in proptest::collection::vec(any::<u8>(), 4096), tail in 0u64..8192) {
+            let (d, c) = pair();
+            unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), c.ring(), 4096) };
+            c.atomic(CMD_TAIL).store(tail, Ordering::SeqCst);
+            let mut buf = Vec::new();
+            for _ in 0..100 {
+                match d.cmd_peek(&mut buf) {
+                    Ok(Some(len)) => { let _ = Command::decode(&buf); d.cmd_advance(len); }
+                    _ => break,
+                }
+            }
+        }
+    }
+}

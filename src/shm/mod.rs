@@ -1,0 +1,10 @@
+//! Everything between a client process and its daemon after attach: sealed memfd mappings,
+//! the control block (SPSC command ring client→NIC, completion queue NIC→client, sleep flags),
+//! eventfd doorbells, and the attach messages carried over the UNIX socket.
+
+pub mod attach;
+pub mod control;
+pub mod mapping;
+
+pub use control::{Command, CommandKind, Control, CqEntry, ControlError};
+pub use mapping::Mapping;
