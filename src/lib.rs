@@ -6,3 +6,5 @@ pub mod wire;
 pub mod transport;
 pub mod nic;
 pub mod shm;
+pub mod config;
+pub mod daemon;

@@ -90,7 +90,8 @@ impl Region {
         assert!(off as usize + data.len() <= self.len(), "write past a checked region");
         // SAFETY: in bounds (asserted); the backing stays mapped while `self` holds it. The owner
         // process may touch these bytes concurrently, which is the contract of NIC memory.
-        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), self.backing.ptr().add(off as usize), data.len()) }
+        // `copy` (memmove): a put from a rank to itself may overlap.
+        unsafe { std::ptr::copy(data.as_ptr(), self.backing.ptr().add(off as usize), data.len()) }
     }
 
     /// The bytes at `[off, off+len)`. Bounds must have been checked. The owner may change them

@@ -240,6 +240,11 @@ impl Transport {
         Ok(())
     }
 
+    /// How many more sealed datagrams `peer`'s queue takes before pushes fail with Full.
+    pub fn queued_space(&self, peer: u16) -> usize {
+        self.peers.get(peer as usize).map_or(0, |p| self.cfg.max_queued.saturating_sub(p.queued.len()))
+    }
+
     /// Body bytes left in the datagram being filled for `peer` (a full datagram if none is open).
     pub fn open_room(&self, peer: u16) -> usize {
         let cap = self.body_capacity();

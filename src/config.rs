@@ -1,0 +1,271 @@
+//! Cluster configuration: TOML, then `SOFTNIC_*` environment overrides, then checks.
+//!
+//! ```toml
+//! [cluster]
+//! secret = "<64 hex digits>"      # or secret_file = "/etc/softnic/key"
+//! transport = "udp"               # or "tcp"
+//! mtu = 1472
+//! peer_timeout_ms = 10000
+//! runtime_dir = "/tmp/softnic"    # attach sockets live here as <host>.sock
+//!
+//! [fault]                         # optional: seeded fault injection on sent datagrams
+//! drop = 0.1
+//! duplicate = 0.05
+//! seed = 1
+//!
+//! [[host]]
+//! name = "h0"
+//! addr = "127.0.0.1:7700"
+//! ```
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::wire::Key;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read config {path}: {source}")]
+    Read { path: PathBuf, source: std::io::Error },
+    #[error("config {path} is not valid TOML for softnic: {source}")]
+    Parse { path: PathBuf, source: toml::de::Error },
+    #[error("invalid config: {0}")]
+    Invalid(String),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum TransportKind {
+    #[default]
+    Udp,
+    Tcp,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Cluster {
+    /// The cluster secret as 64 hex digits (authenticates every datagram).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub secret: Option<String>,
+    /// A file holding the secret as 64 hex digits (preferred for LAN deployments).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub secret_file: Option<PathBuf>,
+    #[serde(default)]
+    pub transport: TransportKind,
+    #[serde(default = "default_mtu")]
+    pub mtu: usize,
+    #[serde(default = "default_window")]
+    pub window: usize,
+    #[serde(default = "default_peer_timeout")]
+    pub peer_timeout_ms: u64,
+    #[serde(default = "default_runtime_dir")]
+    pub runtime_dir: PathBuf,
+    /// Group whose members may attach besides the daemon's own user.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub allowed_gid: Option<u32>,
+    /// Microseconds the daemon spins idle before it yields, then sleeps.
+    #[serde(default = "default_spin_us")]
+    pub spin_us: u64,
+}
+
+fn default_mtu() -> usize {
+    1472
+}
+fn default_window() -> usize {
+    512
+}
+fn default_peer_timeout() -> u64 {
+    10_000
+}
+fn default_runtime_dir() -> PathBuf {
+    std::env::temp_dir().join("softnic")
+}
+fn default_spin_us() -> u64 {
+    200
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, Default, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Fault {
+    #[serde(default)]
+    pub drop: f64,
+    #[serde(default)]
+    pub duplicate: f64,
+    #[serde(default)]
+    pub seed: u64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Host {
+    pub name: String,
+    pub addr: SocketAddr,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    pub cluster: Cluster,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fault: Option<Fault>,
+    #[serde(rename = "host")]
+    pub hosts: Vec<Host>,
+}
+
+impl Config {
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: path.into(), source })?;
+        let mut c: Config = toml::from_str(&text).map_err(|source| ConfigError::Parse { path: path.into(), source })?;
+        c.apply_env();
+        c.validate()?;
+        Ok(c)
+    }
+
+    pub fn parse(text: &str) -> Result<Config, ConfigError> {
+        let c: Config = toml::from_str(text).map_err(|source| ConfigError::Parse { path: "<string>".into(), source })?;
+        c.validate()?;
+        Ok(c)
+    }
+
+    pub fn to_toml(&self) -> String {
+        toml::to_string(self).expect("config serialises")
+    }
+
+    /// `SOFTNIC_TRANSPORT`, `SOFTNIC_MTU`, `SOFTNIC_PEER_TIMEOUT_MS`, `SOFTNIC_RUNTIME_DIR`.
+    pub fn apply_env(&mut self) {
+        if let Ok(v) = std::env::var("SOFTNIC_TRANSPORT") {
+            match v.as_str() {
+                "udp" => self.cluster.transport = TransportKind::Udp,
+                "tcp" => self.cluster.transport = TransportKind::Tcp,
+                _ => tracing::warn!("ignoring SOFTNIC_TRANSPORT={v}: expected udp or tcp"),
+            }
+        }
+        if let Some(v) = std::env::var("SOFTNIC_MTU").ok().and_then(|v| v.parse().ok()) {
+            self.cluster.mtu = v;
+        }
+        if let Some(v) = std::env::var("SOFTNIC_PEER_TIMEOUT_MS").ok().and_then(|v| v.parse().ok()) {
+            self.cluster.peer_timeout_ms = v;
+        }
+        if let Ok(v) = std::env::var("SOFTNIC_RUNTIME_DIR") {
+            self.cluster.runtime_dir = v.into();
+        }
+    }
+
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let bad = |s: String| Err(ConfigError::Invalid(s));
+        if self.hosts.is_empty() || self.hosts.len() > 4096 {
+            return bad(format!("{} hosts: need 1 to 4096 [[host]] entries", self.hosts.len()));
+        }
+        if !(576..=65_507).contains(&self.cluster.mtu) {
+            return bad(format!("mtu {} outside 576..=65507", self.cluster.mtu));
+        }
+        if !(8..=65_536).contains(&self.cluster.window) {
+            return bad(format!("window {} outside 8..=65536", self.cluster.window));
+        }
+        if self.cluster.peer_timeout_ms < 100 {
+            return bad("peer_timeout_ms below 100 would declare healthy peers dead".into());
+        }
+        for (i, h) in self.hosts.iter().enumerate() {
+            if self.hosts[..i].iter().any(|o| o.name == h.name || o.addr == h.addr) {
+                return bad(format!("host {} (or its address {}) is listed twice", h.name, h.addr));
+            }
+        }
+        if let Some(f) = &self.fault {
+            if !(0.0..1.0).contains(&f.drop) || !(0.0..1.0).contains(&f.duplicate) {
+                return bad("fault.drop and fault.duplicate must be in [0, 1)".into());
+            }
+        }
+        if self.cluster.secret.is_none() && self.cluster.secret_file.is_none() {
+            return bad("set cluster.secret or cluster.secret_file".into());
+        }
+        self.key().map(|_| ())
+    }
+
+    /// The cluster secret.
+    pub fn key(&self) -> Result<Key, ConfigError> {
+        let text = match (&self.cluster.secret, &self.cluster.secret_file) {
+            (Some(s), _) => s.clone(),
+            (None, Some(p)) => std::fs::read_to_string(p)
+                .map_err(|e| ConfigError::Invalid(format!("cannot read secret_file {}: {e}", p.display())))?,
+            (None, None) => return Err(ConfigError::Invalid("no cluster secret".into())),
+        };
+        parse_hex_key(text.trim()).ok_or_else(|| ConfigError::Invalid("the cluster secret must be 64 hex digits".into()))
+    }
+
+    pub fn host_index(&self, name: &str) -> Result<u16, ConfigError> {
+        self.hosts
+            .iter()
+            .position(|h| h.name == name)
+            .map(|i| i as u16)
+            .ok_or_else(|| ConfigError::Invalid(format!("no host named {name:?} in the config")))
+    }
+
+    pub fn socket_path(&self, host: u16) -> PathBuf {
+        self.cluster.runtime_dir.join(format!("{}.sock", self.hosts[host as usize].name))
+    }
+
+    /// The local default: `n` hosts on 127.0.0.2.., fresh secret, its own runtime dir.
+    pub fn local_default(n: usize, base_port: u16, runtime_dir: PathBuf) -> Config {
+        let secret: [u8; 32] = rand::random();
+        Config {
+            cluster: Cluster {
+                secret: Some(secret.iter().map(|b| format!("{b:02x}")).collect()),
+                secret_file: None,
+                transport: TransportKind::Udp,
+                mtu: 8972,
+                window: default_window(),
+                peer_timeout_ms: default_peer_timeout(),
+                runtime_dir,
+                allowed_gid: None,
+                spin_us: default_spin_us(),
+            },
+            fault: None,
+            hosts: (0..n)
+                .map(|i| Host {
+                    name: format!("h{i}"),
+                    addr: SocketAddr::from(([127, 0, 0, 2 + i as u8], base_port)),
+                })
+                .collect(),
+        }
+    }
+}
+
+fn parse_hex_key(s: &str) -> Option<Key> {
+    if s.len() != 64 {
+        return None;
+    }
+    let mut k = [0u8; 32];
+    for (i, b) in k.iter_mut().enumerate() {
+        *b = u8::from_str_radix(s.get(2 * i..2 * i + 2)?, 16).ok()?;
+    }
+    Some(Key(k))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn local_default_round_trips_and_validates() {
+        let c = Config::local_default(3, 7700, "/tmp/x".into());
+        let back = Config::parse(&c.to_toml()).unwrap();
+        assert_eq!(back.hosts.len(), 3);
+        assert_eq!(back.hosts[2].addr.to_string(), "127.0.0.4:7700");
+        assert!(back.key().is_ok());
+    }
+
+    #[test]
+    fn bad_configs_say_what_is_wrong() {
+        let c = Config::local_default(2, 7700, "/tmp/x".into());
+        let text = c.to_toml().replace("mtu = 8972", "mtu = 10");
+        assert!(Config::parse(&text).unwrap_err().to_string().contains("mtu"));
+        let text = c.to_toml().replace("[cluster]", "[cluster]\nbogus = 1");
+        assert!(Config::parse(&text).is_err());
+        let mut c2 = c.clone();
+        c2.cluster.secret = Some("abc".into());
+        assert!(c2.validate().unwrap_err().to_string().contains("64 hex"));
+        assert!(Config::parse("not toml [").is_err());
+    }
+}

@@ -1,0 +1,792 @@
+//! One host's soft NIC: its transport and socket, its attached clients, and the glue between
+//! command rings, the Gemini engine and the transport. One daemon process may run several
+//! (the local default simulates hosts on 127.0.0.x, each with its own socket).
+
+use std::collections::{HashMap, VecDeque};
+use std::io;
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
+
+use crate::config::Config;
+use crate::nic::gemini::{serve, Completion, Initiator, Pending, PendingKind, Reply, TargetAction};
+use crate::nic::memory::{Endpoints, Perms, Region};
+use crate::shm::attach::{self, Request, Response};
+use crate::shm::{Command, CommandKind, CqEntry, Mapping};
+use crate::transport::udp::UdpDriver;
+use crate::transport::{PushError, Transport, TransportConfig, TransportEvent};
+use crate::wire::{AmoOp, OpHeader, OpIter, OpKind, OpRef, Status};
+
+use super::session::{Attached, Session};
+
+/// Largest region a client may register (1 TiB: a sanity bound, not a quota).
+const MAX_REGION: usize = 1 << 40;
+/// Commands taken from one ring per turn, so that one busy client cannot starve the others.
+const CMD_BUDGET: usize = 256;
+const RX_BUDGET: usize = 256;
+
+/// Counters of this host beyond the transport's.
+#[derive(Debug, Default, Clone)]
+pub struct HostStats {
+    pub cmd_put: u64,
+    pub cmd_get: u64,
+    pub cmd_amo: u64,
+    pub served_put: u64,
+    pub served_get: u64,
+    pub served_amo: u64,
+    pub local_ops: u64,
+    pub bad_commands: u64,
+    pub malformed_ops: u64,
+    pub clients_attached: u64,
+    pub clients_detached: u64,
+    pub attach_refused: u64,
+}
+
+/// An outbound item waiting for room in the transport (kept in order per peer).
+enum OutItem {
+    Reply(Reply),
+    Stream(Stream),
+}
+
+/// Bulk data streamed from a region as fragments: a BTE put or a get reply.
+struct Stream {
+    kind: StreamKind,
+    h: OpHeader,
+    src: Region,
+    src_off: u64,
+    len: u64,
+    sent: u64,
+    started: bool,
+}
+
+enum StreamKind {
+    Put { region: u32, dst_off: u64 },
+    GetReply,
+}
+
+/// Did a command go through, or must the ring wait for room?
+enum Flow {
+    Done,
+    Backpressure,
+}
+
+pub struct HostNic {
+    pub index: u16,
+    pub name: String,
+    nhosts: u16,
+    pub transport: Transport,
+    pub driver: UdpDriver,
+    pub listener: OwnedFd,
+    socket_path: PathBuf,
+    endpoints: Endpoints,
+    initiator: Initiator,
+    pub sessions: Vec<Option<Session>>,
+    next_gen: u64,
+    jobs: HashMap<u32, (u64, usize)>,
+    out: Vec<VecDeque<OutItem>>,
+    completions: Vec<Completion>,
+    rx: Vec<u8>,
+    cmd_buf: Vec<u8>,
+    uid: u32,
+    allowed_gid: Option<u32>,
+    pub stats: HostStats,
+}
+
+impl HostNic {
+    pub fn new(cfg: &Config, index: u16) -> io::Result<HostNic> {
+        let nhosts = cfg.hosts.len() as u16;
+        let key = cfg.key().map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e.to_string()))?;
+        let tcfg = TransportConfig {
+            mtu: cfg.cluster.mtu,
+            window: cfg.cluster.window,
+            max_queued: cfg.cluster.window,
+            peer_timeout: cfg.cluster.peer_timeout_ms * 1_000_000,
+            ..Default::default()
+        };
+        let transport = Transport::new(index, nhosts, key, tcfg, rand::random());
+        let peers = cfg.hosts.iter().map(|h| h.addr).collect();
+        let driver = UdpDriver::bind(cfg.hosts[index as usize].addr, peers, cfg.fault.clone()).map_err(|e| {
+            io::Error::new(e.kind(), format!("cannot bind UDP {}: {e}", cfg.hosts[index as usize].addr))
+        })?;
+        let socket_path = cfg.socket_path(index);
+        std::fs::create_dir_all(&cfg.cluster.runtime_dir)?;
+        let _ = std::fs::remove_file(&socket_path);
+        let listener = rustix::net::socket_with(
+            AddressFamily::UNIX,
+            SocketType::SEQPACKET,
+            SocketFlags::CLOEXEC | SocketFlags::NONBLOCK,
+            None,
+        )?;
+        rustix::net::bind_unix(&listener, &SocketAddrUnix::new(&socket_path)?)
+            .map_err(|e| io::Error::new(io::ErrorKind::AddrInUse, format!("cannot bind {}: {e}", socket_path.display())))?;
+        rustix::net::listen(&listener, 128)?;
+        Ok(HostNic {
+            index,
+            name: cfg.hosts[index as usize].name.clone(),
+            nhosts,
+            transport,
+            driver,
+            listener,
+            socket_path,
+            endpoints: Endpoints::default(),
+            initiator: Initiator::default(),
+            sessions: Vec::new(),
+            next_gen: 1,
+            jobs: HashMap::new(),
+            out: (0..nhosts).map(|_| VecDeque::new()).collect(),
+            completions: Vec::new(),
+            rx: vec![0; 65_536],
+            cmd_buf: Vec::with_capacity(8192),
+            uid: rustix::process::geteuid().as_raw(),
+            allowed_gid: cfg.cluster.allowed_gid,
+            stats: HostStats::default(),
+        })
+    }
+
+    // ------------------------------------------------------------------ the turn
+
+    /// One pass over everything this host has to do. Returns whether anything happened.
+    pub fn turn(&mut self, now: u64) -> bool {
+        let mut busy = false;
+        for slot in 0..self.sessions.len() {
+            busy |= self.drain_commands(slot);
+        }
+        let mut rx = std::mem::take(&mut self.rx);
+        for _ in 0..RX_BUDGET {
+            let Some(n) = self.driver.recv(&mut rx) else { break };
+            busy = true;
+            self.on_datagram(now, &rx[..n]);
+        }
+        self.rx = rx;
+        self.transport.handle_timeout(now);
+        while let Some(ev) = self.transport.poll_event() {
+            match ev {
+                TransportEvent::PeerDead(h) | TransportEvent::PeerReset(h) => {
+                    tracing::warn!(host = %self.name, peer = h, "peer {ev:?}: failing its pending operations");
+                    self.initiator.fail_host(h, &mut self.completions);
+                    self.out[h as usize].clear();
+                }
+            }
+        }
+        for peer in 0..self.nhosts {
+            self.drain_out(peer);
+        }
+        self.transport.flush();
+        while let Some((to, d)) = self.transport.poll_transmit(now) {
+            self.driver.send(to, d);
+            busy = true;
+        }
+        busy |= !self.completions.is_empty();
+        self.post_completions();
+        busy
+    }
+
+    fn post_completions(&mut self) {
+        let mut broken = Vec::new();
+        for c in self.completions.drain(..) {
+            let slot = (c.session & 0xffff_ffff) as usize;
+            let Some(Some(s)) = self.sessions.get_mut(slot) else { continue };
+            if s.id != c.session {
+                continue;
+            }
+            if let Some(a) = s.attached.as_mut() {
+                if !a.post(CqEntry { client_req: c.client_req, status: c.status as u32, value: c.value }) {
+                    broken.push(slot);
+                }
+            }
+        }
+        for s in self.sessions.iter_mut().flatten() {
+            if let Some(a) = s.attached.as_mut() {
+                a.wake_if_sleeping();
+            }
+        }
+        for slot in broken {
+            tracing::warn!(host = %self.name, "client let its completion queue overflow: disconnecting it");
+            self.detach(slot);
+        }
+    }
+
+    fn complete(&mut self, session: u64, client_req: u64, status: Status, value: u64) {
+        self.completions.push(Completion { session, client_req, status, value });
+    }
+
+    // ------------------------------------------------------------------ commands (initiator)
+
+    fn drain_commands(&mut self, slot: usize) -> bool {
+        let mut did = false;
+        for _ in 0..CMD_BUDGET {
+            let Some(Some(s)) = self.sessions.get(slot) else { return did };
+            let Some(a) = s.attached.as_ref() else { return did };
+            let mut buf = std::mem::take(&mut self.cmd_buf);
+            let peeked = a.control.cmd_peek(&mut buf);
+            let (id, job, rank) = (s.id, a.job, a.rank);
+            let len = match peeked {
+                Ok(Some(len)) => len,
+                Ok(None) => {
+                    self.cmd_buf = buf;
+                    return did;
+                }
+                Err(e) => {
+                    self.cmd_buf = buf;
+                    self.stats.bad_commands += 1;
+                    tracing::warn!(host = %self.name, rank, "bad command ring ({e}): disconnecting client");
+                    self.detach(slot);
+                    return true;
+                }
+            };
+            let flow = match Command::decode(&buf) {
+                Ok((cmd, inline)) => self.command(id, job, rank, &cmd, inline),
+                Err(e) => {
+                    self.stats.bad_commands += 1;
+                    tracing::warn!(host = %self.name, rank, "bad command ({e}): disconnecting client");
+                    self.cmd_buf = buf;
+                    self.detach(slot);
+                    return true;
+                }
+            };
+            self.cmd_buf = buf;
+            match flow {
+                Flow::Done => {
+                    if let Some(Some(s)) = self.sessions.get(slot) {
+                        if let Some(a) = s.attached.as_ref() {
+                            a.control.cmd_advance(len);
+                        }
+                    }
+                    did = true;
+                }
+                Flow::Backpressure => return did,
+            }
+        }
+        did
+    }
+
+    fn command(&mut self, session: u64, job: u32, rank: u32, c: &Command, inline: &[u8]) -> Flow {
+        match c.kind {
+            CommandKind::PutInline | CommandKind::PutFrom => self.stats.cmd_put += 1,
+            CommandKind::Get => self.stats.cmd_get += 1,
+            CommandKind::Amo => self.stats.cmd_amo += 1,
+        }
+        if c.host >= self.nhosts {
+            self.complete(session, c.client_req, Status::BadRequest, 0);
+            return Flow::Done;
+        }
+        let h = OpHeader { job, src_rank: rank, dst_rank: c.rank, req: 0 };
+        if c.host == self.index {
+            self.stats.local_ops += 1;
+            let (status, value) = self.local(h, c, inline);
+            self.complete(session, c.client_req, status, value);
+            return Flow::Done;
+        }
+        let host = c.host;
+        match self.transport.can_push(host) {
+            Err(PushError::Full(_)) => return Flow::Backpressure,
+            Err(_) => {
+                self.complete(session, c.client_req, Status::PeerDead, 0);
+                return Flow::Done;
+            }
+            Ok(()) => {}
+        }
+        if !self.out[host as usize].is_empty() {
+            return Flow::Backpressure;
+        }
+        // The local side of BTE puts and gets must be this client's own registered memory.
+        let local = match c.kind {
+            CommandKind::PutFrom | CommandKind::Get => {
+                match self.endpoints.region(job, rank, c.local_region).and_then(|r| r.check_local(c.local_off, c.len).map(|_| r.clone())) {
+                    Ok(r) => Some(r),
+                    Err(s) => {
+                        self.complete(session, c.client_req, s, 0);
+                        return Flow::Done;
+                    }
+                }
+            }
+            _ => None,
+        };
+        let pending = |kind| Pending { session, client_req: c.client_req, host, kind };
+        match c.kind {
+            CommandKind::PutInline => {
+                let max = OpRef::max_data(OpKind::Put, self.transport.body_capacity());
+                let frags = inline.len().div_ceil(max).max(1);
+                if self.transport.queued_space(host) < frags + 1 {
+                    return Flow::Backpressure;
+                }
+                let req = self.initiator.start(pending(PendingKind::Put));
+                let h = OpHeader { req, ..h };
+                let mut off = 0;
+                loop {
+                    let n = (inline.len() - off).min(max);
+                    let op = OpRef::Put {
+                        h,
+                        region: c.remote_region,
+                        offset: c.remote_off + off as u64,
+                        total_off: c.remote_off,
+                        total_len: inline.len() as u64,
+                        last: off + n == inline.len(),
+                        data: &inline[off..off + n],
+                    };
+                    if let Err(e) = self.transport.push_op(host, &op) {
+                        tracing::error!("push after reserving room failed: {e}");
+                        if let Some(done) = self.initiator.complete(req, Status::PeerDead, 0) {
+                            self.completions.push(done);
+                        }
+                        break;
+                    }
+                    off += n;
+                    if off == inline.len() {
+                        break;
+                    }
+                }
+            }
+            CommandKind::PutFrom => {
+                let req = self.initiator.start(pending(PendingKind::Put));
+                self.out[host as usize].push_back(OutItem::Stream(Stream {
+                    kind: StreamKind::Put { region: c.remote_region, dst_off: c.remote_off },
+                    h: OpHeader { req, ..h },
+                    src: local.expect("checked above"),
+                    src_off: c.local_off,
+                    len: c.len,
+                    sent: 0,
+                    started: false,
+                }));
+            }
+            CommandKind::Get => {
+                let region = local.expect("checked above");
+                let req = self.initiator.start(pending(PendingKind::Get { region, offset: c.local_off, len: c.len }));
+                let op = OpRef::Get { h: OpHeader { req, ..h }, region: c.remote_region, offset: c.remote_off, len: c.len };
+                self.push_or_fail(host, req, &op);
+            }
+            CommandKind::Amo => {
+                let amo = AmoOp::from_u8(c.amo).expect("decode checked the AMO");
+                let req = self.initiator.start(pending(PendingKind::Amo));
+                let op = OpRef::Amo {
+                    h: OpHeader { req, ..h },
+                    region: c.remote_region,
+                    op: amo,
+                    offset: c.remote_off,
+                    operand: c.operand,
+                    operand2: c.operand2,
+                };
+                self.push_or_fail(host, req, &op);
+            }
+        }
+        Flow::Done
+    }
+
+    fn push_or_fail(&mut self, host: u16, req: u64, op: &OpRef<'_>) {
+        if self.transport.push_op(host, op).is_err() {
+            if let Some(done) = self.initiator.complete(req, Status::PeerDead, 0) {
+                self.completions.push(done);
+            }
+        }
+    }
+
+    /// Executes a command whose target is on this host, without the network.
+    fn local(&mut self, h: OpHeader, c: &Command, inline: &[u8]) -> (Status, u64) {
+        let own = |eps: &Endpoints| {
+            eps.region(h.job, h.src_rank, c.local_region).and_then(|r| r.check_local(c.local_off, c.len).map(|_| r.clone()))
+        };
+        fn put<'a>(h: OpHeader, c: &Command, data: &'a [u8]) -> OpRef<'a> {
+            OpRef::Put { h, region: c.remote_region, offset: c.remote_off, total_off: c.remote_off, total_len: data.len() as u64, last: true, data }
+        }
+        let action = match c.kind {
+            CommandKind::PutInline => serve(&self.endpoints, &put(h, c, inline)),
+            CommandKind::PutFrom => match own(&self.endpoints) {
+                Ok(src) => serve(&self.endpoints, &put(h, c, src.bytes(c.local_off, c.len as usize))),
+                Err(s) => return (s, 0),
+            },
+            CommandKind::Get => {
+                let dst = match own(&self.endpoints) {
+                    Ok(r) => r,
+                    Err(s) => return (s, 0),
+                };
+                match serve(&self.endpoints, &OpRef::Get { h, region: c.remote_region, offset: c.remote_off, len: c.len }) {
+                    TargetAction::StreamGet { region, offset, len, .. } => {
+                        dst.write(c.local_off, region.bytes(offset, len as usize));
+                        return (Status::Ok, 0);
+                    }
+                    other => other,
+                }
+            }
+            CommandKind::Amo => {
+                let op = AmoOp::from_u8(c.amo).expect("decode checked the AMO");
+                serve(&self.endpoints, &OpRef::Amo { h, region: c.remote_region, op, offset: c.remote_off, operand: c.operand, operand2: c.operand2 })
+            }
+        };
+        match action {
+            TargetAction::Reply(Reply::PutAck { status, .. }) | TargetAction::Reply(Reply::GetError { status, .. }) => (status, 0),
+            TargetAction::Reply(Reply::AmoReply { status, value, .. }) => (status, value),
+            _ => (Status::BadRequest, 0),
+        }
+    }
+
+    // ------------------------------------------------------------------ network (target + replies)
+
+    fn on_datagram(&mut self, now: u64, d: &[u8]) {
+        let r = match self.transport.on_datagram(now, d) {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::debug!(host = %self.name, "dropped datagram: {e}");
+                return;
+            }
+        };
+        let peer = r.peer;
+        if let Some(body) = r.body {
+            self.on_body(peer, body);
+        }
+        while let Some(b) = self.transport.take_ready(peer) {
+            self.on_body(peer, &b);
+            self.transport.give_back(b);
+        }
+    }
+
+    fn on_body(&mut self, peer: u16, body: &[u8]) {
+        for op in OpIter::new(body) {
+            match op {
+                Ok(op) => self.on_op(peer, &op),
+                Err(e) => {
+                    self.stats.malformed_ops += 1;
+                    tracing::warn!(host = %self.name, peer, "malformed op from an authenticated peer: {e}");
+                }
+            }
+        }
+    }
+
+    fn on_op(&mut self, peer: u16, op: &OpRef<'_>) {
+        match op {
+            OpRef::Put { .. } | OpRef::Get { .. } | OpRef::Amo { .. } => {
+                match op {
+                    OpRef::Put { .. } => self.stats.served_put += 1,
+                    OpRef::Get { .. } => self.stats.served_get += 1,
+                    _ => self.stats.served_amo += 1,
+                }
+                match serve(&self.endpoints, op) {
+                    TargetAction::None => {}
+                    TargetAction::Reply(r) => self.send_reply(peer, r),
+                    TargetAction::StreamGet { h, region, offset, len } => {
+                        self.out[peer as usize].push_back(OutItem::Stream(Stream {
+                            kind: StreamKind::GetReply,
+                            h,
+                            src: region,
+                            src_off: offset,
+                            len,
+                            sent: 0,
+                            started: false,
+                        }));
+                    }
+                }
+            }
+            OpRef::PutAck { h, .. } | OpRef::GetReply { h, .. } | OpRef::AmoReply { h, .. } => {
+                // Only the host we sent the request to may answer it.
+                if self.initiator.get(h.req).is_some_and(|p| p.host == peer) {
+                    if let Some(c) = self.initiator.on_reply(op) {
+                        self.completions.push(c);
+                    }
+                }
+            }
+        }
+    }
+
+    fn send_reply(&mut self, peer: u16, r: Reply) {
+        if self.out[peer as usize].is_empty() {
+            match self.transport.push_op(peer, &r.as_op()) {
+                Ok(()) => return,
+                Err(PushError::Full(_)) => {}
+                Err(_) => return, // a dead peer is not waiting for answers
+            }
+        }
+        self.out[peer as usize].push_back(OutItem::Reply(r));
+    }
+
+    /// Moves queued replies and stream fragments into the transport while it has room.
+    fn drain_out(&mut self, peer: u16) {
+        let p = peer as usize;
+        while let Some(item) = self.out[p].front_mut() {
+            match item {
+                OutItem::Reply(r) => match self.transport.push_op(peer, &r.as_op()) {
+                    Err(PushError::Full(_)) => return,
+                    _ => {
+                        self.out[p].pop_front();
+                    }
+                },
+                OutItem::Stream(st) => {
+                    if matches!(st.kind, StreamKind::Put { .. }) && self.initiator.get(st.h.req).is_none() {
+                        self.out[p].pop_front(); // its operation was failed meanwhile
+                        continue;
+                    }
+                    loop {
+                        let kind = match st.kind {
+                            StreamKind::Put { .. } => OpKind::Put,
+                            StreamKind::GetReply => OpKind::GetReply,
+                        };
+                        let remaining = st.len - st.sent;
+                        let room = OpRef::max_data(kind, self.transport.open_room(peer));
+                        // Fill the open datagram, unless only a sliver is left in it.
+                        let max = if room >= remaining as usize || room >= 1024 {
+                            room
+                        } else {
+                            OpRef::max_data(kind, self.transport.body_capacity())
+                        };
+                        let n = (remaining as usize).min(max);
+                        let last = st.sent + n as u64 == st.len;
+                        let data = st.src.bytes(st.src_off + st.sent, n);
+                        let op = match st.kind {
+                            StreamKind::Put { region, dst_off } => OpRef::Put {
+                                h: st.h,
+                                region,
+                                offset: dst_off + st.sent,
+                                total_off: dst_off,
+                                total_len: st.len,
+                                last,
+                                data,
+                            },
+                            StreamKind::GetReply => {
+                                OpRef::GetReply { h: st.h, status: Status::Ok, frag_off: st.sent, last, data }
+                            }
+                        };
+                        match self.transport.push_op(peer, &op) {
+                            Ok(()) => {
+                                st.sent += n as u64;
+                                st.started = true;
+                                if last {
+                                    break;
+                                }
+                            }
+                            Err(PushError::Full(_)) => return,
+                            Err(_) => {
+                                if matches!(st.kind, StreamKind::Put { .. }) {
+                                    let req = st.h.req;
+                                    if let Some(c) = self.initiator.complete(req, Status::PeerDead, 0) {
+                                        self.completions.push(c);
+                                    }
+                                }
+                                break;
+                            }
+                        }
+                    }
+                    self.out[p].pop_front();
+                }
+            }
+        }
+    }
+
+    // ------------------------------------------------------------------ attach socket
+
+    /// Accepts pending connections; returns the new sessions' slots.
+    pub fn accept(&mut self) -> Vec<usize> {
+        let mut new = Vec::new();
+        loop {
+            let fd = match rustix::net::accept_with(&self.listener, SocketFlags::CLOEXEC | SocketFlags::NONBLOCK) {
+                Ok(fd) => fd,
+                Err(rustix::io::Errno::AGAIN) => break,
+                Err(rustix::io::Errno::INTR) => continue,
+                Err(e) => {
+                    tracing::warn!(host = %self.name, "accept failed: {e}");
+                    break;
+                }
+            };
+            match rustix::net::sockopt::get_socket_peercred(&fd) {
+                Ok(c) if c.uid.as_raw() == self.uid || Some(c.gid.as_raw()) == self.allowed_gid => {}
+                Ok(c) => {
+                    self.stats.attach_refused += 1;
+                    tracing::warn!(host = %self.name, "refusing attach from uid {} gid {}", c.uid.as_raw(), c.gid.as_raw());
+                    let _ = attach::send(fd.as_fd(), &Response::Error("permission denied: the daemon's uid or allowed_gid only".into()).encode(), &[]);
+                    continue;
+                }
+                Err(e) => {
+                    tracing::warn!("SO_PEERCRED failed: {e}");
+                    continue;
+                }
+            }
+            let slot = self.sessions.iter().position(|s| s.is_none()).unwrap_or_else(|| {
+                self.sessions.push(None);
+                self.sessions.len() - 1
+            });
+            self.next_gen += 1;
+            let id = (self.next_gen << 32) | slot as u64;
+            self.sessions[slot] = Some(Session { id, sock: fd, attached: None });
+            new.push(slot);
+        }
+        new
+    }
+
+    /// Handles readable attach socket of `slot`. Returns (fd to register, fd to deregister) changes
+    /// through `registered` (the daemon bell after a successful hello) and `false` if the session ended.
+    pub fn on_session_readable(&mut self, slot: usize, bell: &mut Option<i32>) -> bool {
+        let mut buf = vec![0u8; attach::MAX_MESSAGE];
+        loop {
+            let Some(Some(s)) = self.sessions.get(slot) else { return false };
+            let mut fds = Vec::new();
+            let n = match attach::recv(s.sock.as_fd(), &mut buf, &mut fds) {
+                Ok(0) => {
+                    self.detach(slot);
+                    return false;
+                }
+                Ok(n) => n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return true,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => {
+                    tracing::debug!(host = %self.name, "attach socket error: {e}");
+                    self.detach(slot);
+                    return false;
+                }
+            };
+            let reply = match Request::decode(&buf[..n]) {
+                Ok(req) => self.request(slot, req, fds, bell),
+                Err(e) => (Response::Error(format!("bad request: {e}")), Vec::new()),
+            };
+            let Some(Some(s)) = self.sessions.get(slot) else { return false };
+            let borrowed: Vec<_> = reply.1.iter().map(|f| f.as_fd()).collect();
+            if attach::send(s.sock.as_fd(), &reply.0.encode(), &borrowed).is_err() {
+                self.detach(slot);
+                return false;
+            }
+        }
+    }
+
+    fn request(&mut self, slot: usize, req: Request, mut fds: Vec<OwnedFd>, bell: &mut Option<i32>) -> (Response, Vec<OwnedFd>) {
+        let err = |s: String| (Response::Error(s), Vec::new());
+        let s = self.sessions[slot].as_mut().expect("live session");
+        match req {
+            Request::Ping => (Response::Pong, Vec::new()),
+            Request::Stat => (Response::Stat(self.stat_text()), Vec::new()),
+            Request::Hello { job, job_key, rank, size } => {
+                if s.attached.is_some() {
+                    return err("already attached".into());
+                }
+                if rank >= size {
+                    return err(format!("rank {rank} is not below the job size {size}"));
+                }
+                if let Some((k, _)) = self.jobs.get(&job) {
+                    if *k != job_key {
+                        self.stats.attach_refused += 1;
+                        return err(format!("wrong key for job {job}"));
+                    }
+                }
+                if !self.endpoints.insert(job, rank, s.id) {
+                    return err(format!("rank {rank} of job {job} is already attached to this host"));
+                }
+                let a = match Attached::new(job, rank) {
+                    Ok(a) => a,
+                    Err(e) => {
+                        self.endpoints.remove(job, rank);
+                        return err(format!("cannot create shared memory: {e}"));
+                    }
+                };
+                self.jobs.entry(job).or_insert((job_key, 0)).1 += 1;
+                let fds = vec![
+                    a.control.mapping().fd().try_clone_to_owned(),
+                    a.daemon_bell.try_clone(),
+                    a.client_bell.try_clone(),
+                ];
+                *bell = Some(a.daemon_bell.as_raw_fd());
+                let s = self.sessions[slot].as_mut().expect("live session");
+                s.attached = Some(a);
+                self.stats.clients_attached += 1;
+                tracing::info!(host = %self.name, job, rank, "client attached");
+                match fds.into_iter().collect::<io::Result<Vec<_>>>() {
+                    Ok(f) => (Response::HelloOk { host: self.index, nhosts: self.nhosts }, f),
+                    Err(e) => err(format!("dup failed: {e}")),
+                }
+            }
+            Request::Register { perms } => {
+                let Some(a) = s.attached.as_ref() else { return err("register before hello".into()) };
+                let (job, rank) = (a.job, a.rank);
+                if fds.len() != 1 {
+                    return err(format!("register carries {} descriptors, expected one memfd", fds.len()));
+                }
+                let map = match Mapping::from_fd(fds.remove(0), 8, MAX_REGION) {
+                    Ok(m) => m,
+                    Err(e) => return err(format!("cannot map region: {e}")),
+                };
+                match self.endpoints.register(job, rank, Region::new(Arc::new(map), Perms(perms))) {
+                    Ok(region) => (Response::Registered { region }, Vec::new()),
+                    Err(st) => err(format!("register failed: {st:?}")),
+                }
+            }
+            Request::Deregister { region } => {
+                let Some(a) = s.attached.as_ref() else { return err("deregister before hello".into()) };
+                match self.endpoints.deregister(a.job, a.rank, region) {
+                    Ok(()) => (Response::Done, Vec::new()),
+                    Err(st) => err(format!("deregister failed: {st:?}")),
+                }
+            }
+        }
+    }
+
+    /// Drops a client: its memory becomes unreachable (remote ops get NoSuchEndpoint), its
+    /// outstanding operations are forgotten, the daemon goes on serving the others.
+    pub fn detach(&mut self, slot: usize) {
+        let Some(s) = self.sessions.get_mut(slot).and_then(|s| s.take()) else { return };
+        self.initiator.drop_session(s.id);
+        if let Some(a) = s.attached {
+            self.endpoints.remove(a.job, a.rank);
+            if let Some(e) = self.jobs.get_mut(&a.job) {
+                e.1 -= 1;
+                if e.1 == 0 {
+                    self.jobs.remove(&a.job);
+                }
+            }
+            self.stats.clients_detached += 1;
+            tracing::info!(host = %self.name, job = a.job, rank = a.rank, "client detached");
+        }
+    }
+
+    /// Whether any client published commands (checked before the daemon sleeps).
+    pub fn set_sleeping(&self, v: bool) -> bool {
+        let mut pending = false;
+        for a in self.sessions.iter().flatten().filter_map(|s| s.attached.as_ref()) {
+            a.control.set_daemon_sleeping(v);
+            pending |= a.control.cmd_pending();
+        }
+        pending || self.out.iter().any(|q| !q.is_empty())
+    }
+
+    pub fn stat_text(&self) -> String {
+        let t = &self.transport.stats;
+        let d = &self.driver.stats;
+        let s = &self.stats;
+        let clients = self.sessions.iter().flatten().filter(|s| s.attached.is_some()).count();
+        let out_depth: usize = self.out.iter().map(|q| q.len()).sum();
+        let lines = [
+            ("host", format!("{} (index {} of {})", self.name, self.index, self.nhosts)),
+            ("clients", clients.to_string()),
+            ("packets_sent", t.datagrams_sent.to_string()),
+            ("packets_received", t.datagrams_received.to_string()),
+            ("bytes_sent", t.bytes_sent.to_string()),
+            ("bytes_received", t.bytes_received.to_string()),
+            ("retransmits", t.retransmits.to_string()),
+            ("duplicates_suppressed", t.duplicates.to_string()),
+            ("out_of_window", t.out_of_window.to_string()),
+            ("acks_sent", t.acks_sent.to_string()),
+            ("auth_failures", t.auth_failures.to_string()),
+            ("malformed_datagrams", t.malformed.to_string()),
+            ("malformed_ops", s.malformed_ops.to_string()),
+            ("peers_declared_dead", t.peers_declared_dead.to_string()),
+            ("fault_dropped", d.fault_dropped.to_string()),
+            ("fault_duplicated", d.fault_duplicated.to_string()),
+            ("send_would_block", d.send_would_block.to_string()),
+            ("gemini_put_issued", s.cmd_put.to_string()),
+            ("gemini_get_issued", s.cmd_get.to_string()),
+            ("gemini_amo_issued", s.cmd_amo.to_string()),
+            ("gemini_put_served", s.served_put.to_string()),
+            ("gemini_get_served", s.served_get.to_string()),
+            ("gemini_amo_served", s.served_amo.to_string()),
+            ("local_ops", s.local_ops.to_string()),
+            ("bad_commands", s.bad_commands.to_string()),
+            ("clients_attached_total", s.clients_attached.to_string()),
+            ("clients_detached_total", s.clients_detached.to_string()),
+            ("attach_refused", s.attach_refused.to_string()),
+            ("ops_outstanding", self.initiator.outstanding().to_string()),
+            ("out_queue_depth", out_depth.to_string()),
+        ];
+        lines.iter().map(|(k, v)| format!("{k:<24} {v}\n")).collect()
+    }
+}
+
+impl Drop for HostNic {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.socket_path);
+    }
+}

@@ -1,0 +1,181 @@
+//! softnicd: the event loop that runs one or more host NICs, their attach sockets and sessions.
+//!
+//! Waiting is adaptive: while work keeps arriving the loop spins; after `spin_us` of idleness it
+//! yields, then announces that it sleeps (a flag in every client's control block) and blocks in
+//! epoll on sockets and doorbells, so that an idle daemon burns no core and a busy one makes no
+//! syscall to be woken.
+
+mod host;
+mod session;
+
+pub use host::{HostNic, HostStats};
+pub use session::{CMD_RING_BYTES, CQ_ENTRIES};
+
+use std::io;
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use mio::unix::SourceFd;
+use mio::{Events, Interest, Poll, Token};
+
+use crate::config::{Config, TransportKind};
+
+#[derive(Debug, thiserror::Error)]
+pub enum DaemonError {
+    #[error("cannot start host {host}: {source}")]
+    Start { host: String, source: io::Error },
+    #[error("event loop failed: {0}")]
+    Io(#[from] io::Error),
+    #[error("transport {0:?} is not available in this build of the daemon loop")]
+    Transport(TransportKind),
+}
+
+/// Token layout: host index × STRIDE + kind; kinds 0 socket, 1 listener, 2+2s session s,
+/// 3+2s its doorbell.
+const STRIDE: usize = 1 << 20;
+
+pub struct Daemon {
+    poll: Poll,
+    events: Events,
+    hosts: Vec<HostNic>,
+    clock: Instant,
+    spin_ns: u64,
+    stop: Arc<AtomicBool>,
+}
+
+impl Daemon {
+    /// Starts the NICs of the hosts at `indices` of `cfg` in this process.
+    pub fn new(cfg: &Config, indices: &[u16], stop: Arc<AtomicBool>) -> Result<Daemon, DaemonError> {
+        if cfg.cluster.transport != TransportKind::Udp {
+            return Err(DaemonError::Transport(cfg.cluster.transport));
+        }
+        let poll = Poll::new()?;
+        let mut hosts = Vec::new();
+        for (k, &i) in indices.iter().enumerate() {
+            let mut h = HostNic::new(cfg, i)
+                .map_err(|source| DaemonError::Start { host: cfg.hosts[i as usize].name.clone(), source })?;
+            let base = k * STRIDE;
+            poll.registry().register(h.driver.socket(), Token(base), Interest::READABLE)?;
+            poll.registry().register(&mut SourceFd(&h.listener.as_raw_fd()), Token(base + 1), Interest::READABLE)?;
+            tracing::info!(host = %h.name, addr = %cfg.hosts[i as usize].addr, "NIC up");
+            hosts.push(h);
+        }
+        Ok(Daemon {
+            poll,
+            events: Events::with_capacity(256),
+            hosts,
+            clock: Instant::now(),
+            spin_ns: cfg.cluster.spin_us * 1000,
+            stop,
+        })
+    }
+
+    fn now(&self) -> u64 {
+        self.clock.elapsed().as_nanos() as u64
+    }
+
+    /// Runs until `stop` is set.
+    pub fn run(&mut self) -> Result<(), DaemonError> {
+        let mut idle_since = self.now();
+        let mut turns = 0u64;
+        while !self.stop.load(Ordering::Relaxed) {
+            turns += 1;
+            if turns % 32 == 0 {
+                self.poll_events(Some(Duration::ZERO))?;
+            }
+            let now = self.now();
+            let mut busy = false;
+            for h in &mut self.hosts {
+                busy |= h.turn(now);
+            }
+            if busy {
+                idle_since = now;
+                continue;
+            }
+            let idle = now - idle_since;
+            if idle < self.spin_ns {
+                std::hint::spin_loop();
+            } else if idle < 4 * self.spin_ns {
+                std::thread::yield_now();
+            } else {
+                self.sleep()?;
+                idle_since = self.now();
+            }
+        }
+        Ok(())
+    }
+
+    fn sleep(&mut self) -> Result<(), DaemonError> {
+        let mut pending = false;
+        for h in &self.hosts {
+            pending |= h.set_sleeping(true);
+        }
+        if !pending {
+            let now = self.now();
+            let next = self.hosts.iter().filter_map(|h| h.transport.next_timeout()).min();
+            let wait = next.map_or(50_000_000, |t| t.saturating_sub(now)).min(50_000_000);
+            self.poll_events(Some(Duration::from_nanos(wait)))?;
+        }
+        for h in &self.hosts {
+            h.set_sleeping(false);
+        }
+        Ok(())
+    }
+
+    fn poll_events(&mut self, timeout: Option<Duration>) -> Result<(), DaemonError> {
+        match self.poll.poll(&mut self.events, timeout) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => return Ok(()),
+            Err(e) => return Err(e.into()),
+        }
+        let tokens: Vec<usize> = self.events.iter().map(|e| e.token().0).collect();
+        for t in tokens {
+            let (k, kind) = (t / STRIDE, t % STRIDE);
+            match kind {
+                0 => {} // datagrams are drained every turn
+                1 => {
+                    for slot in self.hosts[k].accept() {
+                        let fd = self.hosts[k].sessions[slot].as_ref().map(|s| s.sock.as_raw_fd());
+                        if let Some(fd) = fd {
+                            self.poll.registry().register(&mut SourceFd(&fd), Token(k * STRIDE + 2 + 2 * slot), Interest::READABLE)?;
+                        }
+                        self.session_readable(k, slot)?;
+                    }
+                }
+                n if n % 2 == 0 => self.session_readable(k, (n - 2) / 2)?,
+                n => {
+                    // A doorbell: reset it; the next turn drains that client's ring.
+                    let slot = (n - 3) / 2;
+                    if let Some(Some(s)) = self.hosts[k].sessions.get(slot) {
+                        if let Some(a) = &s.attached {
+                            let mut b = [0u8; 8];
+                            let _ = rustix::io::read(&a.daemon_bell, &mut b);
+                        }
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn session_readable(&mut self, k: usize, slot: usize) -> Result<(), DaemonError> {
+        let sock = self.hosts[k].sessions.get(slot).and_then(|s| s.as_ref()).map(|s| s.sock.as_raw_fd());
+        let mut bell = None;
+        let alive = self.hosts[k].on_session_readable(slot, &mut bell);
+        if let Some(fd) = bell {
+            self.poll.registry().register(&mut SourceFd(&fd), Token(k * STRIDE + 3 + 2 * slot), Interest::READABLE)?;
+        }
+        if !alive {
+            // The session's descriptors were closed on detach, which removed them from epoll.
+            let _ = sock;
+        }
+        Ok(())
+    }
+
+    /// Statistics of every host this process runs.
+    pub fn stat_text(&self) -> String {
+        self.hosts.iter().map(|h| h.stat_text()).collect::<Vec<_>>().join("\n")
+    }
+}
