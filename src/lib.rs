@@ -8,3 +8,6 @@ pub mod nic;
 pub mod shm;
 pub mod config;
 pub mod daemon;
+pub mod client;
+pub mod gni;
+pub mod job;

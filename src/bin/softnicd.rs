@@ -1,1 +1,61 @@
-fn main(){}
+//! softnicd: the soft NIC daemon of one host (or, with several --host, of several simulated hosts).
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use anyhow::Context;
+use clap::Parser;
+use softnic::config::{Config, Fault};
+use softnic::daemon::Daemon;
+
+/// The softnic NIC daemon: Gemini-style one-sided put/get and AMOs over UDP for the processes of
+/// this host, with reliable delivery between daemons.
+#[derive(Parser, Debug)]
+#[command(version, about, long_about = None)]
+struct Args {
+    /// Cluster configuration (TOML; see cluster-configs/). SOFTNIC_* variables override it.
+    #[arg(long)]
+    config: PathBuf,
+    /// Which [[host]] of the config this daemon serves; repeat to serve several in one process.
+    #[arg(long = "host", required = true)]
+    hosts: Vec<String>,
+    /// Fault injection: probability of dropping each datagram sent (testing only).
+    #[arg(long, default_value_t = 0.0)]
+    fault_drop: f64,
+    /// Fault injection: probability of sending a datagram twice (testing only).
+    #[arg(long, default_value_t = 0.0)]
+    fault_duplicate: f64,
+    /// Seed of the fault injector, for repeatable runs.
+    #[arg(long, default_value_t = 1)]
+    fault_seed: u64,
+    /// Print the effective settings at start (SOFTNIC_LOG sets the log filter, e.g. debug).
+    #[arg(short, long)]
+    verbose: bool,
+}
+
+fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    let default = if args.verbose { "info" } else { "warn" };
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("SOFTNIC_LOG").unwrap_or_else(|_| default.into()))
+        .with_writer(std::io::stderr)
+        .init();
+    let mut cfg = Config::load(&args.config)?;
+    if args.fault_drop > 0.0 || args.fault_duplicate > 0.0 {
+        cfg.fault = Some(Fault { drop: args.fault_drop, duplicate: args.fault_duplicate, seed: args.fault_seed });
+        cfg.validate()?;
+    }
+    let indices = args.hosts.iter().map(|h| cfg.host_index(h)).collect::<Result<Vec<_>, _>>()?;
+    if args.verbose {
+        let mut shown = cfg.clone();
+        shown.cluster.secret = shown.cluster.secret.as_ref().map(|_| "<hidden>".into());
+        eprintln!("softnicd effective settings (hosts {:?}):\n{}", args.hosts, shown.to_toml());
+    }
+    let stop = Arc::new(AtomicBool::new(false));
+    let s = stop.clone();
+    ctrlc::set_handler(move || s.store(true, Ordering::SeqCst)).context("installing the signal handler")?;
+    let mut d = Daemon::new(&cfg, &indices, stop).context("starting the daemon")?;
+    d.run()?;
+    Ok(())
+}

@@ -1,0 +1,281 @@
+//! The launcher: `softnic run`. On the local default it starts the NICs of H simulated hosts
+//! (127.0.0.2, .3, …, one UDP socket each) in one daemon thread of the launcher, health-checks
+//! them, starts N ranks spread round-robin over the hosts, and stops everything at the end. A
+//! rank that fails or is killed ends the job with a message naming it; Ctrl-C ends it too; no
+//! process, socket or file is left behind.
+
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc, Once};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crate::config::{Config, ConfigError, Fault};
+use crate::daemon::Daemon;
+use crate::shm::attach::{self, Request, Response};
+
+#[derive(Debug, thiserror::Error)]
+pub enum LaunchError {
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error("cannot start the daemons: {0}")]
+    Daemon(String),
+    #[error("daemon for host {0} did not answer at {1} within 5 s")]
+    Health(String, PathBuf),
+    #[error("cannot start rank {rank} ({program}): {source}")]
+    Spawn { rank: u32, program: String, source: std::io::Error },
+    #[error("-n must be at least 1 and --hosts between 1 and 250")]
+    Size,
+    #[error(transparent)]
+    Io(#[from] std::io::Error),
+}
+
+/// What to launch.
+#[derive(Debug, Clone, Default)]
+pub struct Launch {
+    pub ranks: u32,
+    /// Hosts of the local default (ignored with `config`).
+    pub hosts: usize,
+    pub config: Option<PathBuf>,
+    /// Use daemons that are already running (softnicd) instead of starting them.
+    pub attach: bool,
+    /// Fault injection for the daemons this launcher starts.
+    pub fault: Option<Fault>,
+    /// Exported to the ranks as SOFTNIC_CONDUIT.
+    pub conduit: Option<String>,
+    pub program: OsString,
+    pub args: Vec<OsString>,
+    pub env: Vec<(String, String)>,
+}
+
+static INTERRUPTED: AtomicBool = AtomicBool::new(false);
+
+fn install_signal_handler() {
+    static ONCE: Once = Once::new();
+    ONCE.call_once(|| {
+        let _ = ctrlc::set_handler(|| INTERRUPTED.store(true, Ordering::SeqCst));
+    });
+}
+
+/// Daemons running in a thread of this process.
+struct LocalDaemons {
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+    runtime_dir: Option<PathBuf>,
+}
+
+impl LocalDaemons {
+    fn start(cfg: &Config) -> Result<LocalDaemons, String> {
+        let stop = Arc::new(AtomicBool::new(false));
+        let (tx, rx) = mpsc::channel();
+        let (c, s) = (cfg.clone(), stop.clone());
+        let thread = std::thread::Builder::new()
+            .name("softnicd".into())
+            .spawn(move || {
+                let all: Vec<u16> = (0..c.hosts.len() as u16).collect();
+                match Daemon::new(&c, &all, s) {
+                    Ok(mut d) => {
+                        let _ = tx.send(Ok(()));
+                        if let Err(e) = d.run() {
+                            tracing::error!("daemon loop failed: {e}");
+                        }
+                    }
+                    Err(e) => {
+                        let _ = tx.send(Err(e.to_string()));
+                    }
+                }
+            })
+            .map_err(|e| e.to_string())?;
+        let mut d = LocalDaemons { stop, thread: Some(thread), runtime_dir: None };
+        match rx.recv() {
+            Ok(Ok(())) => Ok(d),
+            Ok(Err(e)) => {
+                d.shutdown();
+                Err(e)
+            }
+            Err(_) => {
+                d.shutdown();
+                Err("daemon thread died while starting".into())
+            }
+        }
+    }
+
+    fn shutdown(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+        if let Some(dir) = self.runtime_dir.take() {
+            let _ = std::fs::remove_dir_all(dir);
+        }
+    }
+}
+
+impl Drop for LocalDaemons {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+/// Pings a daemon's attach socket until it answers or `within` passes.
+pub fn health_check(path: &Path, within: Duration) -> bool {
+    let t = Instant::now();
+    while t.elapsed() < within {
+        if let Ok(s) = attach::connect(path) {
+            if let Ok((Response::Pong, _)) = attach::call(&s, &Request::Ping, &[]) {
+                return true;
+            }
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    false
+}
+
+/// Starts the local default's daemons on a free port; returns them and the config.
+fn start_local_default(hosts: usize, fault: Option<Fault>) -> Result<(LocalDaemons, Config), LaunchError> {
+    let mut last = String::new();
+    for _ in 0..20 {
+        let tag: u32 = rand::random();
+        let dir = std::env::temp_dir().join(format!("softnic-{}-{tag:08x}", std::process::id()));
+        let port = 20_000 + (rand::random::<u16>() % 40_000);
+        let mut cfg = Config::local_default(hosts, port, dir.clone());
+        cfg.fault = fault.clone();
+        cfg.apply_env();
+        std::fs::create_dir_all(&dir)?;
+        std::fs::write(dir.join("cluster.toml"), cfg.to_toml())?;
+        match LocalDaemons::start(&cfg) {
+            Ok(mut d) => {
+                d.runtime_dir = Some(dir);
+                return Ok((d, cfg));
+            }
+            Err(e) => {
+                last = e;
+                let _ = std::fs::remove_dir_all(&dir);
+            }
+        }
+    }
+    Err(LaunchError::Daemon(last))
+}
+
+fn describe(status: std::process::ExitStatus) -> (String, i32) {
+    use std::os::unix::process::ExitStatusExt;
+    match (status.code(), status.signal()) {
+        (Some(c), _) => (format!("exited with status {c}"), c),
+        (None, Some(s)) => (format!("was killed by signal {s}"), 128 + s),
+        _ => ("ended".into(), 1),
+    }
+}
+
+fn kill_all(children: &mut [(u32, Child)]) {
+    for (_, c) in children.iter_mut() {
+        let _ = rustix::process::kill_process(rustix::process::Pid::from_child(c), rustix::process::Signal::Term);
+    }
+    let t = Instant::now();
+    while t.elapsed() < Duration::from_secs(2) {
+        if children.iter_mut().all(|(_, c)| matches!(c.try_wait(), Ok(Some(_)))) {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    for (_, c) in children.iter_mut() {
+        let _ = c.kill();
+        let _ = c.wait();
+    }
+}
+
+/// Runs the job; returns the exit status to exit with (0, or that of the first failing rank).
+pub fn run(l: &Launch) -> Result<i32, LaunchError> {
+    if l.ranks == 0 || !(1..=250).contains(&l.hosts) {
+        return Err(LaunchError::Size);
+    }
+    install_signal_handler();
+    let (daemons, cfg, cfg_path) = match &l.config {
+        None => {
+            let (d, c) = start_local_default(l.hosts, l.fault.clone())?;
+            let p = c.cluster.runtime_dir.join("cluster.toml");
+            (Some(d), c, p)
+        }
+        Some(p) => {
+            let mut c = Config::load(p)?;
+            if l.fault.is_some() {
+                c.fault = l.fault.clone();
+            }
+            let d = if l.attach { None } else { Some(LocalDaemons::start(&c).map_err(LaunchError::Daemon)?) };
+            (d, c, p.clone())
+        }
+    };
+    let nhosts = cfg.hosts.len();
+    for i in 0..nhosts as u16 {
+        let path = cfg.socket_path(i);
+        if !health_check(&path, Duration::from_secs(5)) {
+            return Err(LaunchError::Health(cfg.hosts[i as usize].name.clone(), path));
+        }
+    }
+    let job_id: u32 = rand::random::<u32>() >> 1;
+    let job_key: u64 = rand::random();
+    let rank_hosts: Vec<u16> = (0..l.ranks).map(|r| (r as usize % nhosts) as u16).collect();
+    let map = rank_hosts.iter().map(|h| h.to_string()).collect::<Vec<_>>().join(",");
+    let mut children: Vec<(u32, Child)> = Vec::new();
+    for r in 0..l.ranks {
+        let h = rank_hosts[r as usize];
+        let mut cmd = Command::new(&l.program);
+        cmd.args(&l.args)
+            .env("SOFTNIC_RANK", r.to_string())
+            .env("SOFTNIC_SIZE", l.ranks.to_string())
+            .env("SOFTNIC_JOB_ID", job_id.to_string())
+            .env("SOFTNIC_JOB_KEY", job_key.to_string())
+            .env("SOFTNIC_DAEMON", cfg.socket_path(h))
+            .env("SOFTNIC_HOST", &cfg.hosts[h as usize].name)
+            .env("SOFTNIC_HOSTS", nhosts.to_string())
+            .env("SOFTNIC_RANK_HOSTS", &map)
+            .env("SOFTNIC_CONFIG", &cfg_path);
+        if let Some(c) = &l.conduit {
+            cmd.env("SOFTNIC_CONDUIT", c);
+        }
+        for (k, v) in &l.env {
+            cmd.env(k, v);
+        }
+        match cmd.spawn() {
+            Ok(c) => children.push((r, c)),
+            Err(source) => {
+                kill_all(&mut children);
+                return Err(LaunchError::Spawn { rank: r, program: l.program.to_string_lossy().into(), source });
+            }
+        }
+    }
+    let mut code = 0;
+    let mut running = children.len();
+    while running > 0 {
+        if INTERRUPTED.swap(false, Ordering::SeqCst) {
+            eprintln!("softnic: interrupted; stopping {running} rank(s)");
+            kill_all(&mut children);
+            code = 130;
+            break;
+        }
+        let mut failed = None;
+        for (r, c) in children.iter_mut() {
+            if let Ok(Some(st)) = c.try_wait() {
+                if st.success() {
+                    continue;
+                }
+                let (what, c) = describe(st);
+                failed = Some((*r, c.max(1), what));
+                break;
+            }
+        }
+        if let Some((r, c, what)) = failed {
+            eprintln!("softnic: rank {r} {what}; ending the job");
+            kill_all(&mut children);
+            code = c;
+            break;
+        }
+        running = children.iter_mut().map(|(_, c)| c.try_wait()).filter(|w| matches!(w, Ok(None))).count();
+        if running > 0 {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+    drop(daemons);
+    Ok(code)
+}
