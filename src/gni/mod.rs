@@ -152,7 +152,7 @@ impl Nic {
             .min(client.max_inline());
         let sys = Self::register_with(&client, SYS_LEN, Perms::READ_WRITE)?;
         let bounce = Self::register_with(&client, BOUNCE_LEN, Perms(0))?;
-        Ok(Nic {
+        let mut nic = Nic {
             client,
             job,
             fma_threshold,
@@ -165,7 +165,10 @@ impl Nic {
             sys,
             bounce,
             barrier_epoch: 0,
-        })
+        };
+        // Collective wire-up: once it returns, every rank is attached with its library regions.
+        nic.barrier_inner(true)?;
+        Ok(nic)
     }
 
     fn register_with(client: &Client, len: usize, perms: Perms) -> Result<MemRegion, GniError> {
@@ -467,6 +470,11 @@ impl Nic {
     /// Completes this rank's implicit operations, then a dissemination barrier over the NIC:
     /// in round k each rank puts the barrier epoch into rank+2^k's flag k and waits for its own.
     pub fn barrier(&mut self) -> Result<(), GniError> {
+        self.barrier_inner(false)
+    }
+
+    /// `wire_up`: peers may not be attached yet, so retry puts they refuse for that reason.
+    fn barrier_inner(&mut self, wire_up: bool) -> Result<(), GniError> {
         self.gsync_wait()?;
         self.barrier_epoch += 1;
         let (n, me, epoch) = (self.job.size, self.job.rank, self.barrier_epoch);
@@ -474,7 +482,21 @@ impl Nic {
         while (1u32 << k) < n {
             let partner = (me + (1 << k)) % n;
             let dst = Remote { rank: partner, handle: self.sys.handle, offset: (k * 8) as u64 };
-            self.put_nbi(dst, &epoch.to_le_bytes())?;
+            if wire_up {
+                let t = std::time::Instant::now();
+                loop {
+                    match self.put(dst, &epoch.to_le_bytes()) {
+                        Err(GniError::Remote(Status::NoSuchEndpoint | Status::NoSuchRegion))
+                            if t.elapsed() < std::time::Duration::from_secs(30) =>
+                        {
+                            std::thread::sleep(std::time::Duration::from_millis(1))
+                        }
+                        r => break r?,
+                    }
+                }
+            } else {
+                self.put_nbi(dst, &epoch.to_le_bytes())?;
+            }
             let sys = self.sys.clone();
             wait_until(|| sys.read_u64(k * 8) >= epoch, || self.progress());
             k += 1;

@@ -1,0 +1,120 @@
+//! Helpers for multi-process tests: a test re-executes its own binary as the ranks of a job.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output};
+
+use softnic::gni::{MemHandle, Nic, Remote};
+use softnic::job::JobInfo;
+
+pub fn in_job() -> bool {
+    JobInfo::in_job()
+}
+
+/// Runs this test (by exact name) as `n` ranks over `hosts` simulated hosts with `softnic run`.
+pub fn launch(test: &str, n: u32, hosts: usize, extra: &[&str]) -> Output {
+    let exe = std::env::current_exe().expect("test exe");
+    let out = Command::new(env!("CARGO_BIN_EXE_softnic"))
+        .args(["run", "-n", &n.to_string(), "--hosts", &hosts.to_string()])
+        .args(extra)
+        .arg("--")
+        .arg(exe)
+        .args(["--exact", test, "--nocapture", "--test-threads=1"])
+        .output()
+        .expect("softnic run starts");
+    out
+}
+
+/// Like [`launch`], and asserts that every rank succeeded.
+pub fn launch_ok(test: &str, n: u32, hosts: usize, extra: &[&str]) {
+    let out = launch(test, n, hosts, extra);
+    let text = format!("{}\n{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "job failed ({:?}):\n{text}", out.status);
+    assert!(text.contains("1 passed"), "ranks did not run the test body:\n{text}");
+}
+
+pub fn remote(rank: u32, handle: MemHandle, offset: u64) -> Remote {
+    Remote { rank, handle, offset }
+}
+
+/// A pattern that differs per byte, per size and per writer.
+pub fn pattern(len: usize, seed: u64) -> Vec<u8> {
+    (0..len).map(|i| ((i as u64).wrapping_mul(31).wrapping_add(seed * 7 + (i as u64 >> 8)) % 251) as u8).collect()
+}
+
+pub fn init() -> Nic {
+    Nic::init().expect("attach to the local daemon")
+}
+
+/// Daemons started as a separate `softnicd` process on a fresh config (for tests that need a
+/// daemon outliving ranks, or raw access to its UDP port).
+pub struct Daemons {
+    pub dir: PathBuf,
+    pub config: PathBuf,
+    pub cfg: softnic::config::Config,
+    child: Child,
+}
+
+impl Daemons {
+    pub fn start(hosts: usize) -> Daemons {
+        let dir = std::env::temp_dir().join(format!("softnic-test-{}-{:08x}", std::process::id(), rand::random::<u32>()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let port = 20_000 + rand::random::<u16>() % 40_000;
+        let cfg = softnic::config::Config::local_default(hosts, port, dir.clone());
+        let config = dir.join("cluster.toml");
+        std::fs::write(&config, cfg.to_toml()).unwrap();
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_softnicd"));
+        cmd.arg("--config").arg(&config);
+        for h in &cfg.hosts {
+            cmd.args(["--host", &h.name]);
+        }
+        let child = cmd.spawn().expect("softnicd starts");
+        for i in 0..hosts as u16 {
+            assert!(softnic::job::local::health_check(&cfg.socket_path(i), std::time::Duration::from_secs(5)), "daemon up");
+        }
+        Daemons { dir, config, cfg, child }
+    }
+
+    pub fn stat(&self) -> String {
+        let out = Command::new(env!("CARGO_BIN_EXE_softnic")).arg("stat").arg("--config").arg(&self.config).output().unwrap();
+        assert!(out.status.success(), "softnic stat failed: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8(out.stdout).unwrap()
+    }
+
+    /// Sum of a counter over all hosts in `softnic stat`.
+    pub fn counter(&self, name: &str) -> u64 {
+        self.stat()
+            .lines()
+            .filter_map(|l| l.strip_prefix(name).filter(|r| r.starts_with(' ')).map(|r| r.trim().parse::<u64>().unwrap()))
+            .sum()
+    }
+
+    /// Spawns this test as rank `rank` of a `size`-rank job on these daemons (ranks round-robin).
+    pub fn spawn_rank(&self, test: &str, rank: u32, size: u32, job: u32, key: u64) -> Child {
+        let n = self.cfg.hosts.len() as u32;
+        let map: Vec<String> = (0..size).map(|r| (r % n).to_string()).collect();
+        Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", test, "--nocapture", "--test-threads=1"])
+            .env("SOFTNIC_RANK", rank.to_string())
+            .env("SOFTNIC_SIZE", size.to_string())
+            .env("SOFTNIC_JOB_ID", job.to_string())
+            .env("SOFTNIC_JOB_KEY", key.to_string())
+            .env("SOFTNIC_DAEMON", self.cfg.socket_path((rank % n) as u16))
+            .env("SOFTNIC_RANK_HOSTS", map.join(","))
+            .env("SOFTNIC_CONFIG", &self.config)
+            .spawn()
+            .unwrap()
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.config
+    }
+}
+
+impl Drop for Daemons {
+    fn drop(&mut self) {
+        let _ = rustix::process::kill_process(rustix::process::Pid::from_child(&self.child), rustix::process::Signal::Term);
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
