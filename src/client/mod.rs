@@ -85,6 +85,11 @@ impl Client {
         }
     }
 
+    /// The shared control block (diagnostics and fault-injection tests).
+    pub fn control(&self) -> &Control {
+        &self.control
+    }
+
     pub fn max_inline(&self) -> usize {
         self.control.max_inline()
     }

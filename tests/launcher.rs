@@ -1,0 +1,105 @@
+//! `softnic run` on the local default: a failing or killed rank ends the job naming it, Ctrl-C
+//! ends it, and nothing (processes, sockets, runtime files) is left behind.
+
+mod common;
+
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::*;
+
+fn run(test: &str, n: u32) -> (std::process::ExitStatus, String, u32) {
+    let child = Command::new(env!("CARGO_BIN_EXE_softnic"))
+        .args(["run", "-n", &n.to_string(), "--"])
+        .arg(std::env::current_exe().unwrap())
+        .args(["--exact", test, "--nocapture"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let pid = child.id();
+    let out = child.wait_with_output().unwrap();
+    (out.status, String::from_utf8_lossy(&out.stderr).into_owned(), pid)
+}
+
+fn leftovers(launcher_pid: u32) -> Vec<String> {
+    std::fs::read_dir(std::env::temp_dir())
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with(&format!("softnic-{launcher_pid}-")))
+        .collect()
+}
+
+#[test]
+fn failing_rank_ends_the_job_with_its_status() {
+    if in_job() {
+        let mut nic = init();
+        if nic.rank() == 1 {
+            std::process::exit(3);
+        }
+        // Rank 0 would wait forever: the launcher must end it.
+        nic.barrier().unwrap();
+        return;
+    }
+    let t = Instant::now();
+    let (st, err, pid) = run("failing_rank_ends_the_job_with_its_status", 2);
+    assert_eq!(st.code(), Some(3), "{err}");
+    assert!(err.contains("rank 1 exited with status 3"), "{err}");
+    assert!(t.elapsed() < Duration::from_secs(20));
+    assert!(leftovers(pid).is_empty(), "runtime files left: {:?}", leftovers(pid));
+}
+
+#[test]
+fn killed_rank_ends_the_job_naming_it() {
+    if in_job() {
+        let mut nic = init();
+        if nic.rank() == 2 {
+            rustix::process::kill_process(rustix::process::getpid(), rustix::process::Signal::Kill).unwrap();
+        }
+        nic.barrier().unwrap();
+        return;
+    }
+    let (st, err, pid) = run("killed_rank_ends_the_job_naming_it", 3);
+    assert_eq!(st.code(), Some(128 + 9), "{err}");
+    assert!(err.contains("rank 2 was killed by signal 9"), "{err}");
+    assert!(leftovers(pid).is_empty());
+}
+
+#[test]
+fn interrupt_stops_every_rank_and_cleans_up() {
+    if in_job() {
+        let _nic = init();
+        let dir = std::env::var("SOFTNIC_TEST_PIDS").unwrap();
+        std::fs::write(format!("{dir}/{}", std::process::id()), b"").unwrap();
+        std::thread::sleep(Duration::from_secs(120));
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("softnic-test-pids-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_softnic"))
+        .args(["run", "-n", "3", "--"])
+        .arg(std::env::current_exe().unwrap())
+        .args(["--exact", "interrupt_stops_every_rank_and_cleans_up", "--nocapture"])
+        .env("SOFTNIC_TEST_PIDS", &dir)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let t = Instant::now();
+    while std::fs::read_dir(&dir).unwrap().count() < 3 {
+        assert!(t.elapsed() < Duration::from_secs(30), "ranks did not start");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let pid = rustix::process::Pid::from_child(&child);
+    rustix::process::kill_process(pid, rustix::process::Signal::Int).unwrap();
+    let st = child.wait().unwrap();
+    assert_eq!(st.code(), Some(130));
+    assert!(t.elapsed() < Duration::from_secs(30));
+    for e in std::fs::read_dir(&dir).unwrap() {
+        let rank_pid: i32 = e.unwrap().file_name().to_string_lossy().parse().unwrap();
+        assert!(!std::path::Path::new(&format!("/proc/{rank_pid}")).exists(), "rank {rank_pid} survived");
+    }
+    assert!(leftovers(child.id()).is_empty());
+    std::fs::remove_dir_all(&dir).unwrap();
+}

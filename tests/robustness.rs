@@ -1,0 +1,150 @@
+//! Hostile and failing inputs against a real softnicd: killed ranks, forged or garbage
+//! datagrams, garbage in a command ring. The daemon must count, drop, disconnect — and go on.
+
+mod common;
+
+use std::net::UdpSocket;
+use std::time::{Duration, Instant};
+
+use common::*;
+use softnic::client::Client;
+use softnic::gni::GniError;
+use softnic::nic::memory::Perms;
+use softnic::wire::Status;
+
+#[test]
+fn killed_rank_leaves_daemon_serving_the_others() {
+    if in_job() {
+        let mut nic = init();
+        let mem = nic.mem_register(1 << 16, Perms::READ_WRITE).unwrap();
+        nic.barrier().unwrap();
+        if nic.rank() == 2 {
+            // The victim keeps the NIC busy until it is SIGKILLed.
+            loop {
+                nic.put(remote(0, mem.handle, 1024), &[7; 512]).unwrap();
+                nic.afadd(remote(1, mem.handle, 8), 1).unwrap();
+            }
+        }
+        // Ranks 0 and 1 keep working with each other and aim at rank 2 until it is gone.
+        let peer = 1 - nic.rank();
+        let t = Instant::now();
+        loop {
+            nic.put(remote(peer, mem.handle, 4096), &pattern(3000, 1)).unwrap();
+            nic.afadd(remote(peer, mem.handle, 16), 1).unwrap();
+            match nic.afadd(remote(2, mem.handle, 0), 1) {
+                Ok(_) => {}
+                Err(GniError::Remote(Status::NoSuchEndpoint)) => break,
+                Err(e) => panic!("unexpected error aiming at the killed rank: {e}"),
+            }
+            assert!(t.elapsed() < Duration::from_secs(60), "rank 2 never went away");
+        }
+        // Both survivors finish a counted exchange: 1000 AFADDs each into rank 0's word 24.
+        for _ in 0..1000 {
+            nic.afadd(remote(0, mem.handle, 24), 1).unwrap();
+        }
+        let t = Instant::now();
+        if nic.rank() == 0 {
+            while mem.read_u64(24) < 2000 {
+                assert!(t.elapsed() < Duration::from_secs(60));
+                std::thread::yield_now();
+            }
+            assert_eq!(mem.read_u64(24), 2000);
+        }
+        return;
+    }
+    let d = Daemons::start(2);
+    let (job, key) = (4242, 99);
+    let mut ranks: Vec<_> = (0..3).map(|r| d.spawn_rank("killed_rank_leaves_daemon_serving_the_others", r, 3, job, key)).collect();
+    std::thread::sleep(Duration::from_millis(1500));
+    let victim = ranks.pop().unwrap();
+    rustix::process::kill_process(rustix::process::Pid::from_child(&victim), rustix::process::Signal::Kill).unwrap();
+    let mut victim = victim;
+    victim.wait().unwrap();
+    for mut r in ranks {
+        assert!(r.wait().unwrap().success(), "a surviving rank failed");
+    }
+    assert_eq!(d.counter("clients_detached_total"), 3);
+    assert_eq!(d.counter("clients "), 0);
+    // And a fresh job runs on the same daemons.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_softnic"))
+        .args(["run", "-n", "2", "--attach", "--config"])
+        .arg(d.path())
+        .arg("--")
+        .arg(std::env::current_exe().unwrap())
+        .args(["--exact", "small_job_body", "--nocapture"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+}
+
+/// A short job used after fault scenarios to show the daemons still work.
+#[test]
+fn small_job_body() {
+    if in_job() {
+        let mut nic = init();
+        let mem = nic.mem_register(4096, Perms::READ_WRITE).unwrap();
+        nic.barrier().unwrap();
+        let peer = (nic.rank() + 1) % nic.size();
+        nic.put(remote(peer, mem.handle, 0), &[nic.rank() as u8 + 1; 64]).unwrap();
+        assert_eq!(nic.afadd(remote(peer, mem.handle, 64), 1).unwrap(), 0);
+        nic.barrier().unwrap();
+        let from = (nic.rank() + nic.size() - 1) % nic.size();
+        assert_eq!(mem.bytes()[0], from as u8 + 1);
+    }
+}
+
+#[test]
+fn garbage_datagrams_are_dropped_and_counted() {
+    let d = Daemons::start(2);
+    let s = UdpSocket::bind("127.0.0.1:0").unwrap();
+    let target = d.cfg.hosts[0].addr;
+    // Random bytes, a truncated datagram, and a well-formed one sealed with the wrong secret.
+    s.send_to(&(0..200).map(|i| (i * 37 % 256) as u8).collect::<Vec<_>>(), target).unwrap();
+    s.send_to(&[0x53, 0x4e, 1], target).unwrap();
+    let mut t = softnic::transport::Transport::new(1, 2, softnic::wire::Key([9; 32]), Default::default(), 1);
+    let op = softnic::wire::OpRef::PutAck { h: Default::default(), status: Status::Ok };
+    t.push_op(0, &op).unwrap();
+    t.flush();
+    let forged = t.poll_transmit(0).unwrap().1.to_vec();
+    s.send_to(&forged, target).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while d.counter("auth_failures") < 1 || d.counter("malformed_datagrams") < 2 {
+        assert!(Instant::now() < deadline, "garbage not counted:\n{}", d.stat());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_softnic"))
+        .args(["run", "-n", "2", "--attach", "--config"])
+        .arg(d.path())
+        .arg("--")
+        .arg(std::env::current_exe().unwrap())
+        .args(["--exact", "small_job_body", "--nocapture"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+}
+
+#[test]
+fn garbage_in_a_command_ring_disconnects_only_that_client() {
+    let d = Daemons::start(1);
+    let path = d.cfg.socket_path(0);
+    let bad = Client::attach(&path, 7, 1, 0, 2).unwrap();
+    let good = Client::attach(&path, 7, 1, 1, 2).unwrap();
+    // Scribble over the ring and publish a nonsensical tail index.
+    unsafe {
+        let b = bad.control().mapping().slice_mut();
+        for (i, x) in b[4096..4096 + 4096].iter_mut().enumerate() {
+            *x = (i * 131 % 251) as u8;
+        }
+        (*(b.as_mut_ptr().add(128) as *const std::sync::atomic::AtomicU64)).store(200, std::sync::atomic::Ordering::SeqCst);
+    }
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        if bad.stat().is_err() {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the scribbling client was not disconnected");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(good.stat().unwrap().contains("bad_commands             1"), "{}", good.stat().unwrap());
+    assert_eq!(d.counter("clients "), 1);
+}
