@@ -1,1 +1,170 @@
-fn main(){}
+//! netbench: softnic's benchmarks, run side by side against a plain-UDP floor in one job.
+//!
+//! Outside a job it launches itself on the local default (`softnic run` semantics); inside,
+//! every rank runs the benchmark and rank 0 reports.
+
+mod gni_bench;
+mod randomaccess;
+mod raw_udp;
+mod report;
+
+use anyhow::Context;
+use clap::{Parser, ValueEnum};
+use report::Row;
+use softnic::config::Config;
+use softnic::gni::Nic;
+use softnic::job::local::Launch;
+use softnic::job::JobInfo;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Bench {
+    /// Latency: put ping-pong, blocking put, get and AFADD (gni); UDP ping-pong (raw-udp).
+    Pingpong,
+    /// Bandwidth: non-blocking puts (gni); datagram streaming (raw-udp).
+    Bw,
+    /// HPCC RandomAccess with NIC AXOR updates; GUP/s and verification errors.
+    Randomaccess,
+    /// Everything above, every API, in one run.
+    Compare,
+}
+
+#[derive(Parser, Debug)]
+#[command(version, about = "softnic benchmarks: ping-pong, bandwidth, RandomAccess over every API, against raw UDP")]
+struct Args {
+    #[arg(value_enum)]
+    bench: Bench,
+    /// raw-udp, gni, or all (default: all).
+    #[arg(long)]
+    conduit: Option<String>,
+    /// gni, raw-udp or all (an alias of --conduit for APIs that are not GASNet conduits).
+    #[arg(long)]
+    api: Option<String>,
+    #[arg(long, default_value_t = 2)]
+    ranks: u32,
+    #[arg(long, default_value_t = 2)]
+    hosts: usize,
+    /// Message sizes in bytes, comma separated (k and m suffixes allowed).
+    #[arg(long, value_delimiter = ',', value_parser = parse_size)]
+    sizes: Option<Vec<usize>>,
+    #[arg(long, default_value_t = 1000)]
+    iters: usize,
+    /// RandomAccess table: 2^N 64-bit words per rank.
+    #[arg(long, default_value_t = 20)]
+    table_log2: u32,
+    /// Skip RandomAccess verification.
+    #[arg(long)]
+    no_verify: bool,
+    /// JSON lines on stdout (tables go to stderr).
+    #[arg(long)]
+    json: bool,
+}
+
+fn parse_size(s: &str) -> Result<usize, String> {
+    let s = s.trim().to_ascii_lowercase();
+    let (num, mul) = match s.strip_suffix('k') {
+        Some(n) => (n, 1024),
+        None => match s.strip_suffix('m') {
+            Some(n) => (n, 1 << 20),
+            None => (s.as_str(), 1),
+        },
+    };
+    num.parse::<usize>().map(|n| n * mul).map_err(|e| format!("bad size {s:?}: {e}"))
+}
+
+/// What every benchmark needs to know about the run.
+pub struct Ctx {
+    pub rank: u32,
+    pub size: u32,
+    pub hosts: u32,
+    pub job_id: u32,
+    pub iters: usize,
+}
+
+impl Ctx {
+    pub fn row(&self, bench: &str, api: &str, conduit: &str, op: &str, size: usize) -> Row {
+        Row {
+            bench: bench.into(),
+            api: api.into(),
+            conduit: conduit.into(),
+            op: op.into(),
+            size,
+            ranks: self.size,
+            hosts: self.hosts,
+            iters: self.iters,
+            ..Default::default()
+        }
+    }
+}
+
+fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    if !JobInfo::in_job() {
+        let l = Launch {
+            ranks: args.ranks,
+            hosts: args.hosts,
+            program: std::env::current_exe()?.into(),
+            args: std::env::args_os().skip(1).collect(),
+            ..Default::default()
+        };
+        std::process::exit(softnic::job::local::run(&l)?);
+    }
+    let job = JobInfo::from_env()?;
+    let mtu = job.config.as_ref().and_then(|p| Config::load(p).ok()).map_or(1472, |c| c.cluster.mtu);
+    let hosts = std::env::var("SOFTNIC_HOSTS").ok().and_then(|h| h.parse().ok()).unwrap_or(1);
+    let ctx = Ctx { rank: job.rank, size: job.size, hosts, job_id: job.job_id, iters: args.iters };
+    let sel = args.conduit.clone().or(args.api.clone()).unwrap_or_else(|| "all".into());
+    let want = |name: &str| sel == "all" || sel == name;
+    anyhow::ensure!(want("raw-udp") || want("gni"), "unknown --conduit/--api {sel:?}: use raw-udp, gni or all");
+    let mut rows: Vec<Row> = Vec::new();
+    let mut nic = Nic::attach(job).context("attaching to the soft NIC")?;
+    let lat_sizes = args.sizes.clone().unwrap_or_else(|| vec![8, 64, 512, 4096, 32768, 262_144, 1 << 20]);
+    let bw_sizes = args.sizes.clone().unwrap_or_else(|| vec![4096, 65536, 1 << 20]);
+    let max = lat_sizes.iter().chain(&bw_sizes).copied().max().unwrap_or(8).max(8);
+    let (lat, bw, ra) = match args.bench {
+        Bench::Pingpong => (true, false, false),
+        Bench::Bw => (false, true, false),
+        Bench::Randomaccess => (false, false, true),
+        Bench::Compare => (true, true, true),
+    };
+    if (lat || bw) && want("raw-udp") && ctx.size >= 2 && ctx.rank < 2 {
+        let mut pair = raw_udp::Pair::connect(&ctx)?;
+        if lat {
+            for &s in &lat_sizes {
+                rows.extend(raw_udp::pingpong(&ctx, &mut pair, s.min(mtu)));
+            }
+        }
+        if bw {
+            for &s in &bw_sizes {
+                rows.extend(raw_udp::bw(&ctx, &mut pair, s, mtu));
+            }
+        }
+    }
+    if (lat || bw) && want("gni") && ctx.size >= 2 {
+        let b = gni_bench::Bufs::new(&mut nic, max)?;
+        if lat {
+            for &s in &lat_sizes {
+                rows.extend(gni_bench::put_pingpong(&ctx, &mut nic, &b, s)?);
+            }
+            for &s in &lat_sizes {
+                rows.extend(gni_bench::put_blocking(&ctx, &mut nic, &b, s)?);
+            }
+            for &s in &lat_sizes {
+                rows.extend(gni_bench::get(&ctx, &mut nic, &b, s)?);
+            }
+            rows.extend(gni_bench::afadd(&ctx, &mut nic, &b)?);
+        }
+        if bw {
+            for &s in &bw_sizes {
+                rows.extend(gni_bench::put_bw(&ctx, &mut nic, &b, s)?);
+            }
+        }
+    }
+    if ra && want("gni") {
+        rows.extend(randomaccess::run(&ctx, &mut nic, args.table_log2, !args.no_verify)?);
+    }
+    nic.barrier()?;
+    if ctx.rank == 0 {
+        report::print(&rows, args.json);
+    }
+    Ok(())
+}

@@ -1,0 +1,127 @@
+//! HPCC RandomAccess over the NIC: the standard update stream (x ← x·2 ⊕ POLY over GF(2)),
+//! a table of 2^n 64-bit words per rank, 4× as many updates as table words, applied as XOR
+//! updates at the owner by the NIC (AXOR), then verified by replaying the stream (XOR undoes
+//! itself) and counting words that do not hold their initial value.
+
+use std::time::Instant;
+
+use softnic::gni::{Amo, MemRegion, Nic, Remote};
+use softnic::nic::memory::Perms;
+
+use crate::report::Row;
+use crate::Ctx;
+
+const POLY: u64 = 0x7;
+const PERIOD: i64 = 1_317_624_576_693_539_401;
+
+fn step(x: u64) -> u64 {
+    (x << 1) ^ if (x as i64) < 0 { POLY } else { 0 }
+}
+
+/// The n-th element of the update stream, by repeated squaring in GF(2)[x] (HPCC's starts).
+pub fn starts(mut n: i64) -> u64 {
+    while n < 0 {
+        n += PERIOD;
+    }
+    while n > PERIOD {
+        n -= PERIOD;
+    }
+    if n == 0 {
+        return 1;
+    }
+    // m2[i] = x^(2i) mod POLY.
+    let mut m2 = [0u64; 64];
+    let mut t = 1u64;
+    for m in m2.iter_mut() {
+        *m = t;
+        t = step(step(t));
+    }
+    let mut i = 62;
+    while i >= 0 && (n >> i) & 1 == 0 {
+        i -= 1;
+    }
+    let mut ran = 2u64;
+    while i > 0 {
+        let mut sq = 0u64;
+        for (j, m) in m2.iter().enumerate() {
+            if (ran >> j) & 1 == 1 {
+                sq ^= m;
+            }
+        }
+        ran = sq;
+        i -= 1;
+        if (n >> i) & 1 == 1 {
+            ran = step(ran);
+        }
+    }
+    ran
+}
+
+/// Applies this rank's share of the update stream once.
+fn updates(ctx: &Ctx, nic: &mut Nic, table: &MemRegion, log_local: u32) -> anyhow::Result<()> {
+    let local = 1u64 << log_local;
+    let global_mask = local * ctx.size as u64 - 1;
+    let mut ran = starts((4 * local * ctx.rank as u64) as i64);
+    for _ in 0..4 * local {
+        ran = step(ran);
+        let idx = ran & global_mask;
+        let owner = (idx >> log_local) as u32;
+        let off = (idx & (local - 1)) * 8;
+        if owner == ctx.rank {
+            table.word(off as usize).fetch_xor(ran, std::sync::atomic::Ordering::Relaxed);
+        } else {
+            nic.amo_nbi(Amo::Axor, Remote { rank: owner, handle: table.handle, offset: off }, ran, 0)?;
+        }
+    }
+    nic.gsync_wait()?;
+    Ok(())
+}
+
+pub fn run(ctx: &Ctx, nic: &mut Nic, log_local: u32, verify: bool) -> anyhow::Result<Option<Row>> {
+    anyhow::ensure!(ctx.size.is_power_of_two(), "RandomAccess needs a power-of-two number of ranks");
+    let local = 1usize << log_local;
+    let table = nic.mem_register(local * 8, Perms::READ_WRITE)?;
+    let errs = nic.mem_register(8, Perms::READ_WRITE)?;
+    let base = local as u64 * ctx.rank as u64;
+    for i in 0..local {
+        table.word(i * 8).store(base + i as u64, std::sync::atomic::Ordering::Relaxed);
+    }
+    nic.barrier()?;
+    let t = Instant::now();
+    updates(ctx, nic, &table, log_local)?;
+    nic.barrier()?;
+    let secs = t.elapsed().as_secs_f64();
+    let mut errors = None;
+    if verify {
+        updates(ctx, nic, &table, log_local)?;
+        nic.barrier()?;
+        let bad = (0..local).filter(|&i| table.read_u64(i * 8) != base + i as u64).count() as u64;
+        nic.amo(Amo::Aadd, Remote { rank: 0, handle: errs.handle, offset: 0 }, bad, 0)?;
+        nic.barrier()?;
+        errors = Some(errs.read_u64(0));
+    }
+    let total = 4 * local as u64 * ctx.size as u64;
+    Ok((ctx.rank == 0).then(|| {
+        let mut r = ctx.row("randomaccess", "gni", "gni", "axor", local * 8);
+        r.iters = total as usize;
+        r.gups = Some(total as f64 / secs / 1e9);
+        r.mops = Some(total as f64 / secs / 1e6);
+        r.errors = errors;
+        r.variant = Some("nic-amo".into());
+        r
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn starts_jumps_match_stepping() {
+        let mut x = 1u64;
+        for n in 0..2000i64 {
+            assert_eq!(starts(n), x, "n = {n}");
+            x = step(x);
+        }
+    }
+}

@@ -1,0 +1,179 @@
+//! The floor: two processes with plain UDP sockets, busy-polling, no NIC in between.
+
+use std::net::{SocketAddr, UdpSocket};
+use std::time::{Duration, Instant};
+
+use crate::report::{median_p99, Row};
+use crate::Ctx;
+
+/// A connected pair of sockets between ranks 0 and 1 of the job.
+pub struct Pair {
+    sock: UdpSocket,
+    peer: SocketAddr,
+    buf: Vec<u8>,
+}
+
+fn addr(job: u32, rank: u32) -> SocketAddr {
+    // A port derived from the job id, so that concurrent jobs do not collide.
+    let port = 30_000 + (job % 15_000) as u16 * 2 + rank as u16;
+    SocketAddr::from(([127, 0, 1, 10 + rank as u8], port))
+}
+
+impl Pair {
+    pub fn connect(ctx: &Ctx) -> anyhow::Result<Pair> {
+        let me = ctx.rank;
+        let sock = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::DGRAM, None)?;
+        let _ = sock.set_recv_buffer_size(8 << 20);
+        let _ = sock.set_send_buffer_size(8 << 20);
+        sock.bind(&addr(ctx.job_id, me).into())?;
+        let sock: UdpSocket = sock.into();
+        sock.set_nonblocking(true)?;
+        let peer = addr(ctx.job_id, 1 - me);
+        let mut p = Pair { sock, peer, buf: vec![0; 65_536] };
+        // Handshake: rank 1 knocks until rank 0 answers.
+        let t = Instant::now();
+        if me == 1 {
+            loop {
+                p.sock.send_to(b"hello", peer).ok();
+                std::thread::sleep(Duration::from_millis(2));
+                if p.try_recv().is_some() {
+                    break;
+                }
+                anyhow::ensure!(t.elapsed() < Duration::from_secs(10), "raw-udp handshake timed out");
+            }
+        } else {
+            while p.try_recv().is_none() {
+                anyhow::ensure!(t.elapsed() < Duration::from_secs(10), "raw-udp handshake timed out");
+                std::thread::yield_now();
+            }
+            p.sock.send_to(b"hello", peer)?;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+        while p.try_recv().is_some() {}
+        Ok(p)
+    }
+
+    fn try_recv(&mut self) -> Option<usize> {
+        self.sock.recv_from(&mut self.buf).ok().map(|(n, _)| n)
+    }
+
+    fn recv_timeout(&mut self, d: Duration) -> Option<usize> {
+        let t = Instant::now();
+        while t.elapsed() < d {
+            if let Some(n) = self.try_recv() {
+                return Some(n);
+            }
+            std::hint::spin_loop();
+        }
+        None
+    }
+}
+
+/// Half round trip of a spinning ping-pong of `size`-byte datagrams.
+pub fn pingpong(ctx: &Ctx, p: &mut Pair, size: usize) -> Option<Row> {
+    let size = size.clamp(1, 65_000);
+    let msg = vec![0x5au8; size];
+    let warm = ctx.iters / 10 + 10;
+    let mut samples = Vec::with_capacity(ctx.iters);
+    for i in 0..warm + ctx.iters {
+        if ctx.rank == 0 {
+            let t = Instant::now();
+            p.sock.send_to(&msg, p.peer).ok();
+            if p.recv_timeout(Duration::from_millis(200)).is_none() {
+                continue; // a lost datagram: no sample
+            }
+            if i >= warm {
+                samples.push(t.elapsed().as_secs_f64() * 1e6 / 2.0);
+            }
+        } else {
+            if p.recv_timeout(Duration::from_millis(500)).is_none() {
+                continue;
+            }
+            p.sock.send_to(&msg, p.peer).ok();
+        }
+    }
+    // Drain strays before the next size.
+    std::thread::sleep(Duration::from_millis(10));
+    while p.try_recv().is_some() {}
+    if ctx.rank != 0 {
+        return None;
+    }
+    let (med, p99) = median_p99(&mut samples);
+    Some(Row { lat_us: Some(med), lat_us_p99: Some(p99), ..ctx.row("pingpong", "raw-udp", "raw-udp", "pingpong", size) })
+}
+
+const DATA: u8 = 1;
+const DONE: u8 = 2;
+const COUNT: u8 = 3;
+
+/// Streams `size` bytes in datagrams of `mtu` bytes per round; rank 1 reports how many bytes
+/// arrived when asked. MB/s counts only bytes that arrived.
+pub fn bw(ctx: &Ctx, p: &mut Pair, size: usize, mtu: usize) -> Option<Row> {
+    let per = size.div_ceil(mtu).max(1);
+    let rounds = (crate::gni_bench::bw_iters(ctx.iters, size) / 4).max(5);
+    if ctx.rank == 0 {
+        let mut chunk = vec![0u8; mtu.max(17)];
+        let mut delivered = 0u64;
+        let t = Instant::now();
+        for r in 0..rounds as u64 {
+            for k in 0..per {
+                let n = if k + 1 == per { size - k * mtu } else { mtu }.max(9);
+                chunk[0] = DATA;
+                chunk[1..9].copy_from_slice(&r.to_le_bytes());
+                while p.sock.send_to(&chunk[..n], p.peer).is_err() {
+                    std::hint::spin_loop();
+                }
+            }
+            // Ask for the count until it comes (the request or the answer may be lost).
+            loop {
+                let mut d = [DONE; 9];
+                d[1..9].copy_from_slice(&r.to_le_bytes());
+                p.sock.send_to(&d, p.peer).ok();
+                if let Some(n) = p.recv_timeout(Duration::from_millis(50)) {
+                    if n >= 17 && p.buf[0] == COUNT && p.buf[1..9] == r.to_le_bytes() {
+                        delivered += u64::from_le_bytes(p.buf[9..17].try_into().unwrap());
+                        break;
+                    }
+                }
+            }
+        }
+        let secs = t.elapsed().as_secs_f64();
+        let mut row = ctx.row("bw", "raw-udp", "raw-udp", "stream", size);
+        row.iters = rounds;
+        row.mb_s = Some(delivered as f64 / secs / 1e6);
+        Some(row)
+    } else {
+        let mut got = 0u64;
+        let mut round = 0u64;
+        let mut answer = [COUNT; 17];
+        while round < rounds as u64 {
+            let Some(n) = p.recv_timeout(Duration::from_secs(10)) else { break };
+            if n < 9 {
+                continue;
+            }
+            let r = u64::from_le_bytes(p.buf[1..9].try_into().unwrap());
+            match p.buf[0] {
+                DATA if r == round => got += n as u64,
+                DONE if r == round => {
+                    answer[1..9].copy_from_slice(&r.to_le_bytes());
+                    answer[9..17].copy_from_slice(&got.to_le_bytes());
+                    p.sock.send_to(&answer, p.peer).ok();
+                    got = 0;
+                    round += 1;
+                }
+                DONE if r + 1 == round => {
+                    p.sock.send_to(&answer, p.peer).ok();
+                }
+                _ => {}
+            }
+        }
+        // Linger to repeat the final answer if it was lost.
+        let t = Instant::now();
+        while t.elapsed() < Duration::from_millis(200) {
+            if p.try_recv().is_some() {
+                p.sock.send_to(&answer, p.peer).ok();
+            }
+        }
+        None
+    }
+}

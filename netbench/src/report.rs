@@ -1,0 +1,82 @@
+//! Result rows: JSON lines on stdout (with `--json`) and a human table.
+
+use serde::Serialize;
+
+#[derive(Debug, Clone, Serialize, Default)]
+pub struct Row {
+    pub bench: String,
+    pub api: String,
+    pub conduit: String,
+    pub op: String,
+    pub size: usize,
+    pub ranks: u32,
+    pub hosts: u32,
+    pub iters: usize,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub lat_us: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub lat_us_p99: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub mb_s: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub mops: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub gups: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub errors: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub variant: Option<String>,
+}
+
+/// Median and 99th percentile of samples (µs), sorting them in place.
+pub fn median_p99(samples: &mut [f64]) -> (f64, f64) {
+    samples.sort_by(|a, b| a.total_cmp(b));
+    let n = samples.len();
+    if n == 0 {
+        return (f64::NAN, f64::NAN);
+    }
+    let med = if n % 2 == 1 { samples[n / 2] } else { (samples[n / 2 - 1] + samples[n / 2]) / 2.0 };
+    (med, samples[((n as f64 * 0.99).ceil() as usize).clamp(1, n) - 1])
+}
+
+fn opt(v: Option<f64>, prec: usize) -> String {
+    v.map_or("-".into(), |x| format!("{x:.prec$}"))
+}
+
+pub fn print(rows: &[Row], json: bool) {
+    if json {
+        for r in rows {
+            println!("{}", serde_json::to_string(r).expect("row serialises"));
+        }
+    }
+    let mut t = String::new();
+    t += &format!(
+        "{:<13} {:<8} {:<8} {:<13} {:>9} {:>10} {:>10} {:>10} {:>9} {:>9} {:>6}\n",
+        "bench", "api", "conduit", "op", "size", "lat_us", "p99_us", "MB/s", "Mops", "GUP/s", "errors"
+    );
+    for r in rows {
+        let op = match &r.variant {
+            Some(v) => format!("{}:{v}", r.op),
+            None => r.op.clone(),
+        };
+        t += &format!(
+            "{:<13} {:<8} {:<8} {:<13} {:>9} {:>10} {:>10} {:>10} {:>9} {:>9} {:>6}\n",
+            r.bench,
+            r.api,
+            r.conduit,
+            op,
+            r.size,
+            opt(r.lat_us, 2),
+            opt(r.lat_us_p99, 2),
+            opt(r.mb_s, 1),
+            opt(r.mops, 3),
+            opt(r.gups, 5),
+            r.errors.map_or("-".into(), |e| e.to_string())
+        );
+    }
+    if json {
+        eprint!("{t}");
+    } else {
+        print!("{t}");
+    }
+}
