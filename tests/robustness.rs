@@ -104,7 +104,7 @@ fn garbage_datagrams_are_dropped_and_counted() {
     let mut t = softnic::transport::Transport::new(1, 2, softnic::wire::Key([9; 32]), Default::default(), 1);
     let op = softnic::wire::OpRef::PutAck { h: Default::default(), status: Status::Ok };
     t.push_op(0, &op).unwrap();
-    t.flush();
+    t.flush(0);
     let forged = t.poll_transmit(0).unwrap().1.to_vec();
     s.send_to(&forged, target).unwrap();
     let deadline = Instant::now() + Duration::from_secs(5);

@@ -43,7 +43,7 @@ fn run(hosts: &mut [Host; 2], net: &mut SimNet, mut until: impl FnMut(&[Host; 2]
     let mut now = 0;
     while !until(hosts) && now < 120_000_000_000 {
         for i in 0..2 {
-            hosts[i].t.flush();
+            hosts[i].t.flush(now);
             hosts[i].t.handle_timeout(now);
             while let Some((to, d)) = hosts[i].t.poll_transmit(now) {
                 let d = d.to_vec();
@@ -88,7 +88,7 @@ fn amos_and_puts_apply_exactly_once_under_loss_duplication_reordering() {
             let req = hosts[0].init.start(Pending { session: 0, client_req: n + i, host: 1, kind: PendingKind::Put });
             let data = [(i % 251) as u8; 24];
             let off = 8 + (i % 1000) * 24;
-            let put = OpRef::Put { h: OpHeader { req, ..h }, region: 0, offset: off, total_off: off, total_len: 24, last: true, data: &data };
+            let put = OpRef::Put { h: OpHeader { req, ..h }, region: 0, offset: off, total_off: off, total_len: 24, last: true, lazy_ack: false, data: &data };
             hosts[0].t.push_op(1, &put).unwrap();
             if i % 4 == 3 {
                 run(&mut hosts, &mut net, |h| h[0].init.outstanding() == 0);

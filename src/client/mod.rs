@@ -28,7 +28,7 @@ pub enum ClientError {
 
 /// Spins this many polls before yielding, and yields this long before sleeping: a blocking
 /// wake-up costs ~30 µs on these machines, a spinning round trip a few µs.
-const SPIN_POLLS: u32 = 2_000;
+const SPIN_POLLS: u32 = 64;
 const YIELD_FOR: Duration = Duration::from_micros(500);
 
 pub struct Client {

@@ -14,7 +14,7 @@ use crate::config::Config;
 use crate::nic::gemini::{serve, Completion, Initiator, Pending, PendingKind, Reply, TargetAction};
 use crate::nic::memory::{Endpoints, Perms, Region};
 use crate::shm::attach::{self, Request, Response};
-use crate::shm::{Command, CommandKind, CqEntry, Mapping};
+use crate::shm::{Command, CommandKind, CqEntry, Mapping, CMD_IMPLICIT};
 use crate::transport::udp::UdpDriver;
 use crate::transport::{PushError, Transport, TransportConfig, TransportEvent};
 use crate::wire::{AmoOp, OpHeader, OpIter, OpKind, OpRef, Status};
@@ -62,7 +62,7 @@ struct Stream {
 }
 
 enum StreamKind {
-    Put { region: u32, dst_off: u64 },
+    Put { region: u32, dst_off: u64, lazy_ack: bool },
     GetReply,
 }
 
@@ -173,7 +173,7 @@ impl HostNic {
         for peer in 0..self.nhosts {
             self.drain_out(peer);
         }
-        self.transport.flush();
+        self.transport.flush(now);
         while let Some((to, d)) = self.transport.poll_transmit(now) {
             self.driver.send(to, d);
             busy = true;
@@ -324,6 +324,7 @@ impl HostNic {
                         total_off: c.remote_off,
                         total_len: inline.len() as u64,
                         last: off + n == inline.len(),
+                        lazy_ack: c.flags & CMD_IMPLICIT != 0,
                         data: &inline[off..off + n],
                     };
                     if let Err(e) = self.transport.push_op(host, &op) {
@@ -342,7 +343,7 @@ impl HostNic {
             CommandKind::PutFrom => {
                 let req = self.initiator.start(pending(PendingKind::Put));
                 self.out[host as usize].push_back(OutItem::Stream(Stream {
-                    kind: StreamKind::Put { region: c.remote_region, dst_off: c.remote_off },
+                    kind: StreamKind::Put { region: c.remote_region, dst_off: c.remote_off, lazy_ack: c.flags & CMD_IMPLICIT != 0 },
                     h: OpHeader { req, ..h },
                     src: local.expect("checked above"),
                     src_off: c.local_off,
@@ -388,7 +389,7 @@ impl HostNic {
             eps.region(h.job, h.src_rank, c.local_region).and_then(|r| r.check_local(c.local_off, c.len).map(|_| r.clone()))
         };
         fn put<'a>(h: OpHeader, c: &Command, data: &'a [u8]) -> OpRef<'a> {
-            OpRef::Put { h, region: c.remote_region, offset: c.remote_off, total_off: c.remote_off, total_len: data.len() as u64, last: true, data }
+            OpRef::Put { h, region: c.remote_region, offset: c.remote_off, total_off: c.remote_off, total_len: data.len() as u64, last: true, lazy_ack: false, data }
         }
         let action = match c.kind {
             CommandKind::PutInline => serve(&self.endpoints, &put(h, c, inline)),
@@ -433,18 +434,18 @@ impl HostNic {
         };
         let peer = r.peer;
         if let Some(body) = r.body {
-            self.on_body(peer, body);
+            self.on_body(now, peer, body);
         }
         while let Some(b) = self.transport.take_ready(peer) {
-            self.on_body(peer, &b);
+            self.on_body(now, peer, &b);
             self.transport.give_back(b);
         }
     }
 
-    fn on_body(&mut self, peer: u16, body: &[u8]) {
+    fn on_body(&mut self, now: u64, peer: u16, body: &[u8]) {
         for op in OpIter::new(body) {
             match op {
-                Ok(op) => self.on_op(peer, &op),
+                Ok(op) => self.on_op(now, peer, &op),
                 Err(e) => {
                     self.stats.malformed_ops += 1;
                     tracing::warn!(host = %self.name, peer, "malformed op from an authenticated peer: {e}");
@@ -453,7 +454,7 @@ impl HostNic {
         }
     }
 
-    fn on_op(&mut self, peer: u16, op: &OpRef<'_>) {
+    fn on_op(&mut self, now: u64, peer: u16, op: &OpRef<'_>) {
         match op {
             OpRef::Put { .. } | OpRef::Get { .. } | OpRef::Amo { .. } => {
                 match op {
@@ -463,7 +464,7 @@ impl HostNic {
                 }
                 match serve(&self.endpoints, op) {
                     TargetAction::None => {}
-                    TargetAction::Reply(r) => self.send_reply(peer, r),
+                    TargetAction::Reply(r) => self.send_reply(now, peer, r),
                     TargetAction::StreamGet { h, region, offset, len } => {
                         self.out[peer as usize].push_back(OutItem::Stream(Stream {
                             kind: StreamKind::GetReply,
@@ -488,9 +489,13 @@ impl HostNic {
         }
     }
 
-    fn send_reply(&mut self, peer: u16, r: Reply) {
+    fn send_reply(&mut self, now: u64, peer: u16, r: Reply) {
         if self.out[peer as usize].is_empty() {
-            match self.transport.push_op(peer, &r.as_op()) {
+            let pushed = match r {
+                Reply::PutAck { lazy: true, .. } => self.transport.push_op_lazy(peer, &r.as_op(), now),
+                _ => self.transport.push_op(peer, &r.as_op()),
+            };
+            match pushed {
                 Ok(()) => return,
                 Err(PushError::Full(_)) => {}
                 Err(_) => return, // a dead peer is not waiting for answers
@@ -532,13 +537,14 @@ impl HostNic {
                         let last = st.sent + n as u64 == st.len;
                         let data = st.src.bytes(st.src_off + st.sent, n);
                         let op = match st.kind {
-                            StreamKind::Put { region, dst_off } => OpRef::Put {
+                            StreamKind::Put { region, dst_off, lazy_ack } => OpRef::Put {
                                 h: st.h,
                                 region,
                                 offset: dst_off + st.sent,
                                 total_off: dst_off,
                                 total_len: st.len,
                                 last,
+                                lazy_ack,
                                 data,
                             },
                             StreamKind::GetReply => {

@@ -94,10 +94,10 @@ impl Daemon {
                 idle_since = now;
                 continue;
             }
+            // Idle: give the core away at once (ranks usually outnumber cores on the local
+            // default), keep polling by yielding for `spin_us`, then sleep in epoll.
             let idle = now - idle_since;
             if idle < self.spin_ns {
-                std::hint::spin_loop();
-            } else if idle < 4 * self.spin_ns {
                 std::thread::yield_now();
             } else {
                 self.sleep()?;

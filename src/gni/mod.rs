@@ -16,7 +16,7 @@ use std::sync::Arc;
 use crate::client::{Client, ClientError};
 use crate::job::{JobError, JobInfo};
 use crate::nic::memory::Perms;
-use crate::shm::{Command, CommandKind, Mapping};
+use crate::shm::{Command, CommandKind, Mapping, CMD_IMPLICIT};
 use crate::wire::{AmoOp, Status};
 
 pub use crate::wire::AmoOp as Amo;
@@ -264,6 +264,9 @@ impl Nic {
         }
         let req = self.new_req(implicit);
         cmd.client_req = req;
+        if implicit {
+            cmd.flags |= CMD_IMPLICIT;
+        }
         self.outstanding += 1;
         self.client.submit(&cmd, inline)?;
         Ok(req)
@@ -506,15 +509,20 @@ impl Nic {
     }
 }
 
+/// Polls spent spinning before a waiter starts yielding its core. Kept short: on a small
+/// machine the ranks and the daemon outnumber the cores, and a spinning waiter would hold the
+/// core the daemon (or the peer rank) needs to make the progress it waits for.
+const SPIN_BEFORE_YIELD: u64 = 64;
+
 /// Waits for `cond` the adaptive way (spin, then yield), calling `between` now and then.
 pub fn wait_until(mut cond: impl FnMut() -> bool, mut between: impl FnMut()) {
     let mut spins = 0u64;
     while !cond() {
         spins += 1;
-        if spins % 64 == 0 {
+        if spins % 16 == 0 {
             between();
         }
-        if spins < 2_000 {
+        if spins < SPIN_BEFORE_YIELD {
             std::hint::spin_loop();
         } else {
             std::thread::yield_now();

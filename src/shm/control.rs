@@ -63,6 +63,8 @@ pub enum CommandKind {
 pub struct Command {
     pub kind: CommandKind,
     pub amo: u8,
+    /// [`CMD_IMPLICIT`]…
+    pub flags: u8,
     /// Target host index (from the job's rank map).
     pub host: u16,
     pub rank: u32,
@@ -80,7 +82,8 @@ impl Command {
     pub fn encode(&self, b: &mut [u8]) {
         b[0] = self.kind as u8;
         b[1] = self.amo;
-        b[2..4].copy_from_slice(&[0, 0]);
+        b[2] = self.flags;
+        b[3] = 0;
         b[4..6].copy_from_slice(&self.host.to_le_bytes());
         b[6..8].copy_from_slice(&[0, 0]);
         b[8..12].copy_from_slice(&self.rank.to_le_bytes());
@@ -110,6 +113,7 @@ impl Command {
         let c = Command {
             kind,
             amo: b[1],
+            flags: b[2],
             host: get_u16(b, 4),
             rank: get_u32(b, 8),
             remote_region: get_u32(b, 12),
@@ -136,6 +140,9 @@ impl Command {
         Ok((c, inline))
     }
 }
+
+/// Command flag: an implicit (nbi) operation, completed in bulk; its remote ack may be lazy.
+pub const CMD_IMPLICIT: u8 = 1;
 
 /// A completion-queue entry.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

@@ -6,5 +6,5 @@ pub mod attach;
 pub mod control;
 pub mod mapping;
 
-pub use control::{Command, CommandKind, Control, CqEntry, ControlError};
+pub use control::{Command, CommandKind, Control, ControlError, CqEntry, CMD_IMPLICIT};
 pub use mapping::Mapping;

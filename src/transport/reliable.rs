@@ -29,6 +29,8 @@ pub struct TransportConfig {
     pub peer_timeout: u64,
     /// Longest a pure acknowledgement is delayed hoping to piggyback on data.
     pub ack_delay: u64,
+    /// Longest a lazy op (see [`Transport::push_op_lazy`]) waits for company.
+    pub lazy_delay: u64,
 }
 
 impl Default for TransportConfig {
@@ -42,6 +44,7 @@ impl Default for TransportConfig {
             rto_max: 1_000_000_000,
             peer_timeout: 10_000_000_000,
             ack_delay: 100_000,
+            lazy_delay: 50_000,
         }
     }
 }
@@ -105,6 +108,10 @@ struct Peer {
     send_epoch: u32,
     next_seq: u64,
     open: Option<Vec<u8>>,
+    /// The open datagram holds an op that must go out at the next flush.
+    open_eager: bool,
+    /// When the first lazy op entered the open datagram.
+    open_lazy_since: Option<u64>,
     queued: VecDeque<Vec<u8>>,
     inflight: VecDeque<InFlight>,
     highest_sacked: u64,
@@ -127,6 +134,8 @@ impl Peer {
             send_epoch: epoch,
             next_seq: 1,
             open: None,
+            open_eager: false,
+            open_lazy_since: None,
             queued: VecDeque::new(),
             inflight: VecDeque::new(),
             highest_sacked: 0,
@@ -254,8 +263,20 @@ impl Transport {
         }
     }
 
-    /// Appends an op to the datagram being filled for `peer`, sealing it first if full.
+    /// Appends an op to the datagram being filled for `peer`, sealing it first if full; it
+    /// leaves at the next [`Transport::flush`].
     pub fn push_op(&mut self, peer: u16, op: &OpRef<'_>) -> Result<(), PushError> {
+        self.push(peer, op, None)
+    }
+
+    /// Appends an op that is in no hurry (the acknowledgement of an implicit put): it rides
+    /// along with the next eager op to `peer`, or leaves on its own after `lazy_delay`. This
+    /// saves a datagram each way in request/response patterns.
+    pub fn push_op_lazy(&mut self, peer: u16, op: &OpRef<'_>, now: u64) -> Result<(), PushError> {
+        self.push(peer, op, Some(now))
+    }
+
+    fn push(&mut self, peer: u16, op: &OpRef<'_>, lazy: Option<u64>) -> Result<(), PushError> {
         self.can_push(peer)?;
         let len = op.encoded_len();
         let cap = self.body_capacity();
@@ -271,7 +292,14 @@ impl Transport {
             let b = self.buf();
             self.peers[peer as usize].open = Some(b);
         }
-        let b = self.peers[peer as usize].open.as_mut().expect("just opened");
+        let p = &mut self.peers[peer as usize];
+        match lazy {
+            None => p.open_eager = true,
+            Some(now) => {
+                p.open_lazy_since.get_or_insert(now);
+            }
+        }
+        let b = p.open.as_mut().expect("just opened");
         let at = b.len();
         b.resize(at + len, 0);
         op.encode(&mut b[at..]);
@@ -283,13 +311,19 @@ impl Transport {
         if let Some(b) = p.open.take() {
             p.queued.push_back(b);
         }
+        p.open_eager = false;
+        p.open_lazy_since = None;
     }
 
-    /// Seals every partly filled datagram so that it goes out on the next transmit. Call once
-    /// per event-loop turn: ops pushed within one turn share datagrams.
-    pub fn flush(&mut self) {
+    /// Seals partly filled datagrams that hold an eager op or a lazy op past its delay, so
+    /// that they go out on the next transmit. Call once per event-loop turn: ops pushed within
+    /// one turn share datagrams.
+    pub fn flush(&mut self, now: u64) {
         for i in 0..self.peers.len() {
-            self.seal(i as u16);
+            let p = &self.peers[i];
+            if p.open_eager || p.open_lazy_since.is_some_and(|t| now >= t + self.cfg.lazy_delay) {
+                self.seal(i as u16);
+            }
         }
     }
 
@@ -494,6 +528,9 @@ impl Transport {
             if let Some(d) = p.ack_due {
                 at(d);
             }
+            if let Some(t) = p.open_lazy_since {
+                at(t + self.cfg.lazy_delay);
+            }
             if p.dead {
                 continue;
             }
@@ -613,7 +650,7 @@ mod tests {
                 while next[h] <= n && t[h].push_op(1 - h as u16, &op(next[h])).is_ok() {
                     next[h] += 1;
                 }
-                t[h].flush();
+                t[h].flush(now);
                 t[h].handle_timeout(now);
                 while let Some((to, d)) = t[h].poll_transmit(now) {
                     let d = d.to_vec();
@@ -664,7 +701,7 @@ mod tests {
         net.set_down(1, true);
         let mut t = Transport::new(0, 2, Key([1; 32]), cfg(), 5);
         t.push_op(1, &op(1)).unwrap();
-        t.flush();
+        t.flush(0);
         let mut now = 0;
         let mut dead_at = None;
         while now < 2_000_000_000 && dead_at.is_none() {
@@ -685,7 +722,7 @@ mod tests {
         // The peer speaks again: it becomes usable.
         let mut other = Transport::new(1, 2, Key([1; 32]), cfg(), 6);
         other.push_op(0, &op(9)).unwrap();
-        other.flush();
+        other.flush(0);
         let (_, d) = other.poll_transmit(now).unwrap();
         let d = d.to_vec();
         let r = t.on_datagram(now, &d).unwrap();
@@ -700,7 +737,7 @@ mod tests {
         assert!(t.on_datagram(0, &[1, 2, 3]).is_err());
         let mut other = Transport::new(1, 2, Key([2; 32]), cfg(), 6);
         other.push_op(0, &op(1)).unwrap();
-        other.flush();
+        other.flush(0);
         let d = other.poll_transmit(0).unwrap().1.to_vec();
         assert_eq!(t.on_datagram(0, &d).unwrap_err(), WireError::BadTag);
         assert_eq!(t.stats.auth_failures, 1);

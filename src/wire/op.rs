@@ -9,6 +9,9 @@ use super::{get_u32, get_u64, WireError};
 pub const OP_HEADER_LEN: usize = 24;
 /// Flag: the last fragment of a segmented put or get reply.
 pub const FLAG_LAST: u8 = 1;
+/// Flag on a put: its initiator is in no hurry for the ack (an implicit put), so the target
+/// may send it lazily, piggybacked on other traffic.
+pub const FLAG_LAZY_ACK: u8 = 2;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(u8)]
@@ -136,7 +139,7 @@ pub enum OpRef<'a> {
     /// One fragment of a put: `data` goes at `offset`; the whole put covers
     /// `[total_off, total_off + total_len)`, checked on every fragment so a partly
     /// out-of-bounds put changes nothing.
-    Put { h: OpHeader, region: u32, offset: u64, total_off: u64, total_len: u64, last: bool, data: &'a [u8] },
+    Put { h: OpHeader, region: u32, offset: u64, total_off: u64, total_len: u64, last: bool, lazy_ack: bool, data: &'a [u8] },
     PutAck { h: OpHeader, status: Status },
     Get { h: OpHeader, region: u32, offset: u64, len: u64 },
     /// One fragment of a get reply: `data` belongs at `frag_off` within the requested range.
@@ -196,7 +199,8 @@ impl<'a> OpRef<'a> {
         let h = self.header();
         let last = matches!(self, OpRef::Put { last: true, .. } | OpRef::GetReply { last: true, .. });
         buf[0] = self.kind() as u8;
-        buf[1] = if last { FLAG_LAST } else { 0 };
+        let lazy = matches!(self, OpRef::Put { lazy_ack: true, .. });
+        buf[1] = if last { FLAG_LAST } else { 0 } | if lazy { FLAG_LAZY_ACK } else { 0 };
         buf[2..4].copy_from_slice(&(len as u16).to_le_bytes());
         buf[4..8].copy_from_slice(&h.job.to_le_bytes());
         buf[8..12].copy_from_slice(&h.src_rank.to_le_bytes());
@@ -253,6 +257,7 @@ impl<'a> OpRef<'a> {
         }
         let kind = OpKind::from_u8(b[0])?;
         let last = b[1] & FLAG_LAST != 0;
+        let lazy_ack = b[1] & FLAG_LAZY_ACK != 0;
         let len = u16::from_le_bytes([b[2], b[3]]) as usize;
         let fixed_end = OP_HEADER_LEN + kind.fixed_len();
         if len < fixed_end || len > b.len() {
@@ -273,6 +278,7 @@ impl<'a> OpRef<'a> {
                 total_off: get_u64(f, 16),
                 total_len: get_u64(f, 24),
                 last,
+                lazy_ack,
                 data,
             },
             OpKind::PutAck => OpRef::PutAck { h, status: Status::from_u32(get_u32(f, 0)) },
@@ -337,7 +343,7 @@ mod tests {
     fn samples(data: &[u8]) -> Vec<OpRef<'_>> {
         let h = OpHeader { job: 1, src_rank: 2, dst_rank: 3, req: 4 };
         vec![
-            OpRef::Put { h, region: 5, offset: 6, total_off: 6, total_len: 100, last: true, data },
+            OpRef::Put { h, region: 5, offset: 6, total_off: 6, total_len: 100, last: true, lazy_ack: true, data },
             OpRef::PutAck { h, status: Status::OutOfBounds },
             OpRef::Get { h, region: 1, offset: 2, len: 3 },
             OpRef::GetReply { h, status: Status::Ok, frag_off: 9, last: false, data },

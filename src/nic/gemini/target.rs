@@ -8,7 +8,8 @@ use crate::wire::{AmoOp, OpHeader, OpRef, Status};
 /// A small reply op owned by the engine (no borrowed data).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Reply {
-    PutAck { h: OpHeader, status: Status },
+    /// `lazy`: the initiator asked for no hurry (an implicit put).
+    PutAck { h: OpHeader, status: Status, lazy: bool },
     AmoReply { h: OpHeader, status: Status, value: u64 },
     /// A get that failed its checks: a single last reply fragment with no data.
     GetError { h: OpHeader, status: Status },
@@ -17,7 +18,7 @@ pub enum Reply {
 impl Reply {
     pub fn as_op(&self) -> OpRef<'static> {
         match *self {
-            Reply::PutAck { h, status } => OpRef::PutAck { h, status },
+            Reply::PutAck { h, status, .. } => OpRef::PutAck { h, status },
             Reply::AmoReply { h, status, value } => OpRef::AmoReply { h, status, value },
             Reply::GetError { h, status } => OpRef::GetReply { h, status, frag_off: 0, last: true, data: &[] },
         }
@@ -59,13 +60,13 @@ pub fn apply_amo(word: &AtomicU64, op: AmoOp, operand: u64, operand2: u64) -> u6
 /// bounds and permissions; a failing access changes nothing and is answered with its status.
 pub fn serve(eps: &Endpoints, op: &OpRef<'_>) -> TargetAction {
     match *op {
-        OpRef::Put { h, region, offset, total_off, total_len, last, data } => {
+        OpRef::Put { h, region, offset, total_off, total_len, last, lazy_ack, data } => {
             let status = match put_fragment(eps, &h, region, offset, total_off, total_len, data) {
                 Ok(()) => Status::Ok,
                 Err(s) => s,
             };
             if last {
-                TargetAction::Reply(Reply::PutAck { h: reply_header(&h), status })
+                TargetAction::Reply(Reply::PutAck { h: reply_header(&h), status, lazy: lazy_ack })
             } else {
                 TargetAction::None
             }
@@ -131,11 +132,11 @@ mod tests {
     #[test]
     fn put_writes_and_acks_on_last_fragment() {
         let (e, r) = eps();
-        let a = serve(&e, &OpRef::Put { h: h(), region: 0, offset: 3, total_off: 3, total_len: 4, last: false, data: b"ab" });
+        let a = serve(&e, &OpRef::Put { h: h(), region: 0, offset: 3, total_off: 3, total_len: 4, last: false, lazy_ack: false, data: b"ab" });
         assert!(matches!(a, TargetAction::None));
-        let a = serve(&e, &OpRef::Put { h: h(), region: 0, offset: 5, total_off: 3, total_len: 4, last: true, data: b"cd" });
+        let a = serve(&e, &OpRef::Put { h: h(), region: 0, offset: 5, total_off: 3, total_len: 4, last: true, lazy_ack: false, data: b"cd" });
         match a {
-            TargetAction::Reply(Reply::PutAck { h: rh, status }) => {
+            TargetAction::Reply(Reply::PutAck { h: rh, status, .. }) => {
                 assert_eq!(status, Status::Ok);
                 assert_eq!((rh.src_rank, rh.dst_rank, rh.req), (5, 0, 42));
             }
@@ -147,10 +148,10 @@ mod tests {
     #[test]
     fn partly_out_of_bounds_put_writes_nothing() {
         let (e, r) = eps();
-        let a = serve(&e, &OpRef::Put { h: h(), region: 0, offset: 60, total_off: 60, total_len: 8, last: true, data: b"abcd" });
+        let a = serve(&e, &OpRef::Put { h: h(), region: 0, offset: 60, total_off: 60, total_len: 8, last: true, lazy_ack: false, data: b"abcd" });
         assert!(matches!(a, TargetAction::Reply(Reply::PutAck { status: Status::OutOfBounds, .. })));
         assert_eq!(r.bytes(60, 4), &[0; 4]);
-        let a = serve(&e, &OpRef::Put { h: h(), region: 1, offset: 0, total_off: 0, total_len: 1, last: true, data: b"x" });
+        let a = serve(&e, &OpRef::Put { h: h(), region: 1, offset: 0, total_off: 0, total_len: 1, last: true, lazy_ack: false, data: b"x" });
         assert!(matches!(a, TargetAction::Reply(Reply::PutAck { status: Status::Permission, .. })));
     }
 
