@@ -91,6 +91,8 @@ pub struct HostNic {
     cmd_buf: Vec<u8>,
     uid: u32,
     allowed_gid: Option<u32>,
+    /// Hosts this turn sent datagrams to (the daemon reads at once those it serves itself).
+    pub sent_to: Vec<u16>,
     pub stats: HostStats,
 }
 
@@ -141,25 +143,36 @@ impl HostNic {
             cmd_buf: Vec::with_capacity(8192),
             uid: rustix::process::geteuid().as_raw(),
             allowed_gid: cfg.cluster.allowed_gid,
+            sent_to: Vec::new(),
             stats: HostStats::default(),
         })
     }
 
     // ------------------------------------------------------------------ the turn
 
-    /// One pass over everything this host has to do. Returns whether anything happened.
-    pub fn turn(&mut self, now: u64) -> bool {
+    /// One pass over everything this host has to do. `readable` says the socket may hold
+    /// datagrams (epoll said so and it was not drained yet). Returns whether anything happened.
+    pub fn turn(&mut self, now: u64, readable: &mut bool) -> bool {
         let mut busy = false;
         for slot in 0..self.sessions.len() {
             busy |= self.drain_commands(slot);
         }
-        let mut rx = std::mem::take(&mut self.rx);
-        for _ in 0..RX_BUDGET {
-            let Some(n) = self.driver.recv(&mut rx) else { break };
-            busy = true;
-            self.on_datagram(now, &rx[..n]);
+        if *readable {
+            let mut rx = std::mem::take(&mut self.rx);
+            let mut drained = true;
+            for _ in 0..RX_BUDGET {
+                let Some(n) = self.driver.recv(&mut rx) else {
+                    drained = true;
+                    break;
+                };
+                drained = false;
+                busy = true;
+                self.on_datagram(now, &rx[..n]);
+            }
+            // Edge-triggered readiness: only a recv that found nothing proves the socket empty.
+            *readable = !drained;
+            self.rx = rx;
         }
-        self.rx = rx;
         self.transport.handle_timeout(now);
         while let Some(ev) = self.transport.poll_event() {
             match ev {
@@ -174,8 +187,12 @@ impl HostNic {
             self.drain_out(peer);
         }
         self.transport.flush(now);
+        self.sent_to.clear();
         while let Some((to, d)) = self.transport.poll_transmit(now) {
             self.driver.send(to, d);
+            if !self.sent_to.contains(&to) {
+                self.sent_to.push(to);
+            }
             busy = true;
         }
         busy |= !self.completions.is_empty();

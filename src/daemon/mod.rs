@@ -43,6 +43,10 @@ pub struct Daemon {
     clock: Instant,
     spin_ns: u64,
     stop: Arc<AtomicBool>,
+    /// Per host: its socket may hold datagrams.
+    readable: Vec<bool>,
+    /// Host index (of the config) → position in `hosts`, for the hosts this process serves.
+    served: Vec<Option<usize>>,
 }
 
 impl Daemon {
@@ -68,6 +72,8 @@ impl Daemon {
             hosts,
             clock: Instant::now(),
             spin_ns: cfg.cluster.spin_us * 1000,
+            readable: vec![true; indices.len()],
+            served: (0..cfg.hosts.len() as u16).map(|h| indices.iter().position(|&i| i == h)).collect(),
             stop,
         })
     }
@@ -79,18 +85,26 @@ impl Daemon {
     /// Runs until `stop` is set.
     pub fn run(&mut self) -> Result<(), DaemonError> {
         let mut idle_since = self.now();
-        let mut turns = 0u64;
+        let mut busy_turns = 0u64;
         while !self.stop.load(Ordering::Relaxed) {
-            turns += 1;
-            if turns % 32 == 0 {
-                self.poll_events(Some(Duration::ZERO))?;
-            }
             let now = self.now();
             let mut busy = false;
-            for h in &mut self.hosts {
-                busy |= h.turn(now);
+            for k in 0..self.hosts.len() {
+                busy |= self.hosts[k].turn(now, &mut self.readable[k]);
+                // Loopback to a host of this process: the datagram is in its socket already.
+                for &to in &self.hosts[k].sent_to {
+                    if let Some(j) = self.served.get(to as usize).copied().flatten() {
+                        self.readable[j] = true;
+                    }
+                }
             }
-            if busy {
+            busy_turns = if busy { busy_turns + 1 } else { 0 };
+            if busy && busy_turns % 64 != 0 {
+                idle_since = now;
+                continue;
+            }
+            // Nothing to do (or a long busy stretch): ask epoll what arrived.
+            if self.poll_events(Some(Duration::ZERO))? || busy {
                 idle_since = now;
                 continue;
             }
@@ -117,6 +131,7 @@ impl Daemon {
             let next = self.hosts.iter().filter_map(|h| h.transport.next_timeout()).min();
             let wait = next.map_or(50_000_000, |t| t.saturating_sub(now)).min(50_000_000);
             self.poll_events(Some(Duration::from_nanos(wait)))?;
+            self.readable.iter_mut().for_each(|r| *r = true);
         }
         for h in &self.hosts {
             h.set_sleeping(false);
@@ -124,17 +139,19 @@ impl Daemon {
         Ok(())
     }
 
-    fn poll_events(&mut self, timeout: Option<Duration>) -> Result<(), DaemonError> {
+    /// Handles ready events; returns whether there were any.
+    fn poll_events(&mut self, timeout: Option<Duration>) -> Result<bool, DaemonError> {
         match self.poll.poll(&mut self.events, timeout) {
             Ok(()) => {}
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => return Ok(()),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => return Ok(false),
             Err(e) => return Err(e.into()),
         }
         let tokens: Vec<usize> = self.events.iter().map(|e| e.token().0).collect();
+        let any = !tokens.is_empty();
         for t in tokens {
             let (k, kind) = (t / STRIDE, t % STRIDE);
             match kind {
-                0 => {} // datagrams are drained every turn
+                0 => self.readable[k] = true,
                 1 => {
                     for slot in self.hosts[k].accept() {
                         let fd = self.hosts[k].sessions[slot].as_ref().map(|s| s.sock.as_raw_fd());
@@ -157,7 +174,7 @@ impl Daemon {
                 }
             }
         }
-        Ok(())
+        Ok(any)
     }
 
     fn session_readable(&mut self, k: usize, slot: usize) -> Result<(), DaemonError> {

@@ -514,9 +514,13 @@ impl Nic {
 /// core the daemon (or the peer rank) needs to make the progress it waits for.
 const SPIN_BEFORE_YIELD: u64 = 64;
 
-/// Waits for `cond` the adaptive way (spin, then yield), calling `between` now and then.
+/// After this long a waiter stops yielding and naps, leaving the cores to those at work.
+const YIELD_FOR: std::time::Duration = std::time::Duration::from_millis(1);
+
+/// Waits for `cond` the adaptive way (spin, then yield, then nap), calling `between` now and then.
 pub fn wait_until(mut cond: impl FnMut() -> bool, mut between: impl FnMut()) {
     let mut spins = 0u64;
+    let mut since: Option<std::time::Instant> = None;
     while !cond() {
         spins += 1;
         if spins % 16 == 0 {
@@ -524,8 +528,10 @@ pub fn wait_until(mut cond: impl FnMut() -> bool, mut between: impl FnMut()) {
         }
         if spins < SPIN_BEFORE_YIELD {
             std::hint::spin_loop();
-        } else {
+        } else if since.get_or_insert_with(std::time::Instant::now).elapsed() < YIELD_FOR {
             std::thread::yield_now();
+        } else {
+            std::thread::sleep(std::time::Duration::from_micros(50));
         }
     }
 }
