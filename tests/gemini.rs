@@ -269,3 +269,30 @@ fn afadd_small(nic: &mut Nic) {
     }
     nic.barrier().unwrap();
 }
+
+#[test]
+fn amo_scatter_applies_every_update_once() {
+    if in_job() {
+        let mut nic = init();
+        let mem = nic.mem_register(1 << 16, Perms::READ_WRITE).unwrap();
+        nic.barrier().unwrap();
+        let peer = (nic.rank() + 1) % nic.size();
+        // 3000 AADDs over 100 words (larger than one command and one datagram), twice.
+        let ups: Vec<(u64, u64)> = (0..3000u64).map(|i| ((i % 100) * 8, i)).collect();
+        nic.amo_scatter_nbi(Amo::Aadd, peer, mem.handle, &ups).unwrap();
+        nic.amo_scatter_nbi(Amo::Aadd, peer, mem.handle, &ups).unwrap();
+        nic.gsync_wait().unwrap();
+        // A bad pair fails the vector; the good pairs before it are applied.
+        nic.amo_scatter_nbi(Amo::Aor, peer, mem.handle, &[(1 << 20, 1)]).unwrap();
+        expect_remote(nic.gsync_wait(), Status::OutOfBounds);
+        assert!(nic.amo_scatter_nbi(Amo::Afadd, peer, mem.handle, &[(0, 1)]).is_err(), "fetching AMOs are refused");
+        nic.barrier().unwrap();
+        for w in 0..100u64 {
+            let want: u64 = (0..3000u64).filter(|i| i % 100 == w).sum::<u64>() * 2;
+            assert_eq!(mem.read_u64(w as usize * 8), want, "word {w}");
+        }
+        nic.barrier().unwrap();
+        return;
+    }
+    launch_ok("amo_scatter_applies_every_update_once", 2, 2, &[]);
+}

@@ -160,7 +160,9 @@ fn main() -> anyhow::Result<()> {
         }
     }
     if ra && want("gni") {
-        rows.extend(randomaccess::run(&ctx, &mut nic, args.table_log2, !args.no_verify)?);
+        for v in [randomaccess::Variant::NicAmo, randomaccess::Variant::NicAmoBucketed] {
+            rows.extend(randomaccess::run(&ctx, &mut nic, args.table_log2, !args.no_verify, v)?);
+        }
     }
     nic.barrier()?;
     if ctx.rank == 0 {

@@ -57,11 +57,33 @@ pub fn starts(mut n: i64) -> u64 {
     ran
 }
 
+/// How updates reach a remote owner.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Variant {
+    /// One NIC AXOR per update.
+    NicAmo,
+    /// Updates bucketed per owner (as HPCC's MPI version buckets them) and sent as vector
+    /// AXORs of `BUCKET` updates, applied by the owner's NIC.
+    NicAmoBucketed,
+}
+
+impl Variant {
+    pub fn name(self) -> &'static str {
+        match self {
+            Variant::NicAmo => "nic-amo",
+            Variant::NicAmoBucketed => "nic-amo-bucketed",
+        }
+    }
+}
+
+const BUCKET: usize = 256;
+
 /// Applies this rank's share of the update stream once.
-fn updates(ctx: &Ctx, nic: &mut Nic, table: &MemRegion, log_local: u32) -> anyhow::Result<()> {
+fn updates(ctx: &Ctx, nic: &mut Nic, table: &MemRegion, log_local: u32, v: Variant) -> anyhow::Result<()> {
     let local = 1u64 << log_local;
     let global_mask = local * ctx.size as u64 - 1;
     let mut ran = starts((4 * local * ctx.rank as u64) as i64);
+    let mut buckets: Vec<Vec<(u64, u64)>> = (0..ctx.size).map(|_| Vec::with_capacity(BUCKET)).collect();
     for _ in 0..4 * local {
         ran = step(ran);
         let idx = ran & global_mask;
@@ -69,31 +91,47 @@ fn updates(ctx: &Ctx, nic: &mut Nic, table: &MemRegion, log_local: u32) -> anyho
         let off = (idx & (local - 1)) * 8;
         if owner == ctx.rank {
             table.word(off as usize).fetch_xor(ran, std::sync::atomic::Ordering::Relaxed);
-        } else {
-            nic.amo_nbi(Amo::Axor, Remote { rank: owner, handle: table.handle, offset: off }, ran, 0)?;
+            continue;
+        }
+        match v {
+            Variant::NicAmo => nic.amo_nbi(Amo::Axor, Remote { rank: owner, handle: table.handle, offset: off }, ran, 0)?,
+            Variant::NicAmoBucketed => {
+                let b = &mut buckets[owner as usize];
+                b.push((off, ran));
+                if b.len() == BUCKET {
+                    nic.amo_scatter_nbi(Amo::Axor, owner, table.handle, b)?;
+                    b.clear();
+                }
+            }
+        }
+    }
+    for (owner, b) in buckets.iter().enumerate() {
+        if !b.is_empty() {
+            nic.amo_scatter_nbi(Amo::Axor, owner as u32, table.handle, b)?;
         }
     }
     nic.gsync_wait()?;
     Ok(())
 }
 
-pub fn run(ctx: &Ctx, nic: &mut Nic, log_local: u32, verify: bool) -> anyhow::Result<Option<Row>> {
+pub fn run(ctx: &Ctx, nic: &mut Nic, log_local: u32, verify: bool, v: Variant) -> anyhow::Result<Option<Row>> {
     anyhow::ensure!(ctx.size.is_power_of_two(), "RandomAccess needs a power-of-two number of ranks");
     let local = 1usize << log_local;
     let table = nic.mem_register(local * 8, Perms::READ_WRITE)?;
     let errs = nic.mem_register(8, Perms::READ_WRITE)?;
+    nic.barrier()?;
     let base = local as u64 * ctx.rank as u64;
     for i in 0..local {
         table.word(i * 8).store(base + i as u64, std::sync::atomic::Ordering::Relaxed);
     }
     nic.barrier()?;
     let t = Instant::now();
-    updates(ctx, nic, &table, log_local)?;
+    updates(ctx, nic, &table, log_local, v)?;
     nic.barrier()?;
     let secs = t.elapsed().as_secs_f64();
     let mut errors = None;
     if verify {
-        updates(ctx, nic, &table, log_local)?;
+        updates(ctx, nic, &table, log_local, v)?;
         nic.barrier()?;
         let bad = (0..local).filter(|&i| table.read_u64(i * 8) != base + i as u64).count() as u64;
         nic.amo(Amo::Aadd, Remote { rank: 0, handle: errs.handle, offset: 0 }, bad, 0)?;
@@ -107,7 +145,7 @@ pub fn run(ctx: &Ctx, nic: &mut Nic, log_local: u32, verify: bool) -> anyhow::Re
         r.gups = Some(total as f64 / secs / 1e9);
         r.mops = Some(total as f64 / secs / 1e6);
         r.errors = errors;
-        r.variant = Some("nic-amo".into());
+        r.variant = Some(v.name().into());
         r
     }))
 }

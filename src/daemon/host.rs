@@ -283,7 +283,7 @@ impl HostNic {
         match c.kind {
             CommandKind::PutInline | CommandKind::PutFrom => self.stats.cmd_put += 1,
             CommandKind::Get => self.stats.cmd_get += 1,
-            CommandKind::Amo => self.stats.cmd_amo += 1,
+            CommandKind::Amo | CommandKind::AmoScatter => self.stats.cmd_amo += 1,
         }
         if c.host >= self.nhosts {
             self.complete(session, c.client_req, Status::BadRequest, 0);
@@ -375,6 +375,31 @@ impl HostNic {
                 let op = OpRef::Get { h: OpHeader { req, ..h }, region: c.remote_region, offset: c.remote_off, len: c.len };
                 self.push_or_fail(host, req, &op);
             }
+            CommandKind::AmoScatter => {
+                let amo = AmoOp::from_u8(c.amo).expect("decode checked the AMO");
+                let max = OpRef::max_data(OpKind::AmoScatter, self.transport.body_capacity()) / 16 * 16;
+                let frags = inline.len().div_ceil(max).max(1);
+                if self.transport.queued_space(host) < frags + 1 {
+                    return Flow::Backpressure;
+                }
+                let req = self.initiator.start(pending(PendingKind::Amo));
+                let h = OpHeader { req, ..h };
+                let mut chunks = inline.chunks(max).peekable();
+                loop {
+                    let pairs = chunks.next().unwrap_or(&[]);
+                    let last = chunks.peek().is_none();
+                    let op = OpRef::AmoScatter { h, region: c.remote_region, op: amo, last, pairs };
+                    if self.transport.push_op(host, &op).is_err() {
+                        if let Some(done) = self.initiator.complete(req, Status::PeerDead, 0) {
+                            self.completions.push(done);
+                        }
+                        break;
+                    }
+                    if last {
+                        break;
+                    }
+                }
+            }
             CommandKind::Amo => {
                 let amo = AmoOp::from_u8(c.amo).expect("decode checked the AMO");
                 let req = self.initiator.start(pending(PendingKind::Amo));
@@ -427,6 +452,10 @@ impl HostNic {
                     other => other,
                 }
             }
+            CommandKind::AmoScatter => {
+                let op = AmoOp::from_u8(c.amo).expect("decode checked the AMO");
+                serve(&self.endpoints, &OpRef::AmoScatter { h, region: c.remote_region, op, last: true, pairs: inline })
+            }
             CommandKind::Amo => {
                 let op = AmoOp::from_u8(c.amo).expect("decode checked the AMO");
                 serve(&self.endpoints, &OpRef::Amo { h, region: c.remote_region, op, offset: c.remote_off, operand: c.operand, operand2: c.operand2 })
@@ -473,7 +502,7 @@ impl HostNic {
 
     fn on_op(&mut self, now: u64, peer: u16, op: &OpRef<'_>) {
         match op {
-            OpRef::Put { .. } | OpRef::Get { .. } | OpRef::Amo { .. } => {
+            OpRef::Put { .. } | OpRef::Get { .. } | OpRef::Amo { .. } | OpRef::AmoScatter { .. } => {
                 match op {
                     OpRef::Put { .. } => self.stats.served_put += 1,
                     OpRef::Get { .. } => self.stats.served_get += 1,

@@ -132,6 +132,7 @@ pub struct Nic {
     sys: MemRegion,
     bounce: MemRegion,
     barrier_epoch: u64,
+    scatter_buf: Vec<u8>,
 }
 
 /// Request ids with this bit set are implicit (nbi) operations.
@@ -165,6 +166,7 @@ impl Nic {
             sys,
             bounce,
             barrier_epoch: 0,
+            scatter_buf: Vec::new(),
         };
         // Collective wire-up: once it returns, every rank is attached with its library regions.
         nic.barrier_inner(true)?;
@@ -457,6 +459,35 @@ impl Nic {
     pub fn amo_nbi(&mut self, op: AmoOp, dst: Remote, operand: u64, operand2: u64) -> Result<(), GniError> {
         let c = self.amo_cmd(op, dst, operand, operand2)?;
         self.post(c, &[], true).map(|_| ())
+    }
+
+    /// Non-blocking implicit vector of non-fetching AMOs (AADD AAND AOR AXOR) on one rank's
+    /// region: `updates` are `(byte offset, operand)` pairs, applied by the target NIC with
+    /// CPU atomics. One command and one completion for the whole vector: the aggregation that
+    /// bucketed RandomAccess and similar irregular update codes need. Failures surface at
+    /// [`Nic::gsync_wait`].
+    pub fn amo_scatter_nbi(&mut self, op: AmoOp, rank: u32, handle: MemHandle, updates: &[(u64, u64)]) -> Result<(), GniError> {
+        if op.is_fetching() {
+            return Err(GniError::Remote(Status::BadRequest));
+        }
+        let per = (self.client.max_inline() / 16).max(1);
+        let mut buf = std::mem::take(&mut self.scatter_buf);
+        for chunk in updates.chunks(per) {
+            buf.clear();
+            for &(off, v) in chunk {
+                buf.extend_from_slice(&off.to_le_bytes());
+                buf.extend_from_slice(&v.to_le_bytes());
+            }
+            let mut c = self.cmd(CommandKind::AmoScatter, Remote { rank, handle, offset: 0 }, buf.len())?;
+            c.amo = op as u8;
+            let r = self.post(c, &buf, true);
+            if let Err(e) = r {
+                self.scatter_buf = buf;
+                return Err(e);
+            }
+        }
+        self.scatter_buf = buf;
+        Ok(())
     }
 
     pub fn afadd(&mut self, dst: Remote, v: u64) -> Result<u64, GniError> {

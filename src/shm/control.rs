@@ -56,6 +56,9 @@ pub enum CommandKind {
     Get = 3,
     /// A Gemini AMO on the 8-byte word at `remote_off`.
     Amo = 4,
+    /// Non-fetching AMOs on many words of one region: `len` inline bytes of 16-byte
+    /// `(offset, operand)` pairs.
+    AmoScatter = 5,
 }
 
 /// A command descriptor as the client writes it. Decoded from a private copy, never in place.
@@ -108,6 +111,7 @@ impl Command {
             2 => CommandKind::PutFrom,
             3 => CommandKind::Get,
             4 => CommandKind::Amo,
+            5 => CommandKind::AmoScatter,
             k => return Err(ControlError::BadCommand(k)),
         };
         let c = Command {
@@ -125,11 +129,15 @@ impl Command {
             operand: get_u64(b, 56),
             operand2: get_u64(b, 64),
         };
-        if kind == CommandKind::Amo && AmoOp::from_u8(c.amo).is_none() {
-            return Err(ControlError::BadCommand(c.amo));
+        match AmoOp::from_u8(c.amo) {
+            None if kind == CommandKind::Amo || kind == CommandKind::AmoScatter => return Err(ControlError::BadCommand(c.amo)),
+            Some(op) if kind == CommandKind::AmoScatter && (op.is_fetching() || c.len % 16 != 0) => {
+                return Err(ControlError::BadInline(c.len))
+            }
+            _ => {}
         }
         let rest = &b[COMMAND_LEN..];
-        let inline = if kind == CommandKind::PutInline {
+        let inline = if kind == CommandKind::PutInline || kind == CommandKind::AmoScatter {
             if c.len > rest.len() as u64 {
                 return Err(ControlError::BadInline(c.len));
             }

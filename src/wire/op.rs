@@ -22,6 +22,7 @@ pub enum OpKind {
     GetReply = 4,
     Amo = 5,
     AmoReply = 6,
+    AmoScatter = 7,
 }
 
 impl OpKind {
@@ -33,6 +34,7 @@ impl OpKind {
             4 => Self::GetReply,
             5 => Self::Amo,
             6 => Self::AmoReply,
+            7 => Self::AmoScatter,
             _ => return Err(WireError::UnknownOp(v)),
         })
     }
@@ -45,6 +47,7 @@ impl OpKind {
             Self::GetReply => 16,
             Self::Amo => 32,
             Self::AmoReply => 16,
+            Self::AmoScatter => 8,
         }
     }
 }
@@ -146,6 +149,10 @@ pub enum OpRef<'a> {
     GetReply { h: OpHeader, status: Status, frag_off: u64, last: bool, data: &'a [u8] },
     Amo { h: OpHeader, region: u32, op: AmoOp, offset: u64, operand: u64, operand2: u64 },
     AmoReply { h: OpHeader, status: Status, value: u64 },
+    /// A vector of non-fetching AMOs on one region: `pairs` is a run of 16-byte
+    /// `(offset u64, operand u64)`. Answered by one `AmoReply` (value: updates applied) after
+    /// the last fragment, or at once on the first failure.
+    AmoScatter { h: OpHeader, region: u32, op: AmoOp, last: bool, pairs: &'a [u8] },
 }
 
 impl<'a> OpRef<'a> {
@@ -156,7 +163,8 @@ impl<'a> OpRef<'a> {
             | OpRef::Get { h, .. }
             | OpRef::GetReply { h, .. }
             | OpRef::Amo { h, .. }
-            | OpRef::AmoReply { h, .. } => h,
+            | OpRef::AmoReply { h, .. }
+            | OpRef::AmoScatter { h, .. } => h,
         }
     }
 
@@ -168,12 +176,14 @@ impl<'a> OpRef<'a> {
             OpRef::GetReply { .. } => OpKind::GetReply,
             OpRef::Amo { .. } => OpKind::Amo,
             OpRef::AmoReply { .. } => OpKind::AmoReply,
+            OpRef::AmoScatter { .. } => OpKind::AmoScatter,
         }
     }
 
     fn data(&self) -> &'a [u8] {
         match self {
             OpRef::Put { data, .. } | OpRef::GetReply { data, .. } => data,
+            OpRef::AmoScatter { pairs, .. } => pairs,
             _ => &[],
         }
     }
@@ -197,7 +207,10 @@ impl<'a> OpRef<'a> {
     pub fn encode(&self, buf: &mut [u8]) -> usize {
         let len = self.encoded_len();
         let h = self.header();
-        let last = matches!(self, OpRef::Put { last: true, .. } | OpRef::GetReply { last: true, .. });
+        let last = matches!(
+            self,
+            OpRef::Put { last: true, .. } | OpRef::GetReply { last: true, .. } | OpRef::AmoScatter { last: true, .. }
+        );
         buf[0] = self.kind() as u8;
         let lazy = matches!(self, OpRef::Put { lazy_ack: true, .. });
         buf[1] = if last { FLAG_LAST } else { 0 } | if lazy { FLAG_LAZY_ACK } else { 0 };
@@ -246,6 +259,11 @@ impl<'a> OpRef<'a> {
                 put32(f, 4, 0);
                 put64(f, 8, value);
             }
+            OpRef::AmoScatter { region, op, pairs, .. } => {
+                put32(f, 0, region);
+                f[4..8].copy_from_slice(&[op as u8, 0, 0, 0]);
+                f[8..].copy_from_slice(pairs);
+            }
         }
         len
     }
@@ -266,7 +284,7 @@ impl<'a> OpRef<'a> {
         let h = OpHeader { job: get_u32(b, 4), src_rank: get_u32(b, 8), dst_rank: get_u32(b, 12), req: get_u64(b, 16) };
         let f = &b[OP_HEADER_LEN..len];
         let data = &b[fixed_end..len];
-        let has_data = matches!(kind, OpKind::Put | OpKind::GetReply);
+        let has_data = matches!(kind, OpKind::Put | OpKind::GetReply | OpKind::AmoScatter);
         if !has_data && !data.is_empty() {
             return Err(WireError::BadField("trailing bytes after a fixed-size op"));
         }
@@ -299,6 +317,13 @@ impl<'a> OpRef<'a> {
                 operand2: get_u64(f, 24),
             },
             OpKind::AmoReply => OpRef::AmoReply { h, status: Status::from_u32(get_u32(f, 0)), value: get_u64(f, 8) },
+            OpKind::AmoScatter => {
+                let op = AmoOp::from_u8(f[4]).ok_or(WireError::BadField("unknown AMO"))?;
+                if op.is_fetching() || data.len() % 16 != 0 {
+                    return Err(WireError::BadField("AMO scatter: fetching AMO or partial pair"));
+                }
+                OpRef::AmoScatter { h, region: get_u32(f, 0), op, last, pairs: data }
+            }
         };
         Ok((op, len))
     }
@@ -349,6 +374,7 @@ mod tests {
             OpRef::GetReply { h, status: Status::Ok, frag_off: 9, last: false, data },
             OpRef::Amo { h, region: 1, op: AmoOp::Acswap, offset: 8, operand: 1, operand2: 2 },
             OpRef::AmoReply { h, status: Status::Ok, value: u64::MAX },
+            OpRef::AmoScatter { h, region: 2, op: AmoOp::Axor, last: true, pairs: &[7; 32] },
         ]
     }
 

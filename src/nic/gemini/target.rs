@@ -86,6 +86,31 @@ pub fn serve(eps: &Endpoints, op: &OpRef<'_>) -> TargetAction {
             };
             TargetAction::Reply(Reply::AmoReply { h: reply_header(&h), status, value })
         }
+        OpRef::AmoScatter { h, region, op, last, pairs } => {
+            let mut applied = 0u64;
+            let mut status = Status::Ok;
+            match eps.region(h.job, h.dst_rank, region) {
+                Ok(r) => {
+                    for p in pairs.chunks_exact(16) {
+                        let off = u64::from_le_bytes(p[..8].try_into().expect("16-byte chunk"));
+                        let v = u64::from_le_bytes(p[8..].try_into().expect("16-byte chunk"));
+                        match r.atomic(off, Perms::WRITE) {
+                            Ok(w) => {
+                                apply_amo(w, op, v, 0);
+                                applied += 1;
+                            }
+                            Err(s) => status = s,
+                        }
+                    }
+                }
+                Err(s) => status = s,
+            }
+            if last || !status.is_ok() {
+                TargetAction::Reply(Reply::AmoReply { h: reply_header(&h), status, value: applied })
+            } else {
+                TargetAction::None
+            }
+        }
         OpRef::PutAck { .. } | OpRef::GetReply { .. } | OpRef::AmoReply { .. } => TargetAction::None,
     }
 }
