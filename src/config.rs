@@ -28,9 +28,15 @@ use crate::wire::Key;
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
     #[error("cannot read config {path}: {source}")]
-    Read { path: PathBuf, source: std::io::Error },
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("config {path} is not valid TOML for softnic: {source}")]
-    Parse { path: PathBuf, source: toml::de::Error },
+    Parse {
+        path: PathBuf,
+        source: toml::de::Error,
+    },
     #[error("invalid config: {0}")]
     Invalid(String),
 }
@@ -116,15 +122,24 @@ pub struct Config {
 
 impl Config {
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: path.into(), source })?;
-        let mut c: Config = toml::from_str(&text).map_err(|source| ConfigError::Parse { path: path.into(), source })?;
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.into(),
+            source,
+        })?;
+        let mut c: Config = toml::from_str(&text).map_err(|source| ConfigError::Parse {
+            path: path.into(),
+            source,
+        })?;
         c.apply_env();
         c.validate()?;
         Ok(c)
     }
 
     pub fn parse(text: &str) -> Result<Config, ConfigError> {
-        let c: Config = toml::from_str(text).map_err(|source| ConfigError::Parse { path: "<string>".into(), source })?;
+        let c: Config = toml::from_str(text).map_err(|source| ConfigError::Parse {
+            path: "<string>".into(),
+            source,
+        })?;
         c.validate()?;
         Ok(c)
     }
@@ -142,10 +157,16 @@ impl Config {
                 _ => tracing::warn!("ignoring SOFTNIC_TRANSPORT={v}: expected udp or tcp"),
             }
         }
-        if let Some(v) = std::env::var("SOFTNIC_MTU").ok().and_then(|v| v.parse().ok()) {
+        if let Some(v) = std::env::var("SOFTNIC_MTU")
+            .ok()
+            .and_then(|v| v.parse().ok())
+        {
             self.cluster.mtu = v;
         }
-        if let Some(v) = std::env::var("SOFTNIC_PEER_TIMEOUT_MS").ok().and_then(|v| v.parse().ok()) {
+        if let Some(v) = std::env::var("SOFTNIC_PEER_TIMEOUT_MS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+        {
             self.cluster.peer_timeout_ms = v;
         }
         if let Ok(v) = std::env::var("SOFTNIC_RUNTIME_DIR") {
@@ -156,7 +177,10 @@ impl Config {
     pub fn validate(&self) -> Result<(), ConfigError> {
         let bad = |s: String| Err(ConfigError::Invalid(s));
         if self.hosts.is_empty() || self.hosts.len() > 4096 {
-            return bad(format!("{} hosts: need 1 to 4096 [[host]] entries", self.hosts.len()));
+            return bad(format!(
+                "{} hosts: need 1 to 4096 [[host]] entries",
+                self.hosts.len()
+            ));
         }
         if !(576..=65_507).contains(&self.cluster.mtu) {
             return bad(format!("mtu {} outside 576..=65507", self.cluster.mtu));
@@ -168,8 +192,14 @@ impl Config {
             return bad("peer_timeout_ms below 100 would declare healthy peers dead".into());
         }
         for (i, h) in self.hosts.iter().enumerate() {
-            if self.hosts[..i].iter().any(|o| o.name == h.name || o.addr == h.addr) {
-                return bad(format!("host {} (or its address {}) is listed twice", h.name, h.addr));
+            if self.hosts[..i]
+                .iter()
+                .any(|o| o.name == h.name || o.addr == h.addr)
+            {
+                return bad(format!(
+                    "host {} (or its address {}) is listed twice",
+                    h.name, h.addr
+                ));
             }
         }
         if let Some(f) = &self.fault {
@@ -187,11 +217,13 @@ impl Config {
     pub fn key(&self) -> Result<Key, ConfigError> {
         let text = match (&self.cluster.secret, &self.cluster.secret_file) {
             (Some(s), _) => s.clone(),
-            (None, Some(p)) => std::fs::read_to_string(p)
-                .map_err(|e| ConfigError::Invalid(format!("cannot read secret_file {}: {e}", p.display())))?,
+            (None, Some(p)) => std::fs::read_to_string(p).map_err(|e| {
+                ConfigError::Invalid(format!("cannot read secret_file {}: {e}", p.display()))
+            })?,
             (None, None) => return Err(ConfigError::Invalid("no cluster secret".into())),
         };
-        parse_hex_key(text.trim()).ok_or_else(|| ConfigError::Invalid("the cluster secret must be 64 hex digits".into()))
+        parse_hex_key(text.trim())
+            .ok_or_else(|| ConfigError::Invalid("the cluster secret must be 64 hex digits".into()))
     }
 
     pub fn host_index(&self, name: &str) -> Result<u16, ConfigError> {
@@ -203,7 +235,9 @@ impl Config {
     }
 
     pub fn socket_path(&self, host: u16) -> PathBuf {
-        self.cluster.runtime_dir.join(format!("{}.sock", self.hosts[host as usize].name))
+        self.cluster
+            .runtime_dir
+            .join(format!("{}.sock", self.hosts[host as usize].name))
     }
 
     /// The local default: `n` hosts on 127.0.0.2.., fresh secret, its own runtime dir.
@@ -260,7 +294,10 @@ mod tests {
     fn bad_configs_say_what_is_wrong() {
         let c = Config::local_default(2, 7700, "/tmp/x".into());
         let text = c.to_toml().replace("mtu = 8972", "mtu = 10");
-        assert!(Config::parse(&text).unwrap_err().to_string().contains("mtu"));
+        assert!(Config::parse(&text)
+            .unwrap_err()
+            .to_string()
+            .contains("mtu"));
         let text = c.to_toml().replace("[cluster]", "[cluster]\nbogus = 1");
         assert!(Config::parse(&text).is_err());
         let mut c2 = c.clone();

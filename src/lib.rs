@@ -2,12 +2,12 @@
 //!
 //! See DESIGN.md (shared) for the map; each module's doc says what it owns.
 
-pub mod wire;
-pub mod transport;
-pub mod nic;
-pub mod shm;
+pub mod client;
 pub mod config;
 pub mod daemon;
-pub mod client;
 pub mod gni;
 pub mod job;
+pub mod nic;
+pub mod shm;
+pub mod transport;
+pub mod wire;

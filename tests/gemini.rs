@@ -26,19 +26,30 @@ fn put_get_body(nic: &mut Nic) {
         nic.put(remote(peer, mem.handle, off), &data).unwrap();
         // Back into registered memory at another unaligned offset…
         let loff = 5 + i as u64;
-        let id = nic.get_nb(&local, loff, remote(peer, mem.handle, off), size).unwrap();
+        let id = nic
+            .get_nb(&local, loff, remote(peer, mem.handle, off), size)
+            .unwrap();
         nic.sync_wait(id).unwrap();
-        assert_eq!(&local.bytes()[loff as usize..loff as usize + size], &data[..], "get into registered memory, size {size}");
+        assert_eq!(
+            &local.bytes()[loff as usize..loff as usize + size],
+            &data[..],
+            "get into registered memory, size {size}"
+        );
         // …and into a plain buffer (bounce path).
         let mut back = vec![0u8; size];
         nic.get(&mut back, remote(peer, mem.handle, off)).unwrap();
         assert_eq!(back, data, "get into a plain buffer, size {size}");
         // A registered source (BTE path) as well.
         local.bytes()[..size].copy_from_slice(&data);
-        nic.put(remote(peer, mem.handle, off + 1), &local.bytes()[..size]).unwrap();
+        nic.put(remote(peer, mem.handle, off + 1), &local.bytes()[..size])
+            .unwrap();
         nic.barrier().unwrap();
         let want = pattern(size, from as u64 * 100 + i as u64);
-        assert_eq!(&mem.bytes()[off as usize + 1..off as usize + 1 + size], &want[..], "received put, size {size}");
+        assert_eq!(
+            &mem.bytes()[off as usize + 1..off as usize + 1 + size],
+            &want[..],
+            "received put, size {size}"
+        );
         nic.barrier().unwrap();
     }
 }
@@ -87,7 +98,11 @@ fn lock_body(nic: &mut Nic) {
         nic.get(&mut b, counter).unwrap();
         let v = u64::from_le_bytes(b) + 1;
         nic.put(counter, &v.to_le_bytes()).unwrap();
-        assert_eq!(nic.acswap(lock, 0, nic.rank() as u64 + 1).unwrap(), nic.rank() as u64 + 1, "lock held by us");
+        assert_eq!(
+            nic.acswap(lock, 0, nic.rank() as u64 + 1).unwrap(),
+            nic.rank() as u64 + 1,
+            "lock held by us"
+        );
     }
     nic.barrier().unwrap();
     if nic.rank() == 0 {
@@ -111,11 +126,13 @@ fn all_amos_body(nic: &mut Nic) {
     // AXOR from every rank on both hosts into word 0 of every rank.
     for r in 0..nic.size() {
         for k in 0..64u64 {
-            nic.amo_nbi(Amo::Axor, remote(r, mem.handle, 0), (me + 1) << k, 0).unwrap();
+            nic.amo_nbi(Amo::Axor, remote(r, mem.handle, 0), (me + 1) << k, 0)
+                .unwrap();
         }
     }
     nic.barrier().unwrap();
-    let want = (0..nic.size() as u64).fold(0u64, |acc, r| (0..64).fold(acc, |a, k| a ^ ((r + 1) << k)));
+    let want =
+        (0..nic.size() as u64).fold(0u64, |acc, r| (0..64).fold(acc, |a, k| a ^ ((r + 1) << k)));
     assert_eq!(mem.read_u64(0), want);
     nic.barrier().unwrap();
     // Every AMO on the next rank's word 8 + 8*me, checked against its definition.
@@ -179,28 +196,64 @@ fn errors_body(nic: &mut Nic) {
     let peer = (nic.rank() + 1) % nic.size();
     let big = vec![1u8; 10_000];
     // Out of bounds, wholly and partly, FMA and BTE sized: nothing may change.
-    expect_remote(nic.put(remote(peer, rw.handle, 4096), &[1]), Status::OutOfBounds);
-    expect_remote(nic.put(remote(peer, rw.handle, 4090), &[1; 8]), Status::OutOfBounds);
-    expect_remote(nic.put(remote(peer, rw.handle, 0), &big), Status::OutOfBounds);
-    expect_remote(nic.put(remote(peer, rw.handle, u64::MAX - 2), &[1; 8]), Status::OutOfBounds);
+    expect_remote(
+        nic.put(remote(peer, rw.handle, 4096), &[1]),
+        Status::OutOfBounds,
+    );
+    expect_remote(
+        nic.put(remote(peer, rw.handle, 4090), &[1; 8]),
+        Status::OutOfBounds,
+    );
+    expect_remote(
+        nic.put(remote(peer, rw.handle, 0), &big),
+        Status::OutOfBounds,
+    );
+    expect_remote(
+        nic.put(remote(peer, rw.handle, u64::MAX - 2), &[1; 8]),
+        Status::OutOfBounds,
+    );
     let mut buf = [0u8; 16];
-    expect_remote(nic.get(&mut buf, remote(peer, rw.handle, 4088)), Status::OutOfBounds);
-    expect_remote(nic.afadd(remote(peer, rw.handle, 4096), 1), Status::OutOfBounds);
+    expect_remote(
+        nic.get(&mut buf, remote(peer, rw.handle, 4088)),
+        Status::OutOfBounds,
+    );
+    expect_remote(
+        nic.afadd(remote(peer, rw.handle, 4096), 1),
+        Status::OutOfBounds,
+    );
     expect_remote(nic.afadd(remote(peer, rw.handle, 4), 1), Status::BadRequest);
     // Permissions.
-    expect_remote(nic.put(remote(peer, ro.handle, 0), &[1; 8]), Status::Permission);
-    expect_remote(nic.amo(Amo::Aadd, remote(peer, ro.handle, 0), 1, 0), Status::Permission);
-    expect_remote(nic.get(&mut buf, remote(peer, wo.handle, 0)), Status::Permission);
+    expect_remote(
+        nic.put(remote(peer, ro.handle, 0), &[1; 8]),
+        Status::Permission,
+    );
+    expect_remote(
+        nic.amo(Amo::Aadd, remote(peer, ro.handle, 0), 1, 0),
+        Status::Permission,
+    );
+    expect_remote(
+        nic.get(&mut buf, remote(peer, wo.handle, 0)),
+        Status::Permission,
+    );
     expect_remote(nic.afadd(remote(peer, wo.handle, 0), 1), Status::Permission);
     // Unknown handle and rank.
-    expect_remote(nic.put(remote(peer, MemHandle(99), 0), &[1]), Status::NoSuchRegion);
-    assert!(matches!(nic.put(remote(nic.size(), rw.handle, 0), &[1]), Err(GniError::NoSuchRank(..))));
+    expect_remote(
+        nic.put(remote(peer, MemHandle(99), 0), &[1]),
+        Status::NoSuchRegion,
+    );
+    assert!(matches!(
+        nic.put(remote(nic.size(), rw.handle, 0), &[1]),
+        Err(GniError::NoSuchRank(..))
+    ));
     // Implicit failures surface at gsync.
     nic.put_nbi(remote(peer, ro.handle, 0), &[1; 8]).unwrap();
     expect_remote(nic.gsync_wait(), Status::Permission);
     nic.barrier().unwrap();
     for r in [&rw, &ro, &wo] {
-        assert!(r.bytes().iter().all(|&b| b == 0xab), "a failed access changed memory");
+        assert!(
+            r.bytes().iter().all(|&b| b == 0xab),
+            "a failed access changed memory"
+        );
     }
     nic.barrier().unwrap();
 }
@@ -226,7 +279,11 @@ fn self_and_same_host_ops_work() {
         assert_eq!(nic.afadd(remote(me, mem.handle, 200_000), 2).unwrap(), 0);
         // Rank 2 lives on the same host as rank 0 (round-robin over 2 hosts).
         let same = (me + 2) % nic.size();
-        nic.put(remote(same, mem.handle, 300_000 + me as u64 * 8), &[me as u8 + 1; 8]).unwrap();
+        nic.put(
+            remote(same, mem.handle, 300_000 + me as u64 * 8),
+            &[me as u8 + 1; 8],
+        )
+        .unwrap();
         nic.barrier().unwrap();
         assert_eq!(mem.bytes()[300_000 + same as usize * 8], same as u8 + 1);
         nic.barrier().unwrap();
@@ -235,7 +292,14 @@ fn self_and_same_host_ops_work() {
     launch_ok("self_and_same_host_ops_work", 4, 2, &[]);
 }
 
-const FAULTS: &[&str] = &["--fault-drop", "0.1", "--fault-duplicate", "0.05", "--fault-seed", "7"];
+const FAULTS: &[&str] = &[
+    "--fault-drop",
+    "0.1",
+    "--fault-duplicate",
+    "0.05",
+    "--fault-seed",
+    "7",
+];
 
 #[test]
 fn put_get_under_faults() {
@@ -260,12 +324,17 @@ fn afadd_small(nic: &mut Nic) {
     let mem = nic.mem_register(4096, Perms::READ_WRITE).unwrap();
     nic.barrier().unwrap();
     for _ in 0..2_000 {
-        nic.amo_nbi(Amo::Aadd, remote(0, mem.handle, 0), 1, 0).unwrap();
+        nic.amo_nbi(Amo::Aadd, remote(0, mem.handle, 0), 1, 0)
+            .unwrap();
         nic.afadd(remote(1, mem.handle, 0), 1).unwrap();
     }
     nic.barrier().unwrap();
     if nic.rank() < 2 {
-        assert_eq!(mem.read_u64(0), 2_000 * nic.size() as u64, "every AMO applied exactly once");
+        assert_eq!(
+            mem.read_u64(0),
+            2_000 * nic.size() as u64,
+            "every AMO applied exactly once"
+        );
     }
     nic.barrier().unwrap();
 }
@@ -279,13 +348,20 @@ fn amo_scatter_applies_every_update_once() {
         let peer = (nic.rank() + 1) % nic.size();
         // 3000 AADDs over 100 words (larger than one command and one datagram), twice.
         let ups: Vec<(u64, u64)> = (0..3000u64).map(|i| ((i % 100) * 8, i)).collect();
-        nic.amo_scatter_nbi(Amo::Aadd, peer, mem.handle, &ups).unwrap();
-        nic.amo_scatter_nbi(Amo::Aadd, peer, mem.handle, &ups).unwrap();
+        nic.amo_scatter_nbi(Amo::Aadd, peer, mem.handle, &ups)
+            .unwrap();
+        nic.amo_scatter_nbi(Amo::Aadd, peer, mem.handle, &ups)
+            .unwrap();
         nic.gsync_wait().unwrap();
         // A bad pair fails the vector; the good pairs before it are applied.
-        nic.amo_scatter_nbi(Amo::Aor, peer, mem.handle, &[(1 << 20, 1)]).unwrap();
+        nic.amo_scatter_nbi(Amo::Aor, peer, mem.handle, &[(1 << 20, 1)])
+            .unwrap();
         expect_remote(nic.gsync_wait(), Status::OutOfBounds);
-        assert!(nic.amo_scatter_nbi(Amo::Afadd, peer, mem.handle, &[(0, 1)]).is_err(), "fetching AMOs are refused");
+        assert!(
+            nic.amo_scatter_nbi(Amo::Afadd, peer, mem.handle, &[(0, 1)])
+                .is_err(),
+            "fetching AMOs are refused"
+        );
         nic.barrier().unwrap();
         for w in 0..100u64 {
             let want: u64 = (0..3000u64).filter(|i| i % 100 == w).sum::<u64>() * 2;

@@ -19,7 +19,11 @@ fn run(test: &str, n: u32) -> (std::process::ExitStatus, String, u32) {
         .unwrap();
     let pid = child.id();
     let out = child.wait_with_output().unwrap();
-    (out.status, String::from_utf8_lossy(&out.stderr).into_owned(), pid)
+    (
+        out.status,
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+        pid,
+    )
 }
 
 fn leftovers(launcher_pid: u32) -> Vec<String> {
@@ -47,7 +51,11 @@ fn failing_rank_ends_the_job_with_its_status() {
     assert_eq!(st.code(), Some(3), "{err}");
     assert!(err.contains("rank 1 exited with status 3"), "{err}");
     assert!(t.elapsed() < Duration::from_secs(20));
-    assert!(leftovers(pid).is_empty(), "runtime files left: {:?}", leftovers(pid));
+    assert!(
+        leftovers(pid).is_empty(),
+        "runtime files left: {:?}",
+        leftovers(pid)
+    );
 }
 
 #[test]
@@ -55,7 +63,8 @@ fn killed_rank_ends_the_job_naming_it() {
     if in_job() {
         let mut nic = init();
         if nic.rank() == 2 {
-            rustix::process::kill_process(rustix::process::getpid(), rustix::process::Signal::Kill).unwrap();
+            rustix::process::kill_process(rustix::process::getpid(), rustix::process::Signal::Kill)
+                .unwrap();
         }
         nic.barrier().unwrap();
         return;
@@ -80,7 +89,11 @@ fn interrupt_stops_every_rank_and_cleans_up() {
     let mut child = Command::new(env!("CARGO_BIN_EXE_softnic"))
         .args(["run", "-n", "3", "--"])
         .arg(std::env::current_exe().unwrap())
-        .args(["--exact", "interrupt_stops_every_rank_and_cleans_up", "--nocapture"])
+        .args([
+            "--exact",
+            "interrupt_stops_every_rank_and_cleans_up",
+            "--nocapture",
+        ])
         .env("SOFTNIC_TEST_PIDS", &dir)
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
@@ -98,7 +111,10 @@ fn interrupt_stops_every_rank_and_cleans_up() {
     assert!(t.elapsed() < Duration::from_secs(30));
     for e in std::fs::read_dir(&dir).unwrap() {
         let rank_pid: i32 = e.unwrap().file_name().to_string_lossy().parse().unwrap();
-        assert!(!std::path::Path::new(&format!("/proc/{rank_pid}")).exists(), "rank {rank_pid} survived");
+        assert!(
+            !std::path::Path::new(&format!("/proc/{rank_pid}")).exists(),
+            "rank {rank_pid} survived"
+        );
     }
     assert!(leftovers(child.id()).is_empty());
     std::fs::remove_dir_all(&dir).unwrap();

@@ -29,14 +29,18 @@ fn killed_rank_leaves_daemon_serving_the_others() {
         let peer = 1 - nic.rank();
         let t = Instant::now();
         loop {
-            nic.put(remote(peer, mem.handle, 4096), &pattern(3000, 1)).unwrap();
+            nic.put(remote(peer, mem.handle, 4096), &pattern(3000, 1))
+                .unwrap();
             nic.afadd(remote(peer, mem.handle, 16), 1).unwrap();
             match nic.afadd(remote(2, mem.handle, 0), 1) {
                 Ok(_) => {}
                 Err(GniError::Remote(Status::NoSuchEndpoint)) => break,
                 Err(e) => panic!("unexpected error aiming at the killed rank: {e}"),
             }
-            assert!(t.elapsed() < Duration::from_secs(60), "rank 2 never went away");
+            assert!(
+                t.elapsed() < Duration::from_secs(60),
+                "rank 2 never went away"
+            );
         }
         // Both survivors finish a counted exchange: 1000 AFADDs each into rank 0's word 24.
         for _ in 0..1000 {
@@ -54,10 +58,24 @@ fn killed_rank_leaves_daemon_serving_the_others() {
     }
     let d = Daemons::start(2);
     let (job, key) = (4242, 99);
-    let mut ranks: Vec<_> = (0..3).map(|r| d.spawn_rank("killed_rank_leaves_daemon_serving_the_others", r, 3, job, key)).collect();
+    let mut ranks: Vec<_> = (0..3)
+        .map(|r| {
+            d.spawn_rank(
+                "killed_rank_leaves_daemon_serving_the_others",
+                r,
+                3,
+                job,
+                key,
+            )
+        })
+        .collect();
     std::thread::sleep(Duration::from_millis(1500));
     let victim = ranks.pop().unwrap();
-    rustix::process::kill_process(rustix::process::Pid::from_child(&victim), rustix::process::Signal::Kill).unwrap();
+    rustix::process::kill_process(
+        rustix::process::Pid::from_child(&victim),
+        rustix::process::Signal::Kill,
+    )
+    .unwrap();
     let mut victim = victim;
     victim.wait().unwrap();
     for mut r in ranks {
@@ -74,7 +92,11 @@ fn killed_rank_leaves_daemon_serving_the_others() {
         .args(["--exact", "small_job_body", "--nocapture"])
         .output()
         .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 /// A short job used after fault scenarios to show the daemons still work.
@@ -85,7 +107,8 @@ fn small_job_body() {
         let mem = nic.mem_register(4096, Perms::READ_WRITE).unwrap();
         nic.barrier().unwrap();
         let peer = (nic.rank() + 1) % nic.size();
-        nic.put(remote(peer, mem.handle, 0), &[nic.rank() as u8 + 1; 64]).unwrap();
+        nic.put(remote(peer, mem.handle, 0), &[nic.rank() as u8 + 1; 64])
+            .unwrap();
         assert_eq!(nic.afadd(remote(peer, mem.handle, 64), 1).unwrap(), 0);
         nic.barrier().unwrap();
         let from = (nic.rank() + nic.size() - 1) % nic.size();
@@ -99,17 +122,34 @@ fn garbage_datagrams_are_dropped_and_counted() {
     let s = UdpSocket::bind("127.0.0.1:0").unwrap();
     let target = d.cfg.hosts[0].addr;
     // Random bytes, a truncated datagram, and a well-formed one sealed with the wrong secret.
-    s.send_to(&(0..200).map(|i| (i * 37 % 256) as u8).collect::<Vec<_>>(), target).unwrap();
+    s.send_to(
+        &(0..200).map(|i| (i * 37 % 256) as u8).collect::<Vec<_>>(),
+        target,
+    )
+    .unwrap();
     s.send_to(&[0x53, 0x4e, 1], target).unwrap();
-    let mut t = softnic::transport::Transport::new(1, 2, softnic::wire::Key([9; 32]), Default::default(), 1);
-    let op = softnic::wire::OpRef::PutAck { h: Default::default(), status: Status::Ok };
+    let mut t = softnic::transport::Transport::new(
+        1,
+        2,
+        softnic::wire::Key([9; 32]),
+        Default::default(),
+        1,
+    );
+    let op = softnic::wire::OpRef::PutAck {
+        h: Default::default(),
+        status: Status::Ok,
+    };
     t.push_op(0, &op).unwrap();
     t.flush(0);
     let forged = t.poll_transmit(0).unwrap().1.to_vec();
     s.send_to(&forged, target).unwrap();
     let deadline = Instant::now() + Duration::from_secs(5);
     while d.counter("auth_failures") < 1 || d.counter("malformed_datagrams") < 2 {
-        assert!(Instant::now() < deadline, "garbage not counted:\n{}", d.stat());
+        assert!(
+            Instant::now() < deadline,
+            "garbage not counted:\n{}",
+            d.stat()
+        );
         std::thread::sleep(Duration::from_millis(20));
     }
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_softnic"))
@@ -120,7 +160,11 @@ fn garbage_datagrams_are_dropped_and_counted() {
         .args(["--exact", "small_job_body", "--nocapture"])
         .output()
         .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 #[test]
@@ -135,16 +179,24 @@ fn garbage_in_a_command_ring_disconnects_only_that_client() {
         for (i, x) in b[4096..4096 + 4096].iter_mut().enumerate() {
             *x = (i * 131 % 251) as u8;
         }
-        (*(b.as_mut_ptr().add(128) as *const std::sync::atomic::AtomicU64)).store(200, std::sync::atomic::Ordering::SeqCst);
+        (*(b.as_mut_ptr().add(128) as *const std::sync::atomic::AtomicU64))
+            .store(200, std::sync::atomic::Ordering::SeqCst);
     }
     let deadline = Instant::now() + Duration::from_secs(5);
     loop {
         if bad.stat().is_err() {
             break;
         }
-        assert!(Instant::now() < deadline, "the scribbling client was not disconnected");
+        assert!(
+            Instant::now() < deadline,
+            "the scribbling client was not disconnected"
+        );
         std::thread::sleep(Duration::from_millis(20));
     }
-    assert!(good.stat().unwrap().contains("bad_commands             1"), "{}", good.stat().unwrap());
+    assert!(
+        good.stat().unwrap().contains("bad_commands             1"),
+        "{}",
+        good.stat().unwrap()
+    );
     assert_eq!(d.counter("clients "), 1);
 }

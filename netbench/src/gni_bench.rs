@@ -29,14 +29,23 @@ impl Bufs {
         HEAD + self.max + 32
     }
     fn remote(&self, rank: u32, off: usize) -> Remote {
-        Remote { rank, handle: self.mem.handle, offset: off as u64 }
+        Remote {
+            rank,
+            handle: self.mem.handle,
+            offset: off as u64,
+        }
     }
 }
 
 /// Put ping-pong (`op: "put"`): rank 0 puts `size` bytes into rank 1's memory; rank 1 sees them
 /// arrive by polling its own memory (the last 8 bytes carry the iteration) and puts back.
 /// `lat_us` is half the round trip.
-pub fn put_pingpong(ctx: &Ctx, nic: &mut Nic, b: &Bufs, size: usize) -> anyhow::Result<Option<Row>> {
+pub fn put_pingpong(
+    ctx: &Ctx,
+    nic: &mut Nic,
+    b: &Bufs,
+    size: usize,
+) -> anyhow::Result<Option<Row>> {
     let size = size.max(8);
     nic.barrier()?;
     let warm = ctx.iters / 10 + 10;
@@ -49,13 +58,19 @@ pub fn put_pingpong(ctx: &Ctx, nic: &mut Nic, b: &Bufs, size: usize) -> anyhow::
             let t = Instant::now();
             if ctx.rank == 1 {
                 let mem = &b.mem;
-                wait_until(|| u64::from_le_bytes(mem.bytes()[flag..flag + 8].try_into().unwrap()) == i, || nic.progress());
+                wait_until(
+                    || u64::from_le_bytes(mem.bytes()[flag..flag + 8].try_into().unwrap()) == i,
+                    || nic.progress(),
+                );
             }
             b.mem.bytes()[out + size - 8..out + size].copy_from_slice(&i.to_le_bytes());
             nic.put_nbi(b.remote(peer, inn), &b.mem.bytes()[out..out + size])?;
             if ctx.rank == 0 {
                 let mem = &b.mem;
-                wait_until(|| u64::from_le_bytes(mem.bytes()[flag..flag + 8].try_into().unwrap()) == i, || nic.progress());
+                wait_until(
+                    || u64::from_le_bytes(mem.bytes()[flag..flag + 8].try_into().unwrap()) == i,
+                    || nic.progress(),
+                );
                 if i as usize > warm {
                     samples.push(t.elapsed().as_secs_f64() * 1e6 / 2.0);
                 }
@@ -68,7 +83,11 @@ pub fn put_pingpong(ctx: &Ctx, nic: &mut Nic, b: &Bufs, size: usize) -> anyhow::
     nic.barrier()?;
     Ok((ctx.rank == 0).then(|| {
         let (m, p) = median_p99(&mut samples);
-        Row { lat_us: Some(m), lat_us_p99: Some(p), ..ctx.row("pingpong", "gni", "gni", "put", size) }
+        Row {
+            lat_us: Some(m),
+            lat_us_p99: Some(p),
+            ..ctx.row("pingpong", "gni", "gni", "put", size)
+        }
     }))
 }
 
@@ -94,20 +113,33 @@ fn blocking(
     nic.barrier()?;
     Ok((ctx.rank == 0).then(|| {
         let (m, p) = median_p99(&mut samples);
-        Row { lat_us: Some(m), lat_us_p99: Some(p), ..ctx.row("pingpong", "gni", "gni", op, size) }
+        Row {
+            lat_us: Some(m),
+            lat_us_p99: Some(p),
+            ..ctx.row("pingpong", "gni", "gni", op, size)
+        }
     }))
 }
 
-pub fn put_blocking(ctx: &Ctx, nic: &mut Nic, b: &Bufs, size: usize) -> anyhow::Result<Option<Row>> {
+pub fn put_blocking(
+    ctx: &Ctx,
+    nic: &mut Nic,
+    b: &Bufs,
+    size: usize,
+) -> anyhow::Result<Option<Row>> {
     let (out, dst) = (b.out_off(), b.remote(1, b.in_off()));
     let mem = b.mem.clone();
-    blocking(ctx, nic, "put_blocking", size, |nic| Ok(nic.put(dst, &mem.bytes()[out..out + size])?))
+    blocking(ctx, nic, "put_blocking", size, |nic| {
+        Ok(nic.put(dst, &mem.bytes()[out..out + size])?)
+    })
 }
 
 pub fn get(ctx: &Ctx, nic: &mut Nic, b: &Bufs, size: usize) -> anyhow::Result<Option<Row>> {
     let (inn, src) = (b.in_off(), b.remote(1, b.out_off()));
     let mem = b.mem.clone();
-    blocking(ctx, nic, "get", size, |nic| Ok(nic.get(&mut mem.bytes()[inn..inn + size], src)?))
+    blocking(ctx, nic, "get", size, |nic| {
+        Ok(nic.get(&mut mem.bytes()[inn..inn + size], src)?)
+    })
 }
 
 pub fn afadd(ctx: &Ctx, nic: &mut Nic, b: &Bufs) -> anyhow::Result<Option<Row>> {

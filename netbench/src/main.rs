@@ -29,7 +29,10 @@ enum Bench {
 }
 
 #[derive(Parser, Debug)]
-#[command(version, about = "softnic benchmarks: ping-pong, bandwidth, RandomAccess over every API, against raw UDP")]
+#[command(
+    version,
+    about = "softnic benchmarks: ping-pong, bandwidth, RandomAccess over every API, against raw UDP"
+)]
 struct Args {
     #[arg(value_enum)]
     bench: Bench,
@@ -68,7 +71,9 @@ fn parse_size(s: &str) -> Result<usize, String> {
             None => (s.as_str(), 1),
         },
     };
-    num.parse::<usize>().map(|n| n * mul).map_err(|e| format!("bad size {s:?}: {e}"))
+    num.parse::<usize>()
+        .map(|n| n * mul)
+        .map_err(|e| format!("bad size {s:?}: {e}"))
 }
 
 /// What every benchmark needs to know about the run.
@@ -109,17 +114,49 @@ fn main() -> anyhow::Result<()> {
         std::process::exit(softnic::job::local::run(&l)?);
     }
     let job = JobInfo::from_env()?;
-    let mtu = job.config.as_ref().and_then(|p| Config::load(p).ok()).map_or(1472, |c| c.cluster.mtu);
-    let hosts = std::env::var("SOFTNIC_HOSTS").ok().and_then(|h| h.parse().ok()).unwrap_or(1);
-    let ctx = Ctx { rank: job.rank, size: job.size, hosts, job_id: job.job_id, iters: args.iters };
-    let sel = args.conduit.clone().or(args.api.clone()).unwrap_or_else(|| "all".into());
+    let mtu = job
+        .config
+        .as_ref()
+        .and_then(|p| Config::load(p).ok())
+        .map_or(1472, |c| c.cluster.mtu);
+    let hosts = std::env::var("SOFTNIC_HOSTS")
+        .ok()
+        .and_then(|h| h.parse().ok())
+        .unwrap_or(1);
+    let ctx = Ctx {
+        rank: job.rank,
+        size: job.size,
+        hosts,
+        job_id: job.job_id,
+        iters: args.iters,
+    };
+    let sel = args
+        .conduit
+        .clone()
+        .or(args.api.clone())
+        .unwrap_or_else(|| "all".into());
     let want = |name: &str| sel == "all" || sel == name;
-    anyhow::ensure!(want("raw-udp") || want("gni"), "unknown --conduit/--api {sel:?}: use raw-udp, gni or all");
+    anyhow::ensure!(
+        want("raw-udp") || want("gni"),
+        "unknown --conduit/--api {sel:?}: use raw-udp, gni or all"
+    );
     let mut rows: Vec<Row> = Vec::new();
     let mut nic = Nic::attach(job).context("attaching to the soft NIC")?;
-    let lat_sizes = args.sizes.clone().unwrap_or_else(|| vec![8, 64, 512, 4096, 32768, 262_144, 1 << 20]);
-    let bw_sizes = args.sizes.clone().unwrap_or_else(|| vec![4096, 65536, 1 << 20]);
-    let max = lat_sizes.iter().chain(&bw_sizes).copied().max().unwrap_or(8).max(8);
+    let lat_sizes = args
+        .sizes
+        .clone()
+        .unwrap_or_else(|| vec![8, 64, 512, 4096, 32768, 262_144, 1 << 20]);
+    let bw_sizes = args
+        .sizes
+        .clone()
+        .unwrap_or_else(|| vec![4096, 65536, 1 << 20]);
+    let max = lat_sizes
+        .iter()
+        .chain(&bw_sizes)
+        .copied()
+        .max()
+        .unwrap_or(8)
+        .max(8);
     let (lat, bw, ra) = match args.bench {
         Bench::Pingpong => (true, false, false),
         Bench::Bw => (false, true, false),
@@ -160,8 +197,17 @@ fn main() -> anyhow::Result<()> {
         }
     }
     if ra && want("gni") {
-        for v in [randomaccess::Variant::NicAmo, randomaccess::Variant::NicAmoBucketed] {
-            rows.extend(randomaccess::run(&ctx, &mut nic, args.table_log2, !args.no_verify, v)?);
+        for v in [
+            randomaccess::Variant::NicAmo,
+            randomaccess::Variant::NicAmoBucketed,
+        ] {
+            rows.extend(randomaccess::run(
+                &ctx,
+                &mut nic,
+                args.table_log2,
+                !args.no_verify,
+                v,
+            )?);
         }
     }
     nic.barrier()?;

@@ -79,22 +79,40 @@ impl Variant {
 const BUCKET: usize = 256;
 
 /// Applies this rank's share of the update stream once.
-fn updates(ctx: &Ctx, nic: &mut Nic, table: &MemRegion, log_local: u32, v: Variant) -> anyhow::Result<()> {
+fn updates(
+    ctx: &Ctx,
+    nic: &mut Nic,
+    table: &MemRegion,
+    log_local: u32,
+    v: Variant,
+) -> anyhow::Result<()> {
     let local = 1u64 << log_local;
     let global_mask = local * ctx.size as u64 - 1;
     let mut ran = starts((4 * local * ctx.rank as u64) as i64);
-    let mut buckets: Vec<Vec<(u64, u64)>> = (0..ctx.size).map(|_| Vec::with_capacity(BUCKET)).collect();
+    let mut buckets: Vec<Vec<(u64, u64)>> =
+        (0..ctx.size).map(|_| Vec::with_capacity(BUCKET)).collect();
     for _ in 0..4 * local {
         ran = step(ran);
         let idx = ran & global_mask;
         let owner = (idx >> log_local) as u32;
         let off = (idx & (local - 1)) * 8;
         if owner == ctx.rank {
-            table.word(off as usize).fetch_xor(ran, std::sync::atomic::Ordering::Relaxed);
+            table
+                .word(off as usize)
+                .fetch_xor(ran, std::sync::atomic::Ordering::Relaxed);
             continue;
         }
         match v {
-            Variant::NicAmo => nic.amo_nbi(Amo::Axor, Remote { rank: owner, handle: table.handle, offset: off }, ran, 0)?,
+            Variant::NicAmo => nic.amo_nbi(
+                Amo::Axor,
+                Remote {
+                    rank: owner,
+                    handle: table.handle,
+                    offset: off,
+                },
+                ran,
+                0,
+            )?,
             Variant::NicAmoBucketed => {
                 let b = &mut buckets[owner as usize];
                 b.push((off, ran));
@@ -114,15 +132,26 @@ fn updates(ctx: &Ctx, nic: &mut Nic, table: &MemRegion, log_local: u32, v: Varia
     Ok(())
 }
 
-pub fn run(ctx: &Ctx, nic: &mut Nic, log_local: u32, verify: bool, v: Variant) -> anyhow::Result<Option<Row>> {
-    anyhow::ensure!(ctx.size.is_power_of_two(), "RandomAccess needs a power-of-two number of ranks");
+pub fn run(
+    ctx: &Ctx,
+    nic: &mut Nic,
+    log_local: u32,
+    verify: bool,
+    v: Variant,
+) -> anyhow::Result<Option<Row>> {
+    anyhow::ensure!(
+        ctx.size.is_power_of_two(),
+        "RandomAccess needs a power-of-two number of ranks"
+    );
     let local = 1usize << log_local;
     let table = nic.mem_register(local * 8, Perms::READ_WRITE)?;
     let errs = nic.mem_register(8, Perms::READ_WRITE)?;
     nic.barrier()?;
     let base = local as u64 * ctx.rank as u64;
     for i in 0..local {
-        table.word(i * 8).store(base + i as u64, std::sync::atomic::Ordering::Relaxed);
+        table
+            .word(i * 8)
+            .store(base + i as u64, std::sync::atomic::Ordering::Relaxed);
     }
     nic.barrier()?;
     let t = Instant::now();
@@ -133,8 +162,19 @@ pub fn run(ctx: &Ctx, nic: &mut Nic, log_local: u32, verify: bool, v: Variant) -
     if verify {
         updates(ctx, nic, &table, log_local, v)?;
         nic.barrier()?;
-        let bad = (0..local).filter(|&i| table.read_u64(i * 8) != base + i as u64).count() as u64;
-        nic.amo(Amo::Aadd, Remote { rank: 0, handle: errs.handle, offset: 0 }, bad, 0)?;
+        let bad = (0..local)
+            .filter(|&i| table.read_u64(i * 8) != base + i as u64)
+            .count() as u64;
+        nic.amo(
+            Amo::Aadd,
+            Remote {
+                rank: 0,
+                handle: errs.handle,
+                offset: 0,
+            },
+            bad,
+            0,
+        )?;
         nic.barrier()?;
         errors = Some(errs.read_u64(0));
     }

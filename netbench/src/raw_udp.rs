@@ -29,7 +29,11 @@ impl Pair {
         let sock: UdpSocket = sock.into();
         sock.set_nonblocking(true)?;
         let peer = addr(ctx.job_id, 1 - me);
-        let mut p = Pair { sock, peer, buf: vec![0; 65_536] };
+        let mut p = Pair {
+            sock,
+            peer,
+            buf: vec![0; 65_536],
+        };
         // Handshake: rank 1 knocks until rank 0 answers.
         let t = Instant::now();
         if me == 1 {
@@ -39,11 +43,17 @@ impl Pair {
                 if p.try_recv().is_some() {
                     break;
                 }
-                anyhow::ensure!(t.elapsed() < Duration::from_secs(10), "raw-udp handshake timed out");
+                anyhow::ensure!(
+                    t.elapsed() < Duration::from_secs(10),
+                    "raw-udp handshake timed out"
+                );
             }
         } else {
             while p.try_recv().is_none() {
-                anyhow::ensure!(t.elapsed() < Duration::from_secs(10), "raw-udp handshake timed out");
+                anyhow::ensure!(
+                    t.elapsed() < Duration::from_secs(10),
+                    "raw-udp handshake timed out"
+                );
                 std::thread::yield_now();
             }
             p.sock.send_to(b"hello", peer)?;
@@ -99,7 +109,11 @@ pub fn pingpong(ctx: &Ctx, p: &mut Pair, size: usize) -> Option<Row> {
         return None;
     }
     let (med, p99) = median_p99(&mut samples);
-    Some(Row { lat_us: Some(med), lat_us_p99: Some(p99), ..ctx.row("pingpong", "raw-udp", "raw-udp", "pingpong", size) })
+    Some(Row {
+        lat_us: Some(med),
+        lat_us_p99: Some(p99),
+        ..ctx.row("pingpong", "raw-udp", "raw-udp", "pingpong", size)
+    })
 }
 
 const DATA: u8 = 1;
@@ -147,7 +161,9 @@ pub fn bw(ctx: &Ctx, p: &mut Pair, size: usize, mtu: usize) -> Option<Row> {
         let mut round = 0u64;
         let mut answer = [COUNT; 17];
         while round < rounds as u64 {
-            let Some(n) = p.recv_timeout(Duration::from_secs(10)) else { break };
+            let Some(n) = p.recv_timeout(Duration::from_secs(10)) else {
+                break;
+            };
             if n < 9 {
                 continue;
             }

@@ -35,8 +35,15 @@ pub fn median_p99(samples: &mut [f64]) -> (f64, f64) {
     if n == 0 {
         return (f64::NAN, f64::NAN);
     }
-    let med = if n % 2 == 1 { samples[n / 2] } else { (samples[n / 2 - 1] + samples[n / 2]) / 2.0 };
-    (med, samples[((n as f64 * 0.99).ceil() as usize).clamp(1, n) - 1])
+    let med = if n % 2 == 1 {
+        samples[n / 2]
+    } else {
+        (samples[n / 2 - 1] + samples[n / 2]) / 2.0
+    };
+    (
+        med,
+        samples[((n as f64 * 0.99).ceil() as usize).clamp(1, n) - 1],
+    )
 }
 
 fn opt(v: Option<f64>, prec: usize) -> String {
@@ -52,7 +59,17 @@ pub fn print(rows: &[Row], json: bool) {
     let mut t = String::new();
     t += &format!(
         "{:<13} {:<8} {:<8} {:<13} {:>9} {:>10} {:>10} {:>10} {:>9} {:>9} {:>6}\n",
-        "bench", "api", "conduit", "op", "size", "lat_us", "p99_us", "MB/s", "Mops", "GUP/s", "errors"
+        "bench",
+        "api",
+        "conduit",
+        "op",
+        "size",
+        "lat_us",
+        "p99_us",
+        "MB/s",
+        "Mops",
+        "GUP/s",
+        "errors"
     );
     for r in rows {
         let op = match &r.variant {

@@ -61,11 +61,24 @@ enum Cmd {
 
 fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("SOFTNIC_LOG").unwrap_or_else(|_| "warn".into()))
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("SOFTNIC_LOG")
+                .unwrap_or_else(|_| "warn".into()),
+        )
         .with_writer(std::io::stderr)
         .init();
     match Cli::parse().cmd {
-        Cmd::Run { n, hosts, config, attach, conduit, fault_drop, fault_duplicate, fault_seed, program } => {
+        Cmd::Run {
+            n,
+            hosts,
+            config,
+            attach,
+            conduit,
+            fault_drop,
+            fault_duplicate,
+            fault_seed,
+            program,
+        } => {
             let fault = (fault_drop > 0.0 || fault_duplicate > 0.0).then_some(Fault {
                 drop: fault_drop,
                 duplicate: fault_duplicate,
@@ -98,7 +111,11 @@ fn main() -> anyhow::Result<()> {
             for h in hosts {
                 let p = cfg.socket_path(h);
                 if !local::health_check(&p, Duration::from_millis(500)) {
-                    bail!("no daemon answers for host {} at {}", cfg.hosts[h as usize].name, p.display());
+                    bail!(
+                        "no daemon answers for host {} at {}",
+                        cfg.hosts[h as usize].name,
+                        p.display()
+                    );
                 }
                 let s = attach::connect(&p)?;
                 match attach::call(&s, &Request::Stat, &[])?.0 {

@@ -38,23 +38,39 @@ fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let default = if args.verbose { "info" } else { "warn" };
     tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("SOFTNIC_LOG").unwrap_or_else(|_| default.into()))
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("SOFTNIC_LOG")
+                .unwrap_or_else(|_| default.into()),
+        )
         .with_writer(std::io::stderr)
         .init();
     let mut cfg = Config::load(&args.config)?;
     if args.fault_drop > 0.0 || args.fault_duplicate > 0.0 {
-        cfg.fault = Some(Fault { drop: args.fault_drop, duplicate: args.fault_duplicate, seed: args.fault_seed });
+        cfg.fault = Some(Fault {
+            drop: args.fault_drop,
+            duplicate: args.fault_duplicate,
+            seed: args.fault_seed,
+        });
         cfg.validate()?;
     }
-    let indices = args.hosts.iter().map(|h| cfg.host_index(h)).collect::<Result<Vec<_>, _>>()?;
+    let indices = args
+        .hosts
+        .iter()
+        .map(|h| cfg.host_index(h))
+        .collect::<Result<Vec<_>, _>>()?;
     if args.verbose {
         let mut shown = cfg.clone();
         shown.cluster.secret = shown.cluster.secret.as_ref().map(|_| "<hidden>".into());
-        eprintln!("softnicd effective settings (hosts {:?}):\n{}", args.hosts, shown.to_toml());
+        eprintln!(
+            "softnicd effective settings (hosts {:?}):\n{}",
+            args.hosts,
+            shown.to_toml()
+        );
     }
     let stop = Arc::new(AtomicBool::new(false));
     let s = stop.clone();
-    ctrlc::set_handler(move || s.store(true, Ordering::SeqCst)).context("installing the signal handler")?;
+    ctrlc::set_handler(move || s.store(true, Ordering::SeqCst))
+        .context("installing the signal handler")?;
     let mut d = Daemon::new(&cfg, &indices, stop).context("starting the daemon")?;
     d.run()?;
     Ok(())

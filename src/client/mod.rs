@@ -44,31 +44,71 @@ pub struct Client {
 }
 
 impl Client {
-    pub fn attach(path: &Path, job: u32, job_key: u64, rank: u32, size: u32) -> Result<Client, ClientError> {
-        let sock = attach::connect(path).map_err(|source| ClientError::Connect { path: path.display().to_string(), source })?;
-        let (resp, mut fds) = attach::call(&sock, &Request::Hello { job, job_key, rank, size }, &[])?;
+    pub fn attach(
+        path: &Path,
+        job: u32,
+        job_key: u64,
+        rank: u32,
+        size: u32,
+    ) -> Result<Client, ClientError> {
+        let sock = attach::connect(path).map_err(|source| ClientError::Connect {
+            path: path.display().to_string(),
+            source,
+        })?;
+        let (resp, mut fds) = attach::call(
+            &sock,
+            &Request::Hello {
+                job,
+                job_key,
+                rank,
+                size,
+            },
+            &[],
+        )?;
         let (host, nhosts) = match resp {
             Response::HelloOk { host, nhosts } => (host, nhosts),
             Response::Error(e) => return Err(ClientError::Refused(e)),
-            other => return Err(ClientError::Protocol(format!("unexpected answer to hello: {other:?}"))),
+            other => {
+                return Err(ClientError::Protocol(format!(
+                    "unexpected answer to hello: {other:?}"
+                )))
+            }
         };
         if fds.len() != 3 {
-            return Err(ClientError::Protocol(format!("hello carried {} descriptors, expected 3", fds.len())));
+            return Err(ClientError::Protocol(format!(
+                "hello carried {} descriptors, expected 3",
+                fds.len()
+            )));
         }
         let client_bell = fds.pop().expect("3 fds");
         let daemon_bell = fds.pop().expect("3 fds");
         let map = Mapping::from_fd(fds.pop().expect("3 fds"), 4096, 1 << 30)?;
         let control = Control::open(map).map_err(|e| ClientError::Protocol(e.to_string()))?;
-        Ok(Client { sock, control, daemon_bell, client_bell, host, nhosts })
+        Ok(Client {
+            sock,
+            control,
+            daemon_bell,
+            client_bell,
+            host,
+            nhosts,
+        })
     }
 
     /// Registers `map` with remote permissions; returns its handle (handles count up from 0 in
     /// registration order, so processes that register alike get the same handles).
     pub fn register(&self, map: &Mapping, perms: Perms) -> Result<u32, ClientError> {
-        match attach::call(&self.sock, &Request::Register { perms: perms.0 }, &[map.fd()])?.0 {
+        match attach::call(
+            &self.sock,
+            &Request::Register { perms: perms.0 },
+            &[map.fd()],
+        )?
+        .0
+        {
             Response::Registered { region } => Ok(region),
             Response::Error(e) => Err(ClientError::Refused(e)),
-            other => Err(ClientError::Protocol(format!("unexpected answer to register: {other:?}"))),
+            other => Err(ClientError::Protocol(format!(
+                "unexpected answer to register: {other:?}"
+            ))),
         }
     }
 
@@ -76,7 +116,9 @@ impl Client {
         match attach::call(&self.sock, &Request::Deregister { region }, &[])?.0 {
             Response::Done => Ok(()),
             Response::Error(e) => Err(ClientError::Refused(e)),
-            other => Err(ClientError::Protocol(format!("unexpected answer to deregister: {other:?}"))),
+            other => Err(ClientError::Protocol(format!(
+                "unexpected answer to deregister: {other:?}"
+            ))),
         }
     }
 
@@ -84,7 +126,9 @@ impl Client {
     pub fn stat(&self) -> Result<String, ClientError> {
         match attach::call(&self.sock, &Request::Stat, &[])?.0 {
             Response::Stat(s) => Ok(s),
-            other => Err(ClientError::Protocol(format!("unexpected answer to stat: {other:?}"))),
+            other => Err(ClientError::Protocol(format!(
+                "unexpected answer to stat: {other:?}"
+            ))),
         }
     }
 
@@ -111,7 +155,7 @@ impl Client {
             if spins > SPIN_POLLS {
                 std::thread::yield_now();
             }
-            if spins % 65_536 == 0 && self.daemon_gone() {
+            if spins.is_multiple_of(65_536) && self.daemon_gone() {
                 return Err(ClientError::DaemonGone);
             }
         }
@@ -138,7 +182,7 @@ impl Client {
                 return Ok(e);
             }
             polls = polls.wrapping_add(1);
-            if polls % 64 != 0 {
+            if !polls.is_multiple_of(64) {
                 std::hint::spin_loop();
                 continue;
             }
@@ -164,7 +208,9 @@ impl Client {
             ];
             let _ = poll(&mut fds, max.as_millis() as i32);
             let sock_ev = fds[1].revents();
-            if sock_ev.intersects(PollFlags::HUP | PollFlags::ERR | PollFlags::IN) && self.daemon_gone() {
+            if sock_ev.intersects(PollFlags::HUP | PollFlags::ERR | PollFlags::IN)
+                && self.daemon_gone()
+            {
                 self.control.set_client_sleeping(false);
                 return Err(ClientError::DaemonGone);
             }
@@ -177,6 +223,7 @@ impl Client {
 
     fn daemon_gone(&self) -> bool {
         let mut fds = [PollFd::new(&self.sock, PollFlags::IN)];
-        matches!(poll(&mut fds, 0), Ok(1)) && fds[0].revents().intersects(PollFlags::HUP | PollFlags::ERR)
+        matches!(poll(&mut fds, 0), Ok(1))
+            && fds[0].revents().intersects(PollFlags::HUP | PollFlags::ERR)
     }
 }

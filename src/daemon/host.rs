@@ -62,7 +62,11 @@ struct Stream {
 }
 
 enum StreamKind {
-    Put { region: u32, dst_off: u64, lazy_ack: bool },
+    Put {
+        region: u32,
+        dst_off: u64,
+        lazy_ack: bool,
+    },
     GetReply,
 }
 
@@ -99,7 +103,9 @@ pub struct HostNic {
 impl HostNic {
     pub fn new(cfg: &Config, index: u16) -> io::Result<HostNic> {
         let nhosts = cfg.hosts.len() as u16;
-        let key = cfg.key().map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e.to_string()))?;
+        let key = cfg
+            .key()
+            .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e.to_string()))?;
         let tcfg = TransportConfig {
             mtu: cfg.cluster.mtu,
             window: cfg.cluster.window,
@@ -109,9 +115,13 @@ impl HostNic {
         };
         let transport = Transport::new(index, nhosts, key, tcfg, rand::random());
         let peers = cfg.hosts.iter().map(|h| h.addr).collect();
-        let driver = UdpDriver::bind(cfg.hosts[index as usize].addr, peers, cfg.fault.clone()).map_err(|e| {
-            io::Error::new(e.kind(), format!("cannot bind UDP {}: {e}", cfg.hosts[index as usize].addr))
-        })?;
+        let driver = UdpDriver::bind(cfg.hosts[index as usize].addr, peers, cfg.fault.clone())
+            .map_err(|e| {
+                io::Error::new(
+                    e.kind(),
+                    format!("cannot bind UDP {}: {e}", cfg.hosts[index as usize].addr),
+                )
+            })?;
         let socket_path = cfg.socket_path(index);
         std::fs::create_dir_all(&cfg.cluster.runtime_dir)?;
         let _ = std::fs::remove_file(&socket_path);
@@ -121,8 +131,12 @@ impl HostNic {
             SocketFlags::CLOEXEC | SocketFlags::NONBLOCK,
             None,
         )?;
-        rustix::net::bind_unix(&listener, &SocketAddrUnix::new(&socket_path)?)
-            .map_err(|e| io::Error::new(io::ErrorKind::AddrInUse, format!("cannot bind {}: {e}", socket_path.display())))?;
+        rustix::net::bind_unix(&listener, &SocketAddrUnix::new(&socket_path)?).map_err(|e| {
+            io::Error::new(
+                io::ErrorKind::AddrInUse,
+                format!("cannot bind {}: {e}", socket_path.display()),
+            )
+        })?;
         rustix::net::listen(&listener, 128)?;
         Ok(HostNic {
             index,
@@ -204,12 +218,18 @@ impl HostNic {
         let mut broken = Vec::new();
         for c in self.completions.drain(..) {
             let slot = (c.session & 0xffff_ffff) as usize;
-            let Some(Some(s)) = self.sessions.get_mut(slot) else { continue };
+            let Some(Some(s)) = self.sessions.get_mut(slot) else {
+                continue;
+            };
             if s.id != c.session {
                 continue;
             }
             if let Some(a) = s.attached.as_mut() {
-                if !a.post(CqEntry { client_req: c.client_req, status: c.status as u32, value: c.value }) {
+                if !a.post(CqEntry {
+                    client_req: c.client_req,
+                    status: c.status as u32,
+                    value: c.value,
+                }) {
                     broken.push(slot);
                 }
             }
@@ -226,7 +246,12 @@ impl HostNic {
     }
 
     fn complete(&mut self, session: u64, client_req: u64, status: Status, value: u64) {
-        self.completions.push(Completion { session, client_req, status, value });
+        self.completions.push(Completion {
+            session,
+            client_req,
+            status,
+            value,
+        });
     }
 
     // ------------------------------------------------------------------ commands (initiator)
@@ -234,8 +259,12 @@ impl HostNic {
     fn drain_commands(&mut self, slot: usize) -> bool {
         let mut did = false;
         for _ in 0..CMD_BUDGET {
-            let Some(Some(s)) = self.sessions.get(slot) else { return did };
-            let Some(a) = s.attached.as_ref() else { return did };
+            let Some(Some(s)) = self.sessions.get(slot) else {
+                return did;
+            };
+            let Some(a) = s.attached.as_ref() else {
+                return did;
+            };
             let mut buf = std::mem::take(&mut self.cmd_buf);
             let peeked = a.control.cmd_peek(&mut buf);
             let (id, job, rank) = (s.id, a.job, a.rank);
@@ -289,7 +318,12 @@ impl HostNic {
             self.complete(session, c.client_req, Status::BadRequest, 0);
             return Flow::Done;
         }
-        let h = OpHeader { job, src_rank: rank, dst_rank: c.rank, req: 0 };
+        let h = OpHeader {
+            job,
+            src_rank: rank,
+            dst_rank: c.rank,
+            req: 0,
+        };
         if c.host == self.index {
             self.stats.local_ops += 1;
             let (status, value) = self.local(h, c, inline);
@@ -311,7 +345,11 @@ impl HostNic {
         // The local side of BTE puts and gets must be this client's own registered memory.
         let local = match c.kind {
             CommandKind::PutFrom | CommandKind::Get => {
-                match self.endpoints.region(job, rank, c.local_region).and_then(|r| r.check_local(c.local_off, c.len).map(|_| r.clone())) {
+                match self
+                    .endpoints
+                    .region(job, rank, c.local_region)
+                    .and_then(|r| r.check_local(c.local_off, c.len).map(|_| r.clone()))
+                {
                     Ok(r) => Some(r),
                     Err(s) => {
                         self.complete(session, c.client_req, s, 0);
@@ -321,7 +359,12 @@ impl HostNic {
             }
             _ => None,
         };
-        let pending = |kind| Pending { session, client_req: c.client_req, host, kind };
+        let pending = |kind| Pending {
+            session,
+            client_req: c.client_req,
+            host,
+            kind,
+        };
         match c.kind {
             CommandKind::PutInline => {
                 let max = OpRef::max_data(OpKind::Put, self.transport.body_capacity());
@@ -360,7 +403,11 @@ impl HostNic {
             CommandKind::PutFrom => {
                 let req = self.initiator.start(pending(PendingKind::Put));
                 self.out[host as usize].push_back(OutItem::Stream(Stream {
-                    kind: StreamKind::Put { region: c.remote_region, dst_off: c.remote_off, lazy_ack: c.flags & CMD_IMPLICIT != 0 },
+                    kind: StreamKind::Put {
+                        region: c.remote_region,
+                        dst_off: c.remote_off,
+                        lazy_ack: c.flags & CMD_IMPLICIT != 0,
+                    },
                     h: OpHeader { req, ..h },
                     src: local.expect("checked above"),
                     src_off: c.local_off,
@@ -371,13 +418,23 @@ impl HostNic {
             }
             CommandKind::Get => {
                 let region = local.expect("checked above");
-                let req = self.initiator.start(pending(PendingKind::Get { region, offset: c.local_off, len: c.len }));
-                let op = OpRef::Get { h: OpHeader { req, ..h }, region: c.remote_region, offset: c.remote_off, len: c.len };
+                let req = self.initiator.start(pending(PendingKind::Get {
+                    region,
+                    offset: c.local_off,
+                    len: c.len,
+                }));
+                let op = OpRef::Get {
+                    h: OpHeader { req, ..h },
+                    region: c.remote_region,
+                    offset: c.remote_off,
+                    len: c.len,
+                };
                 self.push_or_fail(host, req, &op);
             }
             CommandKind::AmoScatter => {
                 let amo = AmoOp::from_u8(c.amo).expect("decode checked the AMO");
-                let max = OpRef::max_data(OpKind::AmoScatter, self.transport.body_capacity()) / 16 * 16;
+                let max =
+                    OpRef::max_data(OpKind::AmoScatter, self.transport.body_capacity()) / 16 * 16;
                 let frags = inline.len().div_ceil(max).max(1);
                 if self.transport.queued_space(host) < frags + 1 {
                     return Flow::Backpressure;
@@ -388,7 +445,13 @@ impl HostNic {
                 loop {
                     let pairs = chunks.next().unwrap_or(&[]);
                     let last = chunks.peek().is_none();
-                    let op = OpRef::AmoScatter { h, region: c.remote_region, op: amo, last, pairs };
+                    let op = OpRef::AmoScatter {
+                        h,
+                        region: c.remote_region,
+                        op: amo,
+                        last,
+                        pairs,
+                    };
                     if self.transport.push_op(host, &op).is_err() {
                         if let Some(done) = self.initiator.complete(req, Status::PeerDead, 0) {
                             self.completions.push(done);
@@ -428,15 +491,28 @@ impl HostNic {
     /// Executes a command whose target is on this host, without the network.
     fn local(&mut self, h: OpHeader, c: &Command, inline: &[u8]) -> (Status, u64) {
         let own = |eps: &Endpoints| {
-            eps.region(h.job, h.src_rank, c.local_region).and_then(|r| r.check_local(c.local_off, c.len).map(|_| r.clone()))
+            eps.region(h.job, h.src_rank, c.local_region)
+                .and_then(|r| r.check_local(c.local_off, c.len).map(|_| r.clone()))
         };
         fn put<'a>(h: OpHeader, c: &Command, data: &'a [u8]) -> OpRef<'a> {
-            OpRef::Put { h, region: c.remote_region, offset: c.remote_off, total_off: c.remote_off, total_len: data.len() as u64, last: true, lazy_ack: false, data }
+            OpRef::Put {
+                h,
+                region: c.remote_region,
+                offset: c.remote_off,
+                total_off: c.remote_off,
+                total_len: data.len() as u64,
+                last: true,
+                lazy_ack: false,
+                data,
+            }
         }
         let action = match c.kind {
             CommandKind::PutInline => serve(&self.endpoints, &put(h, c, inline)),
             CommandKind::PutFrom => match own(&self.endpoints) {
-                Ok(src) => serve(&self.endpoints, &put(h, c, src.bytes(c.local_off, c.len as usize))),
+                Ok(src) => serve(
+                    &self.endpoints,
+                    &put(h, c, src.bytes(c.local_off, c.len as usize)),
+                ),
                 Err(s) => return (s, 0),
             },
             CommandKind::Get => {
@@ -444,8 +520,21 @@ impl HostNic {
                     Ok(r) => r,
                     Err(s) => return (s, 0),
                 };
-                match serve(&self.endpoints, &OpRef::Get { h, region: c.remote_region, offset: c.remote_off, len: c.len }) {
-                    TargetAction::StreamGet { region, offset, len, .. } => {
+                match serve(
+                    &self.endpoints,
+                    &OpRef::Get {
+                        h,
+                        region: c.remote_region,
+                        offset: c.remote_off,
+                        len: c.len,
+                    },
+                ) {
+                    TargetAction::StreamGet {
+                        region,
+                        offset,
+                        len,
+                        ..
+                    } => {
                         dst.write(c.local_off, region.bytes(offset, len as usize));
                         return (Status::Ok, 0);
                     }
@@ -454,15 +543,35 @@ impl HostNic {
             }
             CommandKind::AmoScatter => {
                 let op = AmoOp::from_u8(c.amo).expect("decode checked the AMO");
-                serve(&self.endpoints, &OpRef::AmoScatter { h, region: c.remote_region, op, last: true, pairs: inline })
+                serve(
+                    &self.endpoints,
+                    &OpRef::AmoScatter {
+                        h,
+                        region: c.remote_region,
+                        op,
+                        last: true,
+                        pairs: inline,
+                    },
+                )
             }
             CommandKind::Amo => {
                 let op = AmoOp::from_u8(c.amo).expect("decode checked the AMO");
-                serve(&self.endpoints, &OpRef::Amo { h, region: c.remote_region, op, offset: c.remote_off, operand: c.operand, operand2: c.operand2 })
+                serve(
+                    &self.endpoints,
+                    &OpRef::Amo {
+                        h,
+                        region: c.remote_region,
+                        op,
+                        offset: c.remote_off,
+                        operand: c.operand,
+                        operand2: c.operand2,
+                    },
+                )
             }
         };
         match action {
-            TargetAction::Reply(Reply::PutAck { status, .. }) | TargetAction::Reply(Reply::GetError { status, .. }) => (status, 0),
+            TargetAction::Reply(Reply::PutAck { status, .. })
+            | TargetAction::Reply(Reply::GetError { status, .. }) => (status, 0),
             TargetAction::Reply(Reply::AmoReply { status, value, .. }) => (status, value),
             _ => (Status::BadRequest, 0),
         }
@@ -502,7 +611,10 @@ impl HostNic {
 
     fn on_op(&mut self, now: u64, peer: u16, op: &OpRef<'_>) {
         match op {
-            OpRef::Put { .. } | OpRef::Get { .. } | OpRef::Amo { .. } | OpRef::AmoScatter { .. } => {
+            OpRef::Put { .. }
+            | OpRef::Get { .. }
+            | OpRef::Amo { .. }
+            | OpRef::AmoScatter { .. } => {
                 match op {
                     OpRef::Put { .. } => self.stats.served_put += 1,
                     OpRef::Get { .. } => self.stats.served_get += 1,
@@ -511,7 +623,12 @@ impl HostNic {
                 match serve(&self.endpoints, op) {
                     TargetAction::None => {}
                     TargetAction::Reply(r) => self.send_reply(now, peer, r),
-                    TargetAction::StreamGet { h, region, offset, len } => {
+                    TargetAction::StreamGet {
+                        h,
+                        region,
+                        offset,
+                        len,
+                    } => {
                         self.out[peer as usize].push_back(OutItem::Stream(Stream {
                             kind: StreamKind::GetReply,
                             h,
@@ -538,7 +655,9 @@ impl HostNic {
     fn send_reply(&mut self, now: u64, peer: u16, r: Reply) {
         if self.out[peer as usize].is_empty() {
             let pushed = match r {
-                Reply::PutAck { lazy: true, .. } => self.transport.push_op_lazy(peer, &r.as_op(), now),
+                Reply::PutAck { lazy: true, .. } => {
+                    self.transport.push_op_lazy(peer, &r.as_op(), now)
+                }
                 _ => self.transport.push_op(peer, &r.as_op()),
             };
             match pushed {
@@ -562,7 +681,9 @@ impl HostNic {
                     }
                 },
                 OutItem::Stream(st) => {
-                    if matches!(st.kind, StreamKind::Put { .. }) && self.initiator.get(st.h.req).is_none() {
+                    if matches!(st.kind, StreamKind::Put { .. })
+                        && self.initiator.get(st.h.req).is_none()
+                    {
                         self.out[p].pop_front(); // its operation was failed meanwhile
                         continue;
                     }
@@ -583,7 +704,11 @@ impl HostNic {
                         let last = st.sent + n as u64 == st.len;
                         let data = st.src.bytes(st.src_off + st.sent, n);
                         let op = match st.kind {
-                            StreamKind::Put { region, dst_off, lazy_ack } => OpRef::Put {
+                            StreamKind::Put {
+                                region,
+                                dst_off,
+                                lazy_ack,
+                            } => OpRef::Put {
                                 h: st.h,
                                 region,
                                 offset: dst_off + st.sent,
@@ -593,9 +718,13 @@ impl HostNic {
                                 lazy_ack,
                                 data,
                             },
-                            StreamKind::GetReply => {
-                                OpRef::GetReply { h: st.h, status: Status::Ok, frag_off: st.sent, last, data }
-                            }
+                            StreamKind::GetReply => OpRef::GetReply {
+                                h: st.h,
+                                status: Status::Ok,
+                                frag_off: st.sent,
+                                last,
+                                data,
+                            },
                         };
                         match self.transport.push_op(peer, &op) {
                             Ok(()) => {
@@ -609,7 +738,9 @@ impl HostNic {
                             Err(_) => {
                                 if matches!(st.kind, StreamKind::Put { .. }) {
                                     let req = st.h.req;
-                                    if let Some(c) = self.initiator.complete(req, Status::PeerDead, 0) {
+                                    if let Some(c) =
+                                        self.initiator.complete(req, Status::PeerDead, 0)
+                                    {
                                         self.completions.push(c);
                                     }
                                 }
@@ -629,7 +760,10 @@ impl HostNic {
     pub fn accept(&mut self) -> Vec<usize> {
         let mut new = Vec::new();
         loop {
-            let fd = match rustix::net::accept_with(&self.listener, SocketFlags::CLOEXEC | SocketFlags::NONBLOCK) {
+            let fd = match rustix::net::accept_with(
+                &self.listener,
+                SocketFlags::CLOEXEC | SocketFlags::NONBLOCK,
+            ) {
                 Ok(fd) => fd,
                 Err(rustix::io::Errno::AGAIN) => break,
                 Err(rustix::io::Errno::INTR) => continue,
@@ -639,11 +773,19 @@ impl HostNic {
                 }
             };
             match rustix::net::sockopt::get_socket_peercred(&fd) {
-                Ok(c) if c.uid.as_raw() == self.uid || Some(c.gid.as_raw()) == self.allowed_gid => {}
+                Ok(c) if c.uid.as_raw() == self.uid || Some(c.gid.as_raw()) == self.allowed_gid => {
+                }
                 Ok(c) => {
                     self.stats.attach_refused += 1;
                     tracing::warn!(host = %self.name, "refusing attach from uid {} gid {}", c.uid.as_raw(), c.gid.as_raw());
-                    let _ = attach::send(fd.as_fd(), &Response::Error("permission denied: the daemon's uid or allowed_gid only".into()).encode(), &[]);
+                    let _ = attach::send(
+                        fd.as_fd(),
+                        &Response::Error(
+                            "permission denied: the daemon's uid or allowed_gid only".into(),
+                        )
+                        .encode(),
+                        &[],
+                    );
                     continue;
                 }
                 Err(e) => {
@@ -651,13 +793,21 @@ impl HostNic {
                     continue;
                 }
             }
-            let slot = self.sessions.iter().position(|s| s.is_none()).unwrap_or_else(|| {
-                self.sessions.push(None);
-                self.sessions.len() - 1
-            });
+            let slot = self
+                .sessions
+                .iter()
+                .position(|s| s.is_none())
+                .unwrap_or_else(|| {
+                    self.sessions.push(None);
+                    self.sessions.len() - 1
+                });
             self.next_gen += 1;
             let id = (self.next_gen << 32) | slot as u64;
-            self.sessions[slot] = Some(Session { id, sock: fd, attached: None });
+            self.sessions[slot] = Some(Session {
+                id,
+                sock: fd,
+                attached: None,
+            });
             new.push(slot);
         }
         new
@@ -668,7 +818,9 @@ impl HostNic {
     pub fn on_session_readable(&mut self, slot: usize, bell: &mut Option<i32>) -> bool {
         let mut buf = vec![0u8; attach::MAX_MESSAGE];
         loop {
-            let Some(Some(s)) = self.sessions.get(slot) else { return false };
+            let Some(Some(s)) = self.sessions.get(slot) else {
+                return false;
+            };
             let mut fds = Vec::new();
             let n = match attach::recv(s.sock.as_fd(), &mut buf, &mut fds) {
                 Ok(0) => {
@@ -688,7 +840,9 @@ impl HostNic {
                 Ok(req) => self.request(slot, req, fds, bell),
                 Err(e) => (Response::Error(format!("bad request: {e}")), Vec::new()),
             };
-            let Some(Some(s)) = self.sessions.get(slot) else { return false };
+            let Some(Some(s)) = self.sessions.get(slot) else {
+                return false;
+            };
             let borrowed: Vec<_> = reply.1.iter().map(|f| f.as_fd()).collect();
             if attach::send(s.sock.as_fd(), &reply.0.encode(), &borrowed).is_err() {
                 self.detach(slot);
@@ -697,13 +851,24 @@ impl HostNic {
         }
     }
 
-    fn request(&mut self, slot: usize, req: Request, mut fds: Vec<OwnedFd>, bell: &mut Option<i32>) -> (Response, Vec<OwnedFd>) {
+    fn request(
+        &mut self,
+        slot: usize,
+        req: Request,
+        mut fds: Vec<OwnedFd>,
+        bell: &mut Option<i32>,
+    ) -> (Response, Vec<OwnedFd>) {
         let err = |s: String| (Response::Error(s), Vec::new());
         let s = self.sessions[slot].as_mut().expect("live session");
         match req {
             Request::Ping => (Response::Pong, Vec::new()),
             Request::Stat => (Response::Stat(self.stat_text()), Vec::new()),
-            Request::Hello { job, job_key, rank, size } => {
+            Request::Hello {
+                job,
+                job_key,
+                rank,
+                size,
+            } => {
                 if s.attached.is_some() {
                     return err("already attached".into());
                 }
@@ -717,7 +882,9 @@ impl HostNic {
                     }
                 }
                 if !self.endpoints.insert(job, rank, s.id) {
-                    return err(format!("rank {rank} of job {job} is already attached to this host"));
+                    return err(format!(
+                        "rank {rank} of job {job} is already attached to this host"
+                    ));
                 }
                 let a = match Attached::new(job, rank) {
                     Ok(a) => a,
@@ -738,27 +905,43 @@ impl HostNic {
                 self.stats.clients_attached += 1;
                 tracing::info!(host = %self.name, job, rank, "client attached");
                 match fds.into_iter().collect::<io::Result<Vec<_>>>() {
-                    Ok(f) => (Response::HelloOk { host: self.index, nhosts: self.nhosts }, f),
+                    Ok(f) => (
+                        Response::HelloOk {
+                            host: self.index,
+                            nhosts: self.nhosts,
+                        },
+                        f,
+                    ),
                     Err(e) => err(format!("dup failed: {e}")),
                 }
             }
             Request::Register { perms } => {
-                let Some(a) = s.attached.as_ref() else { return err("register before hello".into()) };
+                let Some(a) = s.attached.as_ref() else {
+                    return err("register before hello".into());
+                };
                 let (job, rank) = (a.job, a.rank);
                 if fds.len() != 1 {
-                    return err(format!("register carries {} descriptors, expected one memfd", fds.len()));
+                    return err(format!(
+                        "register carries {} descriptors, expected one memfd",
+                        fds.len()
+                    ));
                 }
                 let map = match Mapping::from_fd(fds.remove(0), 8, MAX_REGION) {
                     Ok(m) => m,
                     Err(e) => return err(format!("cannot map region: {e}")),
                 };
-                match self.endpoints.register(job, rank, Region::new(Arc::new(map), Perms(perms))) {
+                match self
+                    .endpoints
+                    .register(job, rank, Region::new(Arc::new(map), Perms(perms)))
+                {
                     Ok(region) => (Response::Registered { region }, Vec::new()),
                     Err(st) => err(format!("register failed: {st:?}")),
                 }
             }
             Request::Deregister { region } => {
-                let Some(a) = s.attached.as_ref() else { return err("deregister before hello".into()) };
+                let Some(a) = s.attached.as_ref() else {
+                    return err("deregister before hello".into());
+                };
                 match self.endpoints.deregister(a.job, a.rank, region) {
                     Ok(()) => (Response::Done, Vec::new()),
                     Err(st) => err(format!("deregister failed: {st:?}")),
@@ -770,7 +953,9 @@ impl HostNic {
     /// Drops a client: its memory becomes unreachable (remote ops get NoSuchEndpoint), its
     /// outstanding operations are forgotten, the daemon goes on serving the others.
     pub fn detach(&mut self, slot: usize) {
-        let Some(s) = self.sessions.get_mut(slot).and_then(|s| s.take()) else { return };
+        let Some(s) = self.sessions.get_mut(slot).and_then(|s| s.take()) else {
+            return;
+        };
         self.initiator.drop_session(s.id);
         if let Some(a) = s.attached {
             self.endpoints.remove(a.job, a.rank);
@@ -788,7 +973,12 @@ impl HostNic {
     /// Whether any client published commands (checked before the daemon sleeps).
     pub fn set_sleeping(&self, v: bool) -> bool {
         let mut pending = false;
-        for a in self.sessions.iter().flatten().filter_map(|s| s.attached.as_ref()) {
+        for a in self
+            .sessions
+            .iter()
+            .flatten()
+            .filter_map(|s| s.attached.as_ref())
+        {
             a.control.set_daemon_sleeping(v);
             pending |= a.control.cmd_pending();
         }
@@ -799,10 +989,18 @@ impl HostNic {
         let t = &self.transport.stats;
         let d = &self.driver.stats;
         let s = &self.stats;
-        let clients = self.sessions.iter().flatten().filter(|s| s.attached.is_some()).count();
+        let clients = self
+            .sessions
+            .iter()
+            .flatten()
+            .filter(|s| s.attached.is_some())
+            .count();
         let out_depth: usize = self.out.iter().map(|q| q.len()).sum();
         let lines = [
-            ("host", format!("{} (index {} of {})", self.name, self.index, self.nhosts)),
+            (
+                "host",
+                format!("{} (index {} of {})", self.name, self.index, self.nhosts),
+            ),
             ("clients", clients.to_string()),
             ("packets_sent", t.datagrams_sent.to_string()),
             ("packets_received", t.datagrams_received.to_string()),
@@ -833,7 +1031,10 @@ impl HostNic {
             ("ops_outstanding", self.initiator.outstanding().to_string()),
             ("out_queue_depth", out_depth.to_string()),
         ];
-        lines.iter().map(|(k, v)| format!("{k:<24} {v}\n")).collect()
+        lines
+            .iter()
+            .map(|(k, v)| format!("{k:<24} {v}\n"))
+            .collect()
     }
 }
 

@@ -51,18 +51,29 @@ pub struct Daemon {
 
 impl Daemon {
     /// Starts the NICs of the hosts at `indices` of `cfg` in this process.
-    pub fn new(cfg: &Config, indices: &[u16], stop: Arc<AtomicBool>) -> Result<Daemon, DaemonError> {
+    pub fn new(
+        cfg: &Config,
+        indices: &[u16],
+        stop: Arc<AtomicBool>,
+    ) -> Result<Daemon, DaemonError> {
         if cfg.cluster.transport != TransportKind::Udp {
             return Err(DaemonError::Transport(cfg.cluster.transport));
         }
         let poll = Poll::new()?;
         let mut hosts = Vec::new();
         for (k, &i) in indices.iter().enumerate() {
-            let mut h = HostNic::new(cfg, i)
-                .map_err(|source| DaemonError::Start { host: cfg.hosts[i as usize].name.clone(), source })?;
+            let mut h = HostNic::new(cfg, i).map_err(|source| DaemonError::Start {
+                host: cfg.hosts[i as usize].name.clone(),
+                source,
+            })?;
             let base = k * STRIDE;
-            poll.registry().register(h.driver.socket(), Token(base), Interest::READABLE)?;
-            poll.registry().register(&mut SourceFd(&h.listener.as_raw_fd()), Token(base + 1), Interest::READABLE)?;
+            poll.registry()
+                .register(h.driver.socket(), Token(base), Interest::READABLE)?;
+            poll.registry().register(
+                &mut SourceFd(&h.listener.as_raw_fd()),
+                Token(base + 1),
+                Interest::READABLE,
+            )?;
             tracing::info!(host = %h.name, addr = %cfg.hosts[i as usize].addr, "NIC up");
             hosts.push(h);
         }
@@ -73,7 +84,9 @@ impl Daemon {
             clock: Instant::now(),
             spin_ns: cfg.cluster.spin_us * 1000,
             readable: vec![true; indices.len()],
-            served: (0..cfg.hosts.len() as u16).map(|h| indices.iter().position(|&i| i == h)).collect(),
+            served: (0..cfg.hosts.len() as u16)
+                .map(|h| indices.iter().position(|&i| i == h))
+                .collect(),
             stop,
         })
     }
@@ -99,7 +112,7 @@ impl Daemon {
                 }
             }
             busy_turns = if busy { busy_turns + 1 } else { 0 };
-            if busy && busy_turns % 64 != 0 {
+            if busy && !busy_turns.is_multiple_of(64) {
                 idle_since = now;
                 continue;
             }
@@ -128,8 +141,14 @@ impl Daemon {
         }
         if !pending {
             let now = self.now();
-            let next = self.hosts.iter().filter_map(|h| h.transport.next_timeout()).min();
-            let wait = next.map_or(50_000_000, |t| t.saturating_sub(now)).min(50_000_000);
+            let next = self
+                .hosts
+                .iter()
+                .filter_map(|h| h.transport.next_timeout())
+                .min();
+            let wait = next
+                .map_or(50_000_000, |t| t.saturating_sub(now))
+                .min(50_000_000);
             self.poll_events(Some(Duration::from_nanos(wait)))?;
             self.readable.iter_mut().for_each(|r| *r = true);
         }
@@ -154,9 +173,15 @@ impl Daemon {
                 0 => self.readable[k] = true,
                 1 => {
                     for slot in self.hosts[k].accept() {
-                        let fd = self.hosts[k].sessions[slot].as_ref().map(|s| s.sock.as_raw_fd());
+                        let fd = self.hosts[k].sessions[slot]
+                            .as_ref()
+                            .map(|s| s.sock.as_raw_fd());
                         if let Some(fd) = fd {
-                            self.poll.registry().register(&mut SourceFd(&fd), Token(k * STRIDE + 2 + 2 * slot), Interest::READABLE)?;
+                            self.poll.registry().register(
+                                &mut SourceFd(&fd),
+                                Token(k * STRIDE + 2 + 2 * slot),
+                                Interest::READABLE,
+                            )?;
                         }
                         self.session_readable(k, slot)?;
                     }
@@ -178,11 +203,19 @@ impl Daemon {
     }
 
     fn session_readable(&mut self, k: usize, slot: usize) -> Result<(), DaemonError> {
-        let sock = self.hosts[k].sessions.get(slot).and_then(|s| s.as_ref()).map(|s| s.sock.as_raw_fd());
+        let sock = self.hosts[k]
+            .sessions
+            .get(slot)
+            .and_then(|s| s.as_ref())
+            .map(|s| s.sock.as_raw_fd());
         let mut bell = None;
         let alive = self.hosts[k].on_session_readable(slot, &mut bell);
         if let Some(fd) = bell {
-            self.poll.registry().register(&mut SourceFd(&fd), Token(k * STRIDE + 3 + 2 * slot), Interest::READABLE)?;
+            self.poll.registry().register(
+                &mut SourceFd(&fd),
+                Token(k * STRIDE + 3 + 2 * slot),
+                Interest::READABLE,
+            )?;
         }
         if !alive {
             // The session's descriptors were closed on detach, which removed them from epoll.
@@ -193,6 +226,10 @@ impl Daemon {
 
     /// Statistics of every host this process runs.
     pub fn stat_text(&self) -> String {
-        self.hosts.iter().map(|h| h.stat_text()).collect::<Vec<_>>().join("\n")
+        self.hosts
+            .iter()
+            .map(|h| h.stat_text())
+            .collect::<Vec<_>>()
+            .join("\n")
     }
 }

@@ -34,7 +34,11 @@ pub enum GniError {
     #[error("rank {0} is not in this job of {1} ranks")]
     NoSuchRank(u32, u32),
     #[error("local range [{off}, {off}+{len}) lies outside the {region_len}-byte region")]
-    LocalBounds { off: u64, len: u64, region_len: usize },
+    LocalBounds {
+        off: u64,
+        len: u64,
+        region_len: usize,
+    },
     #[error("unknown or already completed sync id {0}")]
     BadSyncId(u64),
 }
@@ -44,7 +48,9 @@ fn explain(s: Status) -> &'static str {
         Status::Ok => "no error",
         Status::OutOfBounds => "the remote range lies outside the target region",
         Status::Permission => "the target region does not grant this access",
-        Status::NoSuchRegion => "the target has no region with that handle (register in the same order on every rank)",
+        Status::NoSuchRegion => {
+            "the target has no region with that handle (register in the same order on every rank)"
+        }
         Status::NoSuchEndpoint => "the target rank is not attached (exited or killed)",
         Status::PeerDead => "the target host's daemon stopped answering",
         Status::BadRequest => "malformed request (misaligned AMO, bad size)",
@@ -90,7 +96,10 @@ impl MemRegion {
     }
     /// The 8-byte word at `off` (8-aligned), for atomics coherent with the NIC's AMOs.
     pub fn word(&self, off: usize) -> &AtomicU64 {
-        assert!(off % 8 == 0 && off + 8 <= self.len, "word offset {off} unaligned or out of range");
+        assert!(
+            off.is_multiple_of(8) && off + 8 <= self.len,
+            "word offset {off} unaligned or out of range"
+        );
         // SAFETY: aligned, in bounds, mapped while self lives.
         unsafe { &*(self.map.as_ptr().add(off) as *const AtomicU64) }
     }
@@ -176,7 +185,11 @@ impl Nic {
     fn register_with(client: &Client, len: usize, perms: Perms) -> Result<MemRegion, GniError> {
         let map = Arc::new(Mapping::create("softnic-region", len)?);
         let h = client.register(&map, perms)?;
-        Ok(MemRegion { handle: MemHandle(h), map, len })
+        Ok(MemRegion {
+            handle: MemHandle(h),
+            map,
+            len,
+        })
     }
 
     pub fn rank(&self) -> u32 {
@@ -211,12 +224,18 @@ impl Nic {
     }
 
     fn host_of(&self, rank: u32) -> Result<u16, GniError> {
-        self.job.rank_hosts.get(rank as usize).copied().ok_or(GniError::NoSuchRank(rank, self.job.size))
+        self.job
+            .rank_hosts
+            .get(rank as usize)
+            .copied()
+            .ok_or(GniError::NoSuchRank(rank, self.job.size))
     }
 
     /// Finds a registered region holding `[p, p+len)`.
     fn registered(&self, p: *const u8, len: usize) -> Option<(u32, u64)> {
-        self.regions.iter().find_map(|r| r.contains(p, len).map(|off| (r.handle.0, off)))
+        self.regions
+            .iter()
+            .find_map(|r| r.contains(p, len).map(|off| (r.handle.0, off)))
     }
 
     // ------------------------------------------------------------ completion plumbing
@@ -280,7 +299,11 @@ impl Nic {
                 Some(Slot::Done(s, v)) => {
                     let (s, v) = (*s, *v);
                     self.explicit.remove(&req);
-                    return if s.is_ok() { Ok(v) } else { Err(GniError::Remote(s)) };
+                    return if s.is_ok() {
+                        Ok(v)
+                    } else {
+                        Err(GniError::Remote(s))
+                    };
                 }
                 Some(Slot::Pending) => self.wait_one()?,
                 None => return Err(GniError::BadSyncId(req)),
@@ -337,7 +360,12 @@ impl Nic {
     }
 
     /// Posts a put of `src` to `dst`; `None` when it had to complete synchronously.
-    fn post_put(&mut self, dst: Remote, src: &[u8], implicit: bool) -> Result<Option<u64>, GniError> {
+    fn post_put(
+        &mut self,
+        dst: Remote,
+        src: &[u8],
+        implicit: bool,
+    ) -> Result<Option<u64>, GniError> {
         if src.len() <= self.fma_threshold {
             let c = self.cmd(CommandKind::PutInline, dst, src.len())?;
             return self.post(c, src, implicit).map(Some);
@@ -353,7 +381,14 @@ impl Nic {
         while done < src.len() {
             let n = (src.len() - done).min(BOUNCE_LEN);
             self.bounce.bytes()[..n].copy_from_slice(&src[done..done + n]);
-            let mut c = self.cmd(CommandKind::PutFrom, Remote { offset: dst.offset + done as u64, ..dst }, n)?;
+            let mut c = self.cmd(
+                CommandKind::PutFrom,
+                Remote {
+                    offset: dst.offset + done as u64,
+                    ..dst
+                },
+                n,
+            )?;
             c.local_region = self.bounce.handle.0;
             let req = self.post(c, &[], false)?;
             self.finish(req)?;
@@ -390,9 +425,23 @@ impl Nic {
 
     // ------------------------------------------------------------ get
 
-    fn post_get(&mut self, local: &MemRegion, local_off: u64, src: Remote, len: usize, implicit: bool) -> Result<u64, GniError> {
-        if local_off.checked_add(len as u64).is_none_or(|e| e > local.len as u64) {
-            return Err(GniError::LocalBounds { off: local_off, len: len as u64, region_len: local.len });
+    fn post_get(
+        &mut self,
+        local: &MemRegion,
+        local_off: u64,
+        src: Remote,
+        len: usize,
+        implicit: bool,
+    ) -> Result<u64, GniError> {
+        if local_off
+            .checked_add(len as u64)
+            .is_none_or(|e| e > local.len as u64)
+        {
+            return Err(GniError::LocalBounds {
+                off: local_off,
+                len: len as u64,
+                region_len: local.len,
+            });
         }
         let mut c = self.cmd(CommandKind::Get, src, len)?;
         c.local_region = local.handle.0;
@@ -403,7 +452,12 @@ impl Nic {
     /// Blocking get into any buffer (staged through the bounce region when not registered).
     pub fn get(&mut self, dst: &mut [u8], src: Remote) -> Result<(), GniError> {
         if let Some((region, off)) = self.registered(dst.as_ptr(), dst.len()) {
-            let r = self.regions.iter().find(|r| r.handle.0 == region).cloned().expect("found above");
+            let r = self
+                .regions
+                .iter()
+                .find(|r| r.handle.0 == region)
+                .cloned()
+                .expect("found above");
             let req = self.post_get(&r, off, src, dst.len(), false)?;
             return self.finish(req).map(|_| ());
         }
@@ -411,7 +465,16 @@ impl Nic {
         let mut done = 0;
         while done < dst.len() || (dst.is_empty() && done == 0) {
             let n = (dst.len() - done).min(BOUNCE_LEN);
-            let req = self.post_get(&bounce, 0, Remote { offset: src.offset + done as u64, ..src }, n, false)?;
+            let req = self.post_get(
+                &bounce,
+                0,
+                Remote {
+                    offset: src.offset + done as u64,
+                    ..src
+                },
+                n,
+                false,
+            )?;
             self.finish(req)?;
             dst[done..done + n].copy_from_slice(&bounce.bytes()[..n]);
             done += n;
@@ -423,18 +486,36 @@ impl Nic {
     }
 
     /// Non-blocking get into registered memory.
-    pub fn get_nb(&mut self, local: &MemRegion, local_off: u64, src: Remote, len: usize) -> Result<SyncId, GniError> {
+    pub fn get_nb(
+        &mut self,
+        local: &MemRegion,
+        local_off: u64,
+        src: Remote,
+        len: usize,
+    ) -> Result<SyncId, GniError> {
         self.post_get(local, local_off, src, len, false).map(SyncId)
     }
 
     /// Non-blocking implicit get into registered memory.
-    pub fn get_nbi(&mut self, local: &MemRegion, local_off: u64, src: Remote, len: usize) -> Result<(), GniError> {
+    pub fn get_nbi(
+        &mut self,
+        local: &MemRegion,
+        local_off: u64,
+        src: Remote,
+        len: usize,
+    ) -> Result<(), GniError> {
         self.post_get(local, local_off, src, len, true).map(|_| ())
     }
 
     // ------------------------------------------------------------ AMOs
 
-    fn amo_cmd(&self, op: AmoOp, dst: Remote, operand: u64, operand2: u64) -> Result<Command, GniError> {
+    fn amo_cmd(
+        &self,
+        op: AmoOp,
+        dst: Remote,
+        operand: u64,
+        operand2: u64,
+    ) -> Result<Command, GniError> {
         let mut c = self.cmd(CommandKind::Amo, dst, 8)?;
         c.amo = op as u8;
         c.operand = operand;
@@ -444,19 +525,37 @@ impl Nic {
 
     /// Blocking AMO; returns the previous value for fetching AMOs (0 otherwise).
     /// `operand2` is AFAX's xor mask and ACSWAP's comperand.
-    pub fn amo(&mut self, op: AmoOp, dst: Remote, operand: u64, operand2: u64) -> Result<u64, GniError> {
+    pub fn amo(
+        &mut self,
+        op: AmoOp,
+        dst: Remote,
+        operand: u64,
+        operand2: u64,
+    ) -> Result<u64, GniError> {
         let c = self.amo_cmd(op, dst, operand, operand2)?;
         let req = self.post(c, &[], false)?;
         self.finish(req)
     }
 
-    pub fn amo_nb(&mut self, op: AmoOp, dst: Remote, operand: u64, operand2: u64) -> Result<SyncId, GniError> {
+    pub fn amo_nb(
+        &mut self,
+        op: AmoOp,
+        dst: Remote,
+        operand: u64,
+        operand2: u64,
+    ) -> Result<SyncId, GniError> {
         let c = self.amo_cmd(op, dst, operand, operand2)?;
         self.post(c, &[], false).map(SyncId)
     }
 
     /// Non-blocking implicit AMO (its fetched value, if any, is discarded).
-    pub fn amo_nbi(&mut self, op: AmoOp, dst: Remote, operand: u64, operand2: u64) -> Result<(), GniError> {
+    pub fn amo_nbi(
+        &mut self,
+        op: AmoOp,
+        dst: Remote,
+        operand: u64,
+        operand2: u64,
+    ) -> Result<(), GniError> {
         let c = self.amo_cmd(op, dst, operand, operand2)?;
         self.post(c, &[], true).map(|_| ())
     }
@@ -466,7 +565,13 @@ impl Nic {
     /// CPU atomics. One command and one completion for the whole vector: the aggregation that
     /// bucketed RandomAccess and similar irregular update codes need. Failures surface at
     /// [`Nic::gsync_wait`].
-    pub fn amo_scatter_nbi(&mut self, op: AmoOp, rank: u32, handle: MemHandle, updates: &[(u64, u64)]) -> Result<(), GniError> {
+    pub fn amo_scatter_nbi(
+        &mut self,
+        op: AmoOp,
+        rank: u32,
+        handle: MemHandle,
+        updates: &[(u64, u64)],
+    ) -> Result<(), GniError> {
         if op.is_fetching() {
             return Err(GniError::Remote(Status::BadRequest));
         }
@@ -478,7 +583,15 @@ impl Nic {
                 buf.extend_from_slice(&off.to_le_bytes());
                 buf.extend_from_slice(&v.to_le_bytes());
             }
-            let mut c = self.cmd(CommandKind::AmoScatter, Remote { rank, handle, offset: 0 }, buf.len())?;
+            let mut c = self.cmd(
+                CommandKind::AmoScatter,
+                Remote {
+                    rank,
+                    handle,
+                    offset: 0,
+                },
+                buf.len(),
+            )?;
             c.amo = op as u8;
             let r = self.post(c, &buf, true);
             if let Err(e) = r {
@@ -515,7 +628,11 @@ impl Nic {
         let mut k = 0;
         while (1u32 << k) < n {
             let partner = (me + (1 << k)) % n;
-            let dst = Remote { rank: partner, handle: self.sys.handle, offset: (k * 8) as u64 };
+            let dst = Remote {
+                rank: partner,
+                handle: self.sys.handle,
+                offset: (k * 8) as u64,
+            };
             if wire_up {
                 let t = std::time::Instant::now();
                 loop {
@@ -554,7 +671,7 @@ pub fn wait_until(mut cond: impl FnMut() -> bool, mut between: impl FnMut()) {
     let mut since: Option<std::time::Instant> = None;
     while !cond() {
         spins += 1;
-        if spins % 16 == 0 {
+        if spins.is_multiple_of(16) {
             between();
         }
         if spins < SPIN_BEFORE_YIELD {

@@ -25,7 +25,11 @@ pub enum LaunchError {
     #[error("daemon for host {0} did not answer at {1} within 5 s")]
     Health(String, PathBuf),
     #[error("cannot start rank {rank} ({program}): {source}")]
-    Spawn { rank: u32, program: String, source: std::io::Error },
+    Spawn {
+        rank: u32,
+        program: String,
+        source: std::io::Error,
+    },
     #[error("-n must be at least 1 and --hosts between 1 and 250")]
     Size,
     #[error(transparent)]
@@ -88,7 +92,11 @@ impl LocalDaemons {
                 }
             })
             .map_err(|e| e.to_string())?;
-        let mut d = LocalDaemons { stop, thread: Some(thread), runtime_dir: None };
+        let mut d = LocalDaemons {
+            stop,
+            thread: Some(thread),
+            runtime_dir: None,
+        };
         match rx.recv() {
             Ok(Ok(())) => Ok(d),
             Ok(Err(e)) => {
@@ -134,7 +142,10 @@ pub fn health_check(path: &Path, within: Duration) -> bool {
 }
 
 /// Starts the local default's daemons on a free port; returns them and the config.
-fn start_local_default(hosts: usize, fault: Option<Fault>) -> Result<(LocalDaemons, Config), LaunchError> {
+fn start_local_default(
+    hosts: usize,
+    fault: Option<Fault>,
+) -> Result<(LocalDaemons, Config), LaunchError> {
     let mut last = String::new();
     for _ in 0..20 {
         let tag: u32 = rand::random();
@@ -170,11 +181,17 @@ fn describe(status: std::process::ExitStatus) -> (String, i32) {
 
 fn kill_all(children: &mut [(u32, Child)]) {
     for (_, c) in children.iter_mut() {
-        let _ = rustix::process::kill_process(rustix::process::Pid::from_child(c), rustix::process::Signal::Term);
+        let _ = rustix::process::kill_process(
+            rustix::process::Pid::from_child(c),
+            rustix::process::Signal::Term,
+        );
     }
     let t = Instant::now();
     while t.elapsed() < Duration::from_secs(2) {
-        if children.iter_mut().all(|(_, c)| matches!(c.try_wait(), Ok(Some(_)))) {
+        if children
+            .iter_mut()
+            .all(|(_, c)| matches!(c.try_wait(), Ok(Some(_))))
+        {
             return;
         }
         std::thread::sleep(Duration::from_millis(10));
@@ -202,7 +219,11 @@ pub fn run(l: &Launch) -> Result<i32, LaunchError> {
             if l.fault.is_some() {
                 c.fault = l.fault.clone();
             }
-            let d = if l.attach { None } else { Some(LocalDaemons::start(&c).map_err(LaunchError::Daemon)?) };
+            let d = if l.attach {
+                None
+            } else {
+                Some(LocalDaemons::start(&c).map_err(LaunchError::Daemon)?)
+            };
             (d, c, p.clone())
         }
     };
@@ -210,13 +231,20 @@ pub fn run(l: &Launch) -> Result<i32, LaunchError> {
     for i in 0..nhosts as u16 {
         let path = cfg.socket_path(i);
         if !health_check(&path, Duration::from_secs(5)) {
-            return Err(LaunchError::Health(cfg.hosts[i as usize].name.clone(), path));
+            return Err(LaunchError::Health(
+                cfg.hosts[i as usize].name.clone(),
+                path,
+            ));
         }
     }
     let job_id: u32 = rand::random::<u32>() >> 1;
     let job_key: u64 = rand::random();
     let rank_hosts: Vec<u16> = (0..l.ranks).map(|r| (r as usize % nhosts) as u16).collect();
-    let map = rank_hosts.iter().map(|h| h.to_string()).collect::<Vec<_>>().join(",");
+    let map = rank_hosts
+        .iter()
+        .map(|h| h.to_string())
+        .collect::<Vec<_>>()
+        .join(",");
     let mut children: Vec<(u32, Child)> = Vec::new();
     for r in 0..l.ranks {
         let h = rank_hosts[r as usize];
@@ -241,7 +269,11 @@ pub fn run(l: &Launch) -> Result<i32, LaunchError> {
             Ok(c) => children.push((r, c)),
             Err(source) => {
                 kill_all(&mut children);
-                return Err(LaunchError::Spawn { rank: r, program: l.program.to_string_lossy().into(), source });
+                return Err(LaunchError::Spawn {
+                    rank: r,
+                    program: l.program.to_string_lossy().into(),
+                    source,
+                });
             }
         }
     }
@@ -271,7 +303,11 @@ pub fn run(l: &Launch) -> Result<i32, LaunchError> {
             code = c;
             break;
         }
-        running = children.iter_mut().map(|(_, c)| c.try_wait()).filter(|w| matches!(w, Ok(None))).count();
+        running = children
+            .iter_mut()
+            .map(|(_, c)| c.try_wait())
+            .filter(|w| matches!(w, Ok(None)))
+            .count();
         if running > 0 {
             std::thread::sleep(Duration::from_millis(5));
         }

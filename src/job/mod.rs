@@ -7,10 +7,16 @@ use std::path::PathBuf;
 
 #[derive(Debug, thiserror::Error)]
 pub enum JobError {
-    #[error("{0} is not set: run the program under `softnic run` (or set the SOFTNIC_* job variables)")]
+    #[error(
+        "{0} is not set: run the program under `softnic run` (or set the SOFTNIC_* job variables)"
+    )]
     Missing(&'static str),
     #[error("{name} has an invalid value {value:?}: {why}")]
-    Invalid { name: &'static str, value: String, why: String },
+    Invalid {
+        name: &'static str,
+        value: String,
+        why: String,
+    },
 }
 
 /// The job as one rank sees it.
@@ -37,7 +43,11 @@ where
     T::Err: std::fmt::Display,
 {
     let v = var(name)?;
-    v.parse().map_err(|e: T::Err| JobError::Invalid { name, value: v.clone(), why: e.to_string() })
+    v.parse().map_err(|e: T::Err| JobError::Invalid {
+        name,
+        value: v.clone(),
+        why: e.to_string(),
+    })
 }
 
 impl JobInfo {
@@ -54,7 +64,11 @@ impl JobInfo {
             .split(',')
             .map(|s| s.parse::<u16>())
             .collect::<Result<Vec<_>, _>>()
-            .map_err(|e| JobError::Invalid { name: "SOFTNIC_RANK_HOSTS", value: map.clone(), why: e.to_string() })?;
+            .map_err(|e| JobError::Invalid {
+                name: "SOFTNIC_RANK_HOSTS",
+                value: map.clone(),
+                why: e.to_string(),
+            })?;
         if rank_hosts.len() != size as usize || rank >= size {
             return Err(JobError::Invalid {
                 name: "SOFTNIC_RANK_HOSTS",

@@ -16,6 +16,9 @@ use crate::wire::Status;
 pub trait Backing: Send + Sync {
     fn ptr(&self) -> *mut u8;
     fn len(&self) -> usize;
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
 }
 
 /// Plain heap memory, for tests and simulations.
@@ -23,7 +26,9 @@ pub struct HeapBacking(Box<[AtomicU64]>);
 
 impl HeapBacking {
     pub fn new(len: usize) -> Arc<HeapBacking> {
-        Arc::new(HeapBacking((0..len.div_ceil(8)).map(|_| AtomicU64::new(0)).collect()))
+        Arc::new(HeapBacking(
+            (0..len.div_ceil(8)).map(|_| AtomicU64::new(0)).collect(),
+        ))
     }
 }
 
@@ -87,17 +92,29 @@ impl Region {
 
     /// Copies `data` in at `off`. Bounds must have been checked.
     pub fn write(&self, off: u64, data: &[u8]) {
-        assert!(off as usize + data.len() <= self.len(), "write past a checked region");
+        assert!(
+            off as usize + data.len() <= self.len(),
+            "write past a checked region"
+        );
         // SAFETY: in bounds (asserted); the backing stays mapped while `self` holds it. The owner
         // process may touch these bytes concurrently, which is the contract of NIC memory.
         // `copy` (memmove): a put from a rank to itself may overlap.
-        unsafe { std::ptr::copy(data.as_ptr(), self.backing.ptr().add(off as usize), data.len()) }
+        unsafe {
+            std::ptr::copy(
+                data.as_ptr(),
+                self.backing.ptr().add(off as usize),
+                data.len(),
+            )
+        }
     }
 
     /// The bytes at `[off, off+len)`. Bounds must have been checked. The owner may change them
     /// while they are read, exactly as under a hardware NIC's DMA.
     pub fn bytes(&self, off: u64, len: usize) -> &[u8] {
-        assert!(off as usize + len <= self.len(), "read past a checked region");
+        assert!(
+            off as usize + len <= self.len(),
+            "read past a checked region"
+        );
         // SAFETY: in bounds (asserted) and mapped for the lifetime of `self`.
         unsafe { std::slice::from_raw_parts(self.backing.ptr().add(off as usize), len) }
     }
@@ -105,7 +122,7 @@ impl Region {
     /// The 64-bit word at `off` for an atomic operation: 8-byte aligned and in bounds, or an error.
     pub fn atomic(&self, off: u64, need: Perms) -> Result<&AtomicU64, Status> {
         self.check(off, 8, need)?;
-        if off % 8 != 0 {
+        if !off.is_multiple_of(8) {
             return Err(Status::BadRequest);
         }
         // SAFETY: in bounds, 8-aligned (the backing base is 8-aligned), mapped while `self` lives.
@@ -123,7 +140,10 @@ pub struct Endpoint {
 
 impl Endpoint {
     pub fn region(&self, id: u32) -> Result<&Region, Status> {
-        self.regions.get(id as usize).and_then(|r| r.as_ref()).ok_or(Status::NoSuchRegion)
+        self.regions
+            .get(id as usize)
+            .and_then(|r| r.as_ref())
+            .ok_or(Status::NoSuchRegion)
     }
 }
 
@@ -138,7 +158,13 @@ impl Endpoints {
         if self.map.contains_key(&(job, rank)) {
             return false;
         }
-        self.map.insert((job, rank), Endpoint { session, regions: Vec::new() });
+        self.map.insert(
+            (job, rank),
+            Endpoint {
+                session,
+                regions: Vec::new(),
+            },
+        );
         true
     }
 
@@ -160,13 +186,19 @@ impl Endpoints {
 
     /// Registers a region for an endpoint; returns its handle.
     pub fn register(&mut self, job: u32, rank: u32, region: Region) -> Result<u32, Status> {
-        let ep = self.map.get_mut(&(job, rank)).ok_or(Status::NoSuchEndpoint)?;
+        let ep = self
+            .map
+            .get_mut(&(job, rank))
+            .ok_or(Status::NoSuchEndpoint)?;
         ep.regions.push(Some(region));
         Ok((ep.regions.len() - 1) as u32)
     }
 
     pub fn deregister(&mut self, job: u32, rank: u32, id: u32) -> Result<(), Status> {
-        let ep = self.map.get_mut(&(job, rank)).ok_or(Status::NoSuchEndpoint)?;
+        let ep = self
+            .map
+            .get_mut(&(job, rank))
+            .ok_or(Status::NoSuchEndpoint)?;
         match ep.regions.get_mut(id as usize) {
             Some(r @ Some(_)) => {
                 *r = None;
@@ -204,9 +236,13 @@ mod tests {
     fn handles_are_never_reused() {
         let mut e = Endpoints::default();
         assert!(e.insert(1, 0, 7));
-        let a = e.register(1, 0, Region::new(HeapBacking::new(8), Perms::READ)).unwrap();
+        let a = e
+            .register(1, 0, Region::new(HeapBacking::new(8), Perms::READ))
+            .unwrap();
         e.deregister(1, 0, a).unwrap();
-        let b = e.register(1, 0, Region::new(HeapBacking::new(8), Perms::READ)).unwrap();
+        let b = e
+            .register(1, 0, Region::new(HeapBacking::new(8), Perms::READ))
+            .unwrap();
         assert_ne!(a, b);
         assert_eq!(e.region(1, 0, a).err(), Some(Status::NoSuchRegion));
         assert_eq!(e.region(2, 0, b).err(), Some(Status::NoSuchEndpoint));

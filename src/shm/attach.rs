@@ -9,8 +9,8 @@ use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::path::Path;
 
 use rustix::net::{
-    recvmsg, sendmsg, AddressFamily, RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, SendAncillaryBuffer,
-    SendAncillaryMessage, SendFlags, SocketAddrUnix, SocketType,
+    recvmsg, sendmsg, AddressFamily, RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags,
+    SendAncillaryBuffer, SendAncillaryMessage, SendFlags, SocketAddrUnix, SocketType,
 };
 
 use crate::wire::{get_u32, get_u64};
@@ -25,10 +25,19 @@ pub const MAX_MESSAGE: usize = 64 * 1024;
 pub enum Request {
     /// First message. The daemon answers `HelloOk` with the control memfd and two eventfds
     /// (daemon doorbell, client doorbell).
-    Hello { job: u32, job_key: u64, rank: u32, size: u32 },
+    Hello {
+        job: u32,
+        job_key: u64,
+        rank: u32,
+        size: u32,
+    },
     /// Register the attached sealed memfd with remote permissions `perms`.
-    Register { perms: u8 },
-    Deregister { region: u32 },
+    Register {
+        perms: u8,
+    },
+    Deregister {
+        region: u32,
+    },
     Stat,
     Ping,
 }
@@ -63,7 +72,11 @@ fn unpack(b: &[u8]) -> io::Result<(u32, [u64; FIELDS], String)> {
     for (i, v) in f.iter_mut().enumerate() {
         *v = get_u64(b, 8 + i * 8);
     }
-    Ok((get_u32(b, 0), f, String::from_utf8_lossy(&b[FIXED..]).into_owned()))
+    Ok((
+        get_u32(b, 0),
+        f,
+        String::from_utf8_lossy(&b[FIXED..]).into_owned(),
+    ))
 }
 
 fn bad(what: &str) -> io::Error {
@@ -73,9 +86,23 @@ fn bad(what: &str) -> io::Error {
 impl Request {
     pub fn encode(&self) -> Vec<u8> {
         match *self {
-            Request::Hello { job, job_key, rank, size } => {
-                pack(1, [PROTOCOL_VERSION, job as u64, job_key, rank as u64, size as u64, 0], "")
-            }
+            Request::Hello {
+                job,
+                job_key,
+                rank,
+                size,
+            } => pack(
+                1,
+                [
+                    PROTOCOL_VERSION,
+                    job as u64,
+                    job_key,
+                    rank as u64,
+                    size as u64,
+                    0,
+                ],
+                "",
+            ),
             Request::Register { perms } => pack(2, [perms as u64, 0, 0, 0, 0, 0], ""),
             Request::Deregister { region } => pack(3, [region as u64, 0, 0, 0, 0, 0], ""),
             Request::Stat => pack(4, [0; FIELDS], ""),
@@ -91,10 +118,19 @@ impl Request {
                 if f[0] != PROTOCOL_VERSION {
                     return Err(bad("client speaks another attach protocol version"));
                 }
-                Request::Hello { job: u32f(f[1])?, job_key: f[2], rank: u32f(f[3])?, size: u32f(f[4])? }
+                Request::Hello {
+                    job: u32f(f[1])?,
+                    job_key: f[2],
+                    rank: u32f(f[3])?,
+                    size: u32f(f[4])?,
+                }
             }
-            2 => Request::Register { perms: (f[0] & 3) as u8 },
-            3 => Request::Deregister { region: u32f(f[0])? },
+            2 => Request::Register {
+                perms: (f[0] & 3) as u8,
+            },
+            3 => Request::Deregister {
+                region: u32f(f[0])?,
+            },
             4 => Request::Stat,
             5 => Request::Ping,
             _ => return Err(bad("unknown attach request")),
@@ -105,7 +141,9 @@ impl Request {
 impl Response {
     pub fn encode(&self) -> Vec<u8> {
         match self {
-            Response::HelloOk { host, nhosts } => pack(101, [*host as u64, *nhosts as u64, 0, 0, 0, 0], ""),
+            Response::HelloOk { host, nhosts } => {
+                pack(101, [*host as u64, *nhosts as u64, 0, 0, 0, 0], "")
+            }
             Response::Registered { region } => pack(102, [*region as u64, 0, 0, 0, 0, 0], ""),
             Response::Done => pack(103, [0; FIELDS], ""),
             Response::Stat(s) => pack(104, [0; FIELDS], s),
@@ -117,8 +155,13 @@ impl Response {
     pub fn decode(b: &[u8]) -> io::Result<Response> {
         let (k, f, text) = unpack(b)?;
         Ok(match k {
-            101 => Response::HelloOk { host: f[0] as u16, nhosts: f[1] as u16 },
-            102 => Response::Registered { region: f[0] as u32 },
+            101 => Response::HelloOk {
+                host: f[0] as u16,
+                nhosts: f[1] as u16,
+            },
+            102 => Response::Registered {
+                region: f[0] as u32,
+            },
             103 => Response::Done,
             104 => Response::Stat(text),
             105 => Response::Pong,
@@ -146,7 +189,12 @@ pub fn send(sock: BorrowedFd<'_>, msg: &[u8], fds: &[BorrowedFd<'_>]) -> io::Res
 pub fn recv(sock: BorrowedFd<'_>, buf: &mut [u8], fds: &mut Vec<OwnedFd>) -> io::Result<usize> {
     let mut space = [0u8; rustix::cmsg_space!(ScmRights(4))];
     let mut anc = RecvAncillaryBuffer::new(&mut space);
-    let r = recvmsg(sock, &mut [IoSliceMut::new(buf)], &mut anc, RecvFlags::CMSG_CLOEXEC)?;
+    let r = recvmsg(
+        sock,
+        &mut [IoSliceMut::new(buf)],
+        &mut anc,
+        RecvFlags::CMSG_CLOEXEC,
+    )?;
     for m in anc.drain() {
         if let RecvAncillaryMessage::ScmRights(it) = m {
             fds.extend(it);
@@ -160,19 +208,31 @@ pub fn recv(sock: BorrowedFd<'_>, buf: &mut [u8], fds: &mut Vec<OwnedFd>) -> io:
 
 /// Connects a client socket to a daemon's attach socket.
 pub fn connect(path: &Path) -> io::Result<OwnedFd> {
-    let fd = rustix::net::socket_with(AddressFamily::UNIX, SocketType::SEQPACKET, rustix::net::SocketFlags::CLOEXEC, None)?;
+    let fd = rustix::net::socket_with(
+        AddressFamily::UNIX,
+        SocketType::SEQPACKET,
+        rustix::net::SocketFlags::CLOEXEC,
+        None,
+    )?;
     rustix::net::connect_unix(&fd, &SocketAddrUnix::new(path)?)?;
     Ok(fd)
 }
 
 /// Sends a request and waits for its response (client side; blocking).
-pub fn call(sock: &OwnedFd, req: &Request, fds: &[BorrowedFd<'_>]) -> io::Result<(Response, Vec<OwnedFd>)> {
+pub fn call(
+    sock: &OwnedFd,
+    req: &Request,
+    fds: &[BorrowedFd<'_>],
+) -> io::Result<(Response, Vec<OwnedFd>)> {
     send(sock.as_fd(), &req.encode(), fds)?;
     let mut buf = vec![0u8; MAX_MESSAGE];
     let mut got = Vec::new();
     let n = recv(sock.as_fd(), &mut buf, &mut got)?;
     if n == 0 {
-        return Err(io::Error::new(io::ErrorKind::ConnectionReset, "daemon closed the attach socket"));
+        return Err(io::Error::new(
+            io::ErrorKind::ConnectionReset,
+            "daemon closed the attach socket",
+        ));
     }
     Ok((Response::decode(&buf[..n])?, got))
 }
@@ -184,7 +244,12 @@ mod tests {
     #[test]
     fn messages_round_trip() {
         for r in [
-            Request::Hello { job: 3, job_key: 99, rank: 1, size: 4 },
+            Request::Hello {
+                job: 3,
+                job_key: 99,
+                rank: 1,
+                size: 4,
+            },
             Request::Register { perms: 3 },
             Request::Deregister { region: 5 },
             Request::Stat,
@@ -192,7 +257,11 @@ mod tests {
         ] {
             assert_eq!(Request::decode(&r.encode()).unwrap(), r);
         }
-        for r in [Response::HelloOk { host: 1, nhosts: 2 }, Response::Stat("x y".into()), Response::Error("no".into())] {
+        for r in [
+            Response::HelloOk { host: 1, nhosts: 2 },
+            Response::Stat("x y".into()),
+            Response::Error("no".into()),
+        ] {
             assert_eq!(Response::decode(&r.encode()).unwrap(), r);
         }
         assert!(Request::decode(&[1, 2, 3]).is_err());

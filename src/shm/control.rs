@@ -130,8 +130,13 @@ impl Command {
             operand2: get_u64(b, 64),
         };
         match AmoOp::from_u8(c.amo) {
-            None if kind == CommandKind::Amo || kind == CommandKind::AmoScatter => return Err(ControlError::BadCommand(c.amo)),
-            Some(op) if kind == CommandKind::AmoScatter && (op.is_fetching() || c.len % 16 != 0) => {
+            None if kind == CommandKind::Amo || kind == CommandKind::AmoScatter => {
+                return Err(ControlError::BadCommand(c.amo))
+            }
+            Some(op)
+                if kind == CommandKind::AmoScatter
+                    && (op.is_fetching() || !c.len.is_multiple_of(16)) =>
+            {
                 return Err(ControlError::BadInline(c.len))
             }
             _ => {}
@@ -209,7 +214,15 @@ impl Control {
     }
 
     fn with(map: Mapping, cmd_cap: u64, cq_cap: u64) -> Control {
-        Control { map, cmd_cap, cq_cap, cmd_head: Cell::new(0), cmd_tail: Cell::new(0), cq_head: Cell::new(0), cq_tail: Cell::new(0) }
+        Control {
+            map,
+            cmd_cap,
+            cq_cap,
+            cmd_head: Cell::new(0),
+            cmd_tail: Cell::new(0),
+            cq_head: Cell::new(0),
+            cq_tail: Cell::new(0),
+        }
     }
 
     pub fn mapping(&self) -> &Mapping {
@@ -254,7 +267,10 @@ impl Control {
     /// Appends a command (with `inline` payload for FMA puts); `false` when the ring is full.
     pub fn cmd_push(&self, cmd: &Command, inline: &[u8]) -> bool {
         let need = (8 + COMMAND_LEN + inline.len()).next_multiple_of(8) as u64;
-        assert!(need <= self.cmd_cap / 4, "inline payload larger than max_inline");
+        assert!(
+            need <= self.cmd_cap / 4,
+            "inline payload larger than max_inline"
+        );
         let head = self.atomic(CMD_HEAD).load(Ordering::Acquire);
         let mut tail = self.cmd_tail.get();
         let pos = tail % self.cmd_cap;
@@ -287,7 +303,11 @@ impl Control {
 
     /// Free bytes in the command ring (client side).
     pub fn cmd_free(&self) -> u64 {
-        self.cmd_cap - self.cmd_tail.get().wrapping_sub(self.atomic(CMD_HEAD).load(Ordering::Acquire))
+        self.cmd_cap
+            - self
+                .cmd_tail
+                .get()
+                .wrapping_sub(self.atomic(CMD_HEAD).load(Ordering::Acquire))
     }
 
     // ---- daemon side: command consumer ----
@@ -302,7 +322,7 @@ impl Control {
             if avail == 0 {
                 return Ok(None);
             }
-            if avail > self.cmd_cap || avail % 8 != 0 {
+            if avail > self.cmd_cap || !avail.is_multiple_of(8) {
                 return Err(ControlError::BadIndex);
             }
             let pos = (head % self.cmd_cap) as usize;
@@ -311,7 +331,7 @@ impl Control {
             unsafe { std::ptr::copy_nonoverlapping(self.ring().add(pos), hdr.as_mut_ptr(), 8) };
             let len = get_u32(&hdr, 0) as u64;
             let tag = get_u32(&hdr, 4);
-            if len < 8 || len % 8 != 0 || len > avail || pos as u64 + len > self.cmd_cap {
+            if len < 8 || !len.is_multiple_of(8) || len > avail || pos as u64 + len > self.cmd_cap {
                 return Err(ControlError::BadRecord(len as usize));
             }
             match tag {
@@ -323,7 +343,13 @@ impl Control {
                     buf.clear();
                     buf.resize(len as usize - 8, 0);
                     // SAFETY: the record lies inside the ring (checked above).
-                    unsafe { std::ptr::copy_nonoverlapping(self.ring().add(pos + 8), buf.as_mut_ptr(), buf.len()) };
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(
+                            self.ring().add(pos + 8),
+                            buf.as_mut_ptr(),
+                            buf.len(),
+                        )
+                    };
                     return Ok(Some(len));
                 }
                 _ => return Err(ControlError::BadRecord(len as usize)),
@@ -381,7 +407,11 @@ impl Control {
         unsafe { std::ptr::copy_nonoverlapping(self.cq().add(at), b.as_mut_ptr(), CQ_ENTRY_LEN) };
         self.cq_head.set(head + 1);
         self.atomic(CQ_HEAD).store(head + 1, Ordering::Release);
-        Some(CqEntry { client_req: get_u64(&b, 0), status: get_u32(&b, 8), value: get_u64(&b, 16) })
+        Some(CqEntry {
+            client_req: get_u64(&b, 0),
+            status: get_u32(&b, 8),
+            value: get_u64(&b, 16),
+        })
     }
 
     pub fn cq_pending(&self) -> bool {
@@ -428,7 +458,11 @@ mod tests {
         let mut buf = Vec::new();
         for i in 0..500u64 {
             let data = vec![i as u8; (i % 300) as usize];
-            let cmd = Command { client_req: i, len: data.len() as u64, ..Default::default() };
+            let cmd = Command {
+                client_req: i,
+                len: data.len() as u64,
+                ..Default::default()
+            };
             assert!(c.cmd_push(&cmd, &data));
             let len = d.cmd_peek(&mut buf).unwrap().unwrap();
             let (got, inline) = Command::decode(&buf).unwrap();
@@ -448,7 +482,14 @@ mod tests {
         }
         assert_eq!(n, 4096 / 80);
         for i in 0..4 {
-            assert_eq!(d.cq_push(&CqEntry { client_req: i, status: 0, value: i * 2 }), Ok(true));
+            assert_eq!(
+                d.cq_push(&CqEntry {
+                    client_req: i,
+                    status: 0,
+                    value: i * 2
+                }),
+                Ok(true)
+            );
         }
         assert_eq!(d.cq_push(&CqEntry::default()), Ok(false));
         assert_eq!(c.cq_pop().unwrap().value, 0);

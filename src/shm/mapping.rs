@@ -8,7 +8,9 @@ use std::io;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::ptr::NonNull;
 
-use rustix::fs::{fcntl_add_seals, fcntl_get_seals, fstat, ftruncate, memfd_create, MemfdFlags, SealFlags};
+use rustix::fs::{
+    fcntl_add_seals, fcntl_get_seals, fstat, ftruncate, memfd_create, MemfdFlags, SealFlags,
+};
 use rustix::mm::{mmap, munmap, MapFlags, ProtFlags};
 
 use crate::nic::memory::Backing;
@@ -39,19 +41,35 @@ impl Mapping {
     pub fn from_fd(fd: OwnedFd, min_len: usize, max_len: usize) -> io::Result<Mapping> {
         let seals = fcntl_get_seals(&fd)?;
         if !seals.contains(SealFlags::SHRINK) {
-            return Err(io::Error::new(io::ErrorKind::InvalidInput, "memfd is not sealed against shrinking"));
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "memfd is not sealed against shrinking",
+            ));
         }
         let len = fstat(&fd)?.st_size as usize;
-        if len < min_len || len > max_len || len % 4096 != 0 {
-            return Err(io::Error::new(io::ErrorKind::InvalidInput, format!("memfd size {len} outside {min_len}..={max_len}")));
+        if len < min_len || len > max_len || !len.is_multiple_of(4096) {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("memfd size {len} outside {min_len}..={max_len}"),
+            ));
         }
         Self::map(fd, len)
     }
 
     fn map(fd: OwnedFd, len: usize) -> io::Result<Mapping> {
         // SAFETY: a fresh shared mapping of a sealed file; we own it until Drop.
-        let p = unsafe { mmap(std::ptr::null_mut(), len, ProtFlags::READ | ProtFlags::WRITE, MapFlags::SHARED, &fd, 0)? };
-        let ptr = NonNull::new(p as *mut u8).ok_or_else(|| io::Error::other("mmap returned null"))?;
+        let p = unsafe {
+            mmap(
+                std::ptr::null_mut(),
+                len,
+                ProtFlags::READ | ProtFlags::WRITE,
+                MapFlags::SHARED,
+                &fd,
+                0,
+            )?
+        };
+        let ptr =
+            NonNull::new(p as *mut u8).ok_or_else(|| io::Error::other("mmap returned null"))?;
         Ok(Mapping { fd, ptr, len })
     }
 

@@ -8,7 +8,9 @@
 
 pub mod reliable;
 pub mod sim;
-pub mod udp;
 pub mod tcp;
+pub mod udp;
 
-pub use reliable::{PushError, Received, Transport, TransportConfig, TransportEvent, TransportStats};
+pub use reliable::{
+    PushError, Received, Transport, TransportConfig, TransportEvent, TransportStats,
+};

@@ -183,7 +183,10 @@ pub struct Transport {
 impl Transport {
     /// `nhosts` peers numbered 0.., of which `host` is this one. `seed` makes epochs distinct
     /// per daemon start (pass randomness in production, a constant in simulations).
-    pub fn new(host: u16, nhosts: u16, key: Key, cfg: TransportConfig, seed: u64) -> Transport {
+    pub fn new(host: u16, nhosts: u16, key: Key, mut cfg: TransportConfig, seed: u64) -> Transport {
+        // Backoff must leave ~20 attempts before a silent peer is declared dead: at 30% loss
+        // each way a datagram and its ack both get through only half the time.
+        cfg.rto_max = cfg.rto_max.min(cfg.peer_timeout / 20).max(cfg.rto_min);
         let mut t = Transport {
             host,
             key,
@@ -225,7 +228,10 @@ impl Transport {
     }
 
     fn buf(&mut self) -> Vec<u8> {
-        let mut b = self.pool.pop().unwrap_or_else(|| Vec::with_capacity(self.cfg.mtu));
+        let mut b = self
+            .pool
+            .pop()
+            .unwrap_or_else(|| Vec::with_capacity(self.cfg.mtu));
         b.clear();
         b.resize(HEADER_LEN, 0);
         b
@@ -239,7 +245,11 @@ impl Transport {
 
     /// Whether `peer` accepts another op now (not dead, queue not full).
     pub fn can_push(&self, peer: u16) -> Result<(), PushError> {
-        let p = self.peers.get(peer as usize).filter(|_| peer != self.host).ok_or(PushError::NoSuchPeer(peer))?;
+        let p = self
+            .peers
+            .get(peer as usize)
+            .filter(|_| peer != self.host)
+            .ok_or(PushError::NoSuchPeer(peer))?;
         if p.dead {
             return Err(PushError::Dead(peer));
         }
@@ -251,7 +261,9 @@ impl Transport {
 
     /// How many more sealed datagrams `peer`'s queue takes before pushes fail with Full.
     pub fn queued_space(&self, peer: u16) -> usize {
-        self.peers.get(peer as usize).map_or(0, |p| self.cfg.max_queued.saturating_sub(p.queued.len()))
+        self.peers
+            .get(peer as usize)
+            .map_or(0, |p| self.cfg.max_queued.saturating_sub(p.queued.len()))
     }
 
     /// Body bytes left in the datagram being filled for `peer` (a full datagram if none is open).
@@ -283,7 +295,8 @@ impl Transport {
         if len > cap {
             return Err(PushError::TooLarge(len));
         }
-        let needs_seal = matches!(&self.peers[peer as usize].open, Some(b) if b.len() - HEADER_LEN + len > cap);
+        let needs_seal =
+            matches!(&self.peers[peer as usize].open, Some(b) if b.len() - HEADER_LEN + len > cap);
         if needs_seal {
             self.seal(peer);
             self.can_push(peer)?;
@@ -321,14 +334,21 @@ impl Transport {
     pub fn flush(&mut self, now: u64) {
         for i in 0..self.peers.len() {
             let p = &self.peers[i];
-            if p.open_eager || p.open_lazy_since.is_some_and(|t| now >= t + self.cfg.lazy_delay) {
+            if p.open_eager
+                || p.open_lazy_since
+                    .is_some_and(|t| now >= t + self.cfg.lazy_delay)
+            {
                 self.seal(i as u16);
             }
         }
     }
 
     /// Handles one incoming datagram.
-    pub fn on_datagram<'a>(&mut self, now: u64, dgram: &'a [u8]) -> Result<Received<'a>, WireError> {
+    pub fn on_datagram<'a>(
+        &mut self,
+        now: u64,
+        dgram: &'a [u8],
+    ) -> Result<Received<'a>, WireError> {
         let (h, body) = match DatagramHeader::open(&self.key, dgram) {
             Ok(x) => x,
             Err(e) => {
@@ -340,7 +360,10 @@ impl Transport {
                 return Err(e);
             }
         };
-        if h.dst_host != self.host || h.src_host == self.host || h.src_host as usize >= self.peers.len() {
+        if h.dst_host != self.host
+            || h.src_host == self.host
+            || h.src_host as usize >= self.peers.len()
+        {
             self.stats.malformed += 1;
             return Err(WireError::BadField("datagram not addressed to this host"));
         }
@@ -384,11 +407,18 @@ impl Transport {
             return Ok(Received { peer, body: None });
         }
         p.unacked_received += 1;
-        let due = if p.unacked_received >= 8 || h.seq != p.recv_next { now } else { now + ack_delay };
+        let due = if p.unacked_received >= 8 || h.seq != p.recv_next {
+            now
+        } else {
+            now + ack_delay
+        };
         p.ack_due = Some(p.ack_due.map_or(due, |d| d.min(due)));
         if h.seq == p.recv_next {
             p.recv_next += 1;
-            return Ok(Received { peer, body: Some(body) });
+            return Ok(Received {
+                peer,
+                body: Some(body),
+            });
         }
         let mut b = self.pool.pop().unwrap_or_default();
         b.clear();
@@ -432,7 +462,11 @@ impl Transport {
         }
         if sack != 0 {
             for f in p.inflight.iter_mut() {
-                if f.seq > ack && f.seq <= ack + 64 && sack & (1 << (f.seq - ack - 1)) != 0 && !f.sacked {
+                if f.seq > ack
+                    && f.seq <= ack + 64
+                    && sack & (1 << (f.seq - ack - 1)) != 0
+                    && !f.sacked
+                {
                     f.sacked = true;
                     if f.retries == 0 {
                         sample = Some(now.saturating_sub(f.sent_at));
@@ -594,7 +628,14 @@ impl Transport {
             if p.inflight.is_empty() {
                 p.waiting_since = now;
             }
-            p.inflight.push_back(InFlight { seq, buf, sent_at: now, retries: 0, sacked: false, resend: false });
+            p.inflight.push_back(InFlight {
+                seq,
+                buf,
+                sent_at: now,
+                retries: 0,
+                sacked: false,
+                resend: false,
+            });
             (seq, Some(p.inflight.len() - 1))
         } else if p.ack_due.is_some_and(|d| d <= now) {
             self.stats.acks_sent += 1;
@@ -625,14 +666,32 @@ mod tests {
     use crate::wire::{OpHeader, OpIter, Status};
 
     fn cfg() -> TransportConfig {
-        TransportConfig { window: 64, max_queued: 64, rto_init: 200_000, rto_min: 100_000, peer_timeout: 500_000_000, ..Default::default() }
+        TransportConfig {
+            window: 64,
+            max_queued: 64,
+            rto_init: 200_000,
+            rto_min: 100_000,
+            peer_timeout: 500_000_000,
+            ..Default::default()
+        }
     }
 
     static DATA: [u8; 600] = [0x5a; 600];
 
     /// An op big enough that about two fit in a datagram, so faults hit many datagrams.
     fn op(req: u64) -> OpRef<'static> {
-        OpRef::GetReply { h: OpHeader { job: 1, src_rank: 0, dst_rank: 1, req }, status: Status::Ok, frag_off: 0, last: true, data: &DATA }
+        OpRef::GetReply {
+            h: OpHeader {
+                job: 1,
+                src_rank: 0,
+                dst_rank: 1,
+                req,
+            },
+            status: Status::Ok,
+            frag_off: 0,
+            last: true,
+            data: &DATA,
+        }
     }
 
     /// Drives two transports through `net` until `n` ops sent each way arrive (or time runs out);
@@ -687,11 +746,19 @@ mod tests {
     #[test]
     fn exactly_once_in_order_under_loss_duplication_reordering() {
         for seed in 1..4 {
-            let mut net = SimNet::new(SimConfig { seed, loss: 0.3, duplicate: 0.2, reorder: 0.2, ..Default::default() });
+            let mut net = SimNet::new(SimConfig {
+                seed,
+                loss: 0.3,
+                duplicate: 0.2,
+                reorder: 0.2,
+                ..Default::default()
+            });
             let (a, b) = exchange(&mut net, 3000, 60_000_000_000);
             assert_eq!(a, (1..=3000).collect::<Vec<_>>(), "seed {seed}");
             assert_eq!(b, (1..=3000).collect::<Vec<_>>(), "seed {seed}");
-            assert!(net.stats.lost > 100 && net.stats.duplicated > 100 && net.stats.reordered > 100);
+            assert!(
+                net.stats.lost > 100 && net.stats.duplicated > 100 && net.stats.reordered > 100
+            );
         }
     }
 

@@ -26,7 +26,15 @@ pub struct SimConfig {
 
 impl Default for SimConfig {
     fn default() -> Self {
-        SimConfig { seed: 1, loss: 0.0, duplicate: 0.0, reorder: 0.0, delay_ns: 10_000, jitter_ns: 2_000, mtu: 65_507 }
+        SimConfig {
+            seed: 1,
+            loss: 0.0,
+            duplicate: 0.0,
+            reorder: 0.0,
+            delay_ns: 10_000,
+            jitter_ns: 2_000,
+            mtu: 65_507,
+        }
     }
 }
 
@@ -40,10 +48,13 @@ pub struct SimStats {
     pub blackholed: u64,
 }
 
+/// A datagram in flight: (due time, tie-breaking counter, destination host, bytes).
+type InFlight = Reverse<(u64, u64, u16, Vec<u8>)>;
+
 pub struct SimNet {
     cfg: SimConfig,
     rng: StdRng,
-    queue: BinaryHeap<Reverse<(u64, u64, u16, Vec<u8>)>>,
+    queue: BinaryHeap<InFlight>,
     counter: u64,
     down: HashSet<u16>,
     pub stats: SimStats,
@@ -97,7 +108,8 @@ impl SimNet {
                 at += self.cfg.delay_ns * 4 + self.rng.gen_range(0..=self.cfg.delay_ns * 4);
             }
             self.counter += 1;
-            self.queue.push(Reverse((at, self.counter, to, bytes.to_vec())));
+            self.queue
+                .push(Reverse((at, self.counter, to, bytes.to_vec())));
         }
     }
 

@@ -27,7 +27,11 @@ pub struct UdpDriver {
 }
 
 impl UdpDriver {
-    pub fn bind(addr: SocketAddr, peers: Vec<SocketAddr>, fault: Option<Fault>) -> io::Result<UdpDriver> {
+    pub fn bind(
+        addr: SocketAddr,
+        peers: Vec<SocketAddr>,
+        fault: Option<Fault>,
+    ) -> io::Result<UdpDriver> {
         let s = Socket::new(Domain::for_address(addr), Type::DGRAM, Some(Protocol::UDP))?;
         s.set_reuse_address(true)?;
         // Room for a full window of datagrams in flight; the kernel caps it at rmem_max.
@@ -38,14 +42,25 @@ impl UdpDriver {
         }
         s.set_nonblocking(true)?;
         s.bind(&addr.into())?;
-        let fault = fault.filter(|f| f.drop > 0.0 || f.duplicate > 0.0).map(|f| {
-            let rng = StdRng::seed_from_u64(f.seed ^ addr.port() as u64 ^ u32::from_be_bytes(match addr.ip() {
-                std::net::IpAddr::V4(v) => v.octets(),
-                _ => [0; 4],
-            }) as u64);
-            (f, rng)
-        });
-        Ok(UdpDriver { sock: mio::net::UdpSocket::from_std(s.into()), peers, fault, stats: DriverStats::default() })
+        let fault = fault
+            .filter(|f| f.drop > 0.0 || f.duplicate > 0.0)
+            .map(|f| {
+                let rng = StdRng::seed_from_u64(
+                    f.seed
+                        ^ addr.port() as u64
+                        ^ u32::from_be_bytes(match addr.ip() {
+                            std::net::IpAddr::V4(v) => v.octets(),
+                            _ => [0; 4],
+                        }) as u64,
+                );
+                (f, rng)
+            });
+        Ok(UdpDriver {
+            sock: mio::net::UdpSocket::from_std(s.into()),
+            peers,
+            fault,
+            stats: DriverStats::default(),
+        })
     }
 
     pub fn socket(&mut self) -> &mut mio::net::UdpSocket {
@@ -55,7 +70,9 @@ impl UdpDriver {
     /// Sends one datagram to host `to`. A full socket buffer counts as loss: the transport
     /// retransmits, exactly as for a drop on the wire.
     pub fn send(&mut self, to: u16, bytes: &[u8]) {
-        let Some(&addr) = self.peers.get(to as usize) else { return };
+        let Some(&addr) = self.peers.get(to as usize) else {
+            return;
+        };
         let mut copies = 1;
         if let Some((f, rng)) = &mut self.fault {
             if rng.gen_bool(f.drop) {

@@ -113,7 +113,15 @@ mod tests {
 
     #[test]
     fn round_trip_and_tag() {
-        let h = DatagramHeader { flags: 1, src_host: 3, dst_host: 4, epoch: 9, seq: 10, ack: 11, sack: 0b101 };
+        let h = DatagramHeader {
+            flags: 1,
+            src_host: 3,
+            dst_host: 4,
+            epoch: 9,
+            seq: 10,
+            ack: 11,
+            sack: 0b101,
+        };
         let mut buf = vec![0u8; 100];
         h.write(&mut buf);
         buf[HEADER_LEN..HEADER_LEN + 3].copy_from_slice(b"abc");
@@ -121,10 +129,19 @@ mod tests {
         let (got, body) = DatagramHeader::open(&key(), &buf[..n]).unwrap();
         assert_eq!(got, h);
         assert_eq!(body, b"abc");
-        assert_eq!(DatagramHeader::open(&Key([8; 32]), &buf[..n]), Err(WireError::BadTag));
+        assert_eq!(
+            DatagramHeader::open(&Key([8; 32]), &buf[..n]),
+            Err(WireError::BadTag)
+        );
         buf[HEADER_LEN] ^= 1;
-        assert_eq!(DatagramHeader::open(&key(), &buf[..n]), Err(WireError::BadTag));
-        assert_eq!(DatagramHeader::open(&key(), &buf[..10]), Err(WireError::Truncated(10)));
+        assert_eq!(
+            DatagramHeader::open(&key(), &buf[..n]),
+            Err(WireError::BadTag)
+        );
+        assert_eq!(
+            DatagramHeader::open(&key(), &buf[..10]),
+            Err(WireError::Truncated(10))
+        );
     }
 
     proptest! {

@@ -142,17 +142,57 @@ pub enum OpRef<'a> {
     /// One fragment of a put: `data` goes at `offset`; the whole put covers
     /// `[total_off, total_off + total_len)`, checked on every fragment so a partly
     /// out-of-bounds put changes nothing.
-    Put { h: OpHeader, region: u32, offset: u64, total_off: u64, total_len: u64, last: bool, lazy_ack: bool, data: &'a [u8] },
-    PutAck { h: OpHeader, status: Status },
-    Get { h: OpHeader, region: u32, offset: u64, len: u64 },
+    Put {
+        h: OpHeader,
+        region: u32,
+        offset: u64,
+        total_off: u64,
+        total_len: u64,
+        last: bool,
+        lazy_ack: bool,
+        data: &'a [u8],
+    },
+    PutAck {
+        h: OpHeader,
+        status: Status,
+    },
+    Get {
+        h: OpHeader,
+        region: u32,
+        offset: u64,
+        len: u64,
+    },
     /// One fragment of a get reply: `data` belongs at `frag_off` within the requested range.
-    GetReply { h: OpHeader, status: Status, frag_off: u64, last: bool, data: &'a [u8] },
-    Amo { h: OpHeader, region: u32, op: AmoOp, offset: u64, operand: u64, operand2: u64 },
-    AmoReply { h: OpHeader, status: Status, value: u64 },
+    GetReply {
+        h: OpHeader,
+        status: Status,
+        frag_off: u64,
+        last: bool,
+        data: &'a [u8],
+    },
+    Amo {
+        h: OpHeader,
+        region: u32,
+        op: AmoOp,
+        offset: u64,
+        operand: u64,
+        operand2: u64,
+    },
+    AmoReply {
+        h: OpHeader,
+        status: Status,
+        value: u64,
+    },
     /// A vector of non-fetching AMOs on one region: `pairs` is a run of 16-byte
     /// `(offset u64, operand u64)`. Answered by one `AmoReply` (value: updates applied) after
     /// the last fragment, or at once on the first failure.
-    AmoScatter { h: OpHeader, region: u32, op: AmoOp, last: bool, pairs: &'a [u8] },
+    AmoScatter {
+        h: OpHeader,
+        region: u32,
+        op: AmoOp,
+        last: bool,
+        pairs: &'a [u8],
+    },
 }
 
 impl<'a> OpRef<'a> {
@@ -200,7 +240,8 @@ impl<'a> OpRef<'a> {
 
     /// Largest data payload of a put/get-reply fragment that fits in `room` body bytes.
     pub fn max_data(kind: OpKind, room: usize) -> usize {
-        room.saturating_sub(OP_HEADER_LEN + kind.fixed_len()).min(u16::MAX as usize - 64)
+        room.saturating_sub(OP_HEADER_LEN + kind.fixed_len())
+            .min(u16::MAX as usize - 64)
     }
 
     /// Encodes into the front of `buf` (which must hold [`Self::encoded_len`] bytes).
@@ -209,7 +250,9 @@ impl<'a> OpRef<'a> {
         let h = self.header();
         let last = matches!(
             self,
-            OpRef::Put { last: true, .. } | OpRef::GetReply { last: true, .. } | OpRef::AmoScatter { last: true, .. }
+            OpRef::Put { last: true, .. }
+                | OpRef::GetReply { last: true, .. }
+                | OpRef::AmoScatter { last: true, .. }
         );
         buf[0] = self.kind() as u8;
         let lazy = matches!(self, OpRef::Put { lazy_ack: true, .. });
@@ -220,10 +263,19 @@ impl<'a> OpRef<'a> {
         buf[12..16].copy_from_slice(&h.dst_rank.to_le_bytes());
         buf[16..24].copy_from_slice(&h.req.to_le_bytes());
         let f = &mut buf[OP_HEADER_LEN..len];
-        let put64 = |f: &mut [u8], at: usize, v: u64| f[at..at + 8].copy_from_slice(&v.to_le_bytes());
-        let put32 = |f: &mut [u8], at: usize, v: u32| f[at..at + 4].copy_from_slice(&v.to_le_bytes());
+        let put64 =
+            |f: &mut [u8], at: usize, v: u64| f[at..at + 8].copy_from_slice(&v.to_le_bytes());
+        let put32 =
+            |f: &mut [u8], at: usize, v: u32| f[at..at + 4].copy_from_slice(&v.to_le_bytes());
         match *self {
-            OpRef::Put { region, offset, total_off, total_len, data, .. } => {
+            OpRef::Put {
+                region,
+                offset,
+                total_off,
+                total_len,
+                data,
+                ..
+            } => {
                 put32(f, 0, region);
                 put32(f, 4, 0);
                 put64(f, 8, offset);
@@ -235,19 +287,36 @@ impl<'a> OpRef<'a> {
                 put32(f, 0, status as u32);
                 put32(f, 4, 0);
             }
-            OpRef::Get { region, offset, len, .. } => {
+            OpRef::Get {
+                region,
+                offset,
+                len,
+                ..
+            } => {
                 put32(f, 0, region);
                 put32(f, 4, 0);
                 put64(f, 8, offset);
                 put64(f, 16, len);
             }
-            OpRef::GetReply { status, frag_off, data, .. } => {
+            OpRef::GetReply {
+                status,
+                frag_off,
+                data,
+                ..
+            } => {
                 put32(f, 0, status as u32);
                 put32(f, 4, 0);
                 put64(f, 8, frag_off);
                 f[16..].copy_from_slice(data);
             }
-            OpRef::Amo { region, op, offset, operand, operand2, .. } => {
+            OpRef::Amo {
+                region,
+                op,
+                offset,
+                operand,
+                operand2,
+                ..
+            } => {
                 put32(f, 0, region);
                 f[4..8].copy_from_slice(&[op as u8, 0, 0, 0]);
                 put64(f, 8, offset);
@@ -259,7 +328,9 @@ impl<'a> OpRef<'a> {
                 put32(f, 4, 0);
                 put64(f, 8, value);
             }
-            OpRef::AmoScatter { region, op, pairs, .. } => {
+            OpRef::AmoScatter {
+                region, op, pairs, ..
+            } => {
                 put32(f, 0, region);
                 f[4..8].copy_from_slice(&[op as u8, 0, 0, 0]);
                 f[8..].copy_from_slice(pairs);
@@ -281,7 +352,12 @@ impl<'a> OpRef<'a> {
         if len < fixed_end || len > b.len() {
             return Err(WireError::OpTruncated(len));
         }
-        let h = OpHeader { job: get_u32(b, 4), src_rank: get_u32(b, 8), dst_rank: get_u32(b, 12), req: get_u64(b, 16) };
+        let h = OpHeader {
+            job: get_u32(b, 4),
+            src_rank: get_u32(b, 8),
+            dst_rank: get_u32(b, 12),
+            req: get_u64(b, 16),
+        };
         let f = &b[OP_HEADER_LEN..len];
         let data = &b[fixed_end..len];
         let has_data = matches!(kind, OpKind::Put | OpKind::GetReply | OpKind::AmoScatter);
@@ -299,8 +375,16 @@ impl<'a> OpRef<'a> {
                 lazy_ack,
                 data,
             },
-            OpKind::PutAck => OpRef::PutAck { h, status: Status::from_u32(get_u32(f, 0)) },
-            OpKind::Get => OpRef::Get { h, region: get_u32(f, 0), offset: get_u64(f, 8), len: get_u64(f, 16) },
+            OpKind::PutAck => OpRef::PutAck {
+                h,
+                status: Status::from_u32(get_u32(f, 0)),
+            },
+            OpKind::Get => OpRef::Get {
+                h,
+                region: get_u32(f, 0),
+                offset: get_u64(f, 8),
+                len: get_u64(f, 16),
+            },
             OpKind::GetReply => OpRef::GetReply {
                 h,
                 status: Status::from_u32(get_u32(f, 0)),
@@ -316,13 +400,25 @@ impl<'a> OpRef<'a> {
                 operand: get_u64(f, 16),
                 operand2: get_u64(f, 24),
             },
-            OpKind::AmoReply => OpRef::AmoReply { h, status: Status::from_u32(get_u32(f, 0)), value: get_u64(f, 8) },
+            OpKind::AmoReply => OpRef::AmoReply {
+                h,
+                status: Status::from_u32(get_u32(f, 0)),
+                value: get_u64(f, 8),
+            },
             OpKind::AmoScatter => {
                 let op = AmoOp::from_u8(f[4]).ok_or(WireError::BadField("unknown AMO"))?;
-                if op.is_fetching() || data.len() % 16 != 0 {
-                    return Err(WireError::BadField("AMO scatter: fetching AMO or partial pair"));
+                if op.is_fetching() || !data.len().is_multiple_of(16) {
+                    return Err(WireError::BadField(
+                        "AMO scatter: fetching AMO or partial pair",
+                    ));
                 }
-                OpRef::AmoScatter { h, region: get_u32(f, 0), op, last, pairs: data }
+                OpRef::AmoScatter {
+                    h,
+                    region: get_u32(f, 0),
+                    op,
+                    last,
+                    pairs: data,
+                }
             }
         };
         Ok((op, len))
@@ -337,7 +433,10 @@ pub struct OpIter<'a> {
 
 impl<'a> OpIter<'a> {
     pub fn new(body: &'a [u8]) -> Self {
-        OpIter { body, failed: false }
+        OpIter {
+            body,
+            failed: false,
+        }
     }
 }
 
@@ -366,15 +465,60 @@ mod tests {
     use proptest::prelude::*;
 
     fn samples(data: &[u8]) -> Vec<OpRef<'_>> {
-        let h = OpHeader { job: 1, src_rank: 2, dst_rank: 3, req: 4 };
+        let h = OpHeader {
+            job: 1,
+            src_rank: 2,
+            dst_rank: 3,
+            req: 4,
+        };
         vec![
-            OpRef::Put { h, region: 5, offset: 6, total_off: 6, total_len: 100, last: true, lazy_ack: true, data },
-            OpRef::PutAck { h, status: Status::OutOfBounds },
-            OpRef::Get { h, region: 1, offset: 2, len: 3 },
-            OpRef::GetReply { h, status: Status::Ok, frag_off: 9, last: false, data },
-            OpRef::Amo { h, region: 1, op: AmoOp::Acswap, offset: 8, operand: 1, operand2: 2 },
-            OpRef::AmoReply { h, status: Status::Ok, value: u64::MAX },
-            OpRef::AmoScatter { h, region: 2, op: AmoOp::Axor, last: true, pairs: &[7; 32] },
+            OpRef::Put {
+                h,
+                region: 5,
+                offset: 6,
+                total_off: 6,
+                total_len: 100,
+                last: true,
+                lazy_ack: true,
+                data,
+            },
+            OpRef::PutAck {
+                h,
+                status: Status::OutOfBounds,
+            },
+            OpRef::Get {
+                h,
+                region: 1,
+                offset: 2,
+                len: 3,
+            },
+            OpRef::GetReply {
+                h,
+                status: Status::Ok,
+                frag_off: 9,
+                last: false,
+                data,
+            },
+            OpRef::Amo {
+                h,
+                region: 1,
+                op: AmoOp::Acswap,
+                offset: 8,
+                operand: 1,
+                operand2: 2,
+            },
+            OpRef::AmoReply {
+                h,
+                status: Status::Ok,
+                value: u64::MAX,
+            },
+            OpRef::AmoScatter {
+                h,
+                region: 2,
+                op: AmoOp::Axor,
+                last: true,
+                pairs: &[7; 32],
+            },
         ]
     }
 

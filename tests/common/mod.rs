@@ -28,18 +28,40 @@ pub fn launch(test: &str, n: u32, hosts: usize, extra: &[&str]) -> Output {
 /// Like [`launch`], and asserts that every rank succeeded.
 pub fn launch_ok(test: &str, n: u32, hosts: usize, extra: &[&str]) {
     let out = launch(test, n, hosts, extra);
-    let text = format!("{}\n{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    assert!(out.status.success(), "job failed ({:?}):\n{text}", out.status);
-    assert!(text.contains("1 passed"), "ranks did not run the test body:\n{text}");
+    let text = format!(
+        "{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        out.status.success(),
+        "job failed ({:?}):\n{text}",
+        out.status
+    );
+    assert!(
+        text.contains("1 passed"),
+        "ranks did not run the test body:\n{text}"
+    );
 }
 
 pub fn remote(rank: u32, handle: MemHandle, offset: u64) -> Remote {
-    Remote { rank, handle, offset }
+    Remote {
+        rank,
+        handle,
+        offset,
+    }
 }
 
 /// A pattern that differs per byte, per size and per writer.
 pub fn pattern(len: usize, seed: u64) -> Vec<u8> {
-    (0..len).map(|i| ((i as u64).wrapping_mul(31).wrapping_add(seed * 7 + (i as u64 >> 8)) % 251) as u8).collect()
+    (0..len)
+        .map(|i| {
+            ((i as u64)
+                .wrapping_mul(31)
+                .wrapping_add(seed * 7 + (i as u64 >> 8))
+                % 251) as u8
+        })
+        .collect()
 }
 
 pub fn init() -> Nic {
@@ -57,7 +79,11 @@ pub struct Daemons {
 
 impl Daemons {
     pub fn start(hosts: usize) -> Daemons {
-        let dir = std::env::temp_dir().join(format!("softnic-test-{}-{:08x}", std::process::id(), rand::random::<u32>()));
+        let dir = std::env::temp_dir().join(format!(
+            "softnic-test-{}-{:08x}",
+            std::process::id(),
+            rand::random::<u32>()
+        ));
         std::fs::create_dir_all(&dir).unwrap();
         let port = 20_000 + rand::random::<u16>() % 40_000;
         let cfg = softnic::config::Config::local_default(hosts, port, dir.clone());
@@ -70,14 +96,34 @@ impl Daemons {
         }
         let child = cmd.spawn().expect("softnicd starts");
         for i in 0..hosts as u16 {
-            assert!(softnic::job::local::health_check(&cfg.socket_path(i), std::time::Duration::from_secs(5)), "daemon up");
+            assert!(
+                softnic::job::local::health_check(
+                    &cfg.socket_path(i),
+                    std::time::Duration::from_secs(5)
+                ),
+                "daemon up"
+            );
         }
-        Daemons { dir, config, cfg, child }
+        Daemons {
+            dir,
+            config,
+            cfg,
+            child,
+        }
     }
 
     pub fn stat(&self) -> String {
-        let out = Command::new(env!("CARGO_BIN_EXE_softnic")).arg("stat").arg("--config").arg(&self.config).output().unwrap();
-        assert!(out.status.success(), "softnic stat failed: {}", String::from_utf8_lossy(&out.stderr));
+        let out = Command::new(env!("CARGO_BIN_EXE_softnic"))
+            .arg("stat")
+            .arg("--config")
+            .arg(&self.config)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "softnic stat failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         String::from_utf8(out.stdout).unwrap()
     }
 
@@ -85,7 +131,11 @@ impl Daemons {
     pub fn counter(&self, name: &str) -> u64 {
         self.stat()
             .lines()
-            .filter_map(|l| l.strip_prefix(name).filter(|r| r.starts_with(' ')).map(|r| r.trim().parse::<u64>().unwrap()))
+            .filter_map(|l| {
+                l.strip_prefix(name)
+                    .filter(|r| r.starts_with(' '))
+                    .map(|r| r.trim().parse::<u64>().unwrap())
+            })
             .sum()
     }
 
@@ -113,7 +163,10 @@ impl Daemons {
 
 impl Drop for Daemons {
     fn drop(&mut self) {
-        let _ = rustix::process::kill_process(rustix::process::Pid::from_child(&self.child), rustix::process::Signal::Term);
+        let _ = rustix::process::kill_process(
+            rustix::process::Pid::from_child(&self.child),
+            rustix::process::Signal::Term,
+        );
         let _ = self.child.wait();
         let _ = std::fs::remove_dir_all(&self.dir);
     }

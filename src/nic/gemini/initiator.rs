@@ -8,7 +8,11 @@ pub enum PendingKind {
     /// Completed by the put ack of the last fragment.
     Put,
     /// Reply fragments land in `region` at `offset + frag_off`.
-    Get { region: Region, offset: u64, len: u64 },
+    Get {
+        region: Region,
+        offset: u64,
+        len: u64,
+    },
     Amo,
 }
 
@@ -81,7 +85,12 @@ impl Initiator {
         let p = s.op.take()?;
         self.free.push((req & 0xffff_ffff) as u32);
         self.outstanding -= 1;
-        Some(Completion { session: p.session, client_req: p.client_req, status, value })
+        Some(Completion {
+            session: p.session,
+            client_req: p.client_req,
+            status,
+            value,
+        })
     }
 
     /// Handles a reply op from the network.
@@ -95,12 +104,27 @@ impl Initiator {
                 matches!(self.get(h.req)?.kind, PendingKind::Amo).then_some(())?;
                 self.complete(h.req, status, value)
             }
-            OpRef::GetReply { h, status, frag_off, last, data } => {
+            OpRef::GetReply {
+                h,
+                status,
+                frag_off,
+                last,
+                data,
+            } => {
                 let p = self.get(h.req)?;
-                let PendingKind::Get { region, offset, len } = &p.kind else { return None };
+                let PendingKind::Get {
+                    region,
+                    offset,
+                    len,
+                } = &p.kind
+                else {
+                    return None;
+                };
                 let mut st = status;
                 if st.is_ok() {
-                    let fits = frag_off.checked_add(data.len() as u64).is_some_and(|e| e <= *len);
+                    let fits = frag_off
+                        .checked_add(data.len() as u64)
+                        .is_some_and(|e| e <= *len);
                     if fits {
                         region.write(offset + frag_off, data);
                     } else {
@@ -128,7 +152,12 @@ impl Initiator {
         self.fail_where(|p| p.session == session, Status::NoSuchEndpoint, &mut sink)
     }
 
-    fn fail_where(&mut self, pred: impl Fn(&Pending) -> bool, status: Status, out: &mut Vec<Completion>) {
+    fn fail_where(
+        &mut self,
+        pred: impl Fn(&Pending) -> bool,
+        status: Status,
+        out: &mut Vec<Completion>,
+    ) {
         for i in 0..self.slots.len() {
             let s = &self.slots[i];
             if s.op.as_ref().is_some_and(&pred) {
@@ -149,14 +178,52 @@ mod tests {
     fn get_fragments_land_and_complete_on_last() {
         let mut i = Initiator::default();
         let r = Region::new(HeapBacking::new(16), Perms::READ_WRITE);
-        let req = i.start(Pending { session: 1, client_req: 9, host: 1, kind: PendingKind::Get { region: r.clone(), offset: 4, len: 4 } });
-        let h = OpHeader { req, ..Default::default() };
-        assert_eq!(i.on_reply(&OpRef::GetReply { h, status: Status::Ok, frag_off: 0, last: false, data: b"ab" }), None);
-        let c = i.on_reply(&OpRef::GetReply { h, status: Status::Ok, frag_off: 2, last: true, data: b"cd" }).unwrap();
+        let req = i.start(Pending {
+            session: 1,
+            client_req: 9,
+            host: 1,
+            kind: PendingKind::Get {
+                region: r.clone(),
+                offset: 4,
+                len: 4,
+            },
+        });
+        let h = OpHeader {
+            req,
+            ..Default::default()
+        };
+        assert_eq!(
+            i.on_reply(&OpRef::GetReply {
+                h,
+                status: Status::Ok,
+                frag_off: 0,
+                last: false,
+                data: b"ab"
+            }),
+            None
+        );
+        let c = i
+            .on_reply(&OpRef::GetReply {
+                h,
+                status: Status::Ok,
+                frag_off: 2,
+                last: true,
+                data: b"cd",
+            })
+            .unwrap();
         assert_eq!((c.client_req, c.status), (9, Status::Ok));
         assert_eq!(r.bytes(4, 4), b"abcd");
         // A duplicate or late reply is ignored.
-        assert_eq!(i.on_reply(&OpRef::GetReply { h, status: Status::Ok, frag_off: 2, last: true, data: b"zz" }), None);
+        assert_eq!(
+            i.on_reply(&OpRef::GetReply {
+                h,
+                status: Status::Ok,
+                frag_off: 2,
+                last: true,
+                data: b"zz"
+            }),
+            None
+        );
         assert_eq!(r.bytes(4, 4), b"abcd");
     }
 
@@ -164,23 +231,63 @@ mod tests {
     fn oversized_get_reply_is_rejected() {
         let mut i = Initiator::default();
         let r = Region::new(HeapBacking::new(16), Perms::READ_WRITE);
-        let req = i.start(Pending { session: 1, client_req: 9, host: 1, kind: PendingKind::Get { region: r, offset: 12, len: 4 } });
-        let h = OpHeader { req, ..Default::default() };
-        let c = i.on_reply(&OpRef::GetReply { h, status: Status::Ok, frag_off: 2, last: true, data: b"abcd" }).unwrap();
+        let req = i.start(Pending {
+            session: 1,
+            client_req: 9,
+            host: 1,
+            kind: PendingKind::Get {
+                region: r,
+                offset: 12,
+                len: 4,
+            },
+        });
+        let h = OpHeader {
+            req,
+            ..Default::default()
+        };
+        let c = i
+            .on_reply(&OpRef::GetReply {
+                h,
+                status: Status::Ok,
+                frag_off: 2,
+                last: true,
+                data: b"abcd",
+            })
+            .unwrap();
         assert_eq!(c.status, Status::BadRequest);
     }
 
     #[test]
     fn dead_host_fails_its_ops_only() {
         let mut i = Initiator::default();
-        let a = i.start(Pending { session: 1, client_req: 1, host: 1, kind: PendingKind::Amo });
-        let _b = i.start(Pending { session: 1, client_req: 2, host: 2, kind: PendingKind::Put });
+        let a = i.start(Pending {
+            session: 1,
+            client_req: 1,
+            host: 1,
+            kind: PendingKind::Amo,
+        });
+        let _b = i.start(Pending {
+            session: 1,
+            client_req: 2,
+            host: 2,
+            kind: PendingKind::Put,
+        });
         let mut out = Vec::new();
         i.fail_host(1, &mut out);
         assert_eq!(out.len(), 1);
         assert_eq!((out[0].client_req, out[0].status), (1, Status::PeerDead));
         assert_eq!(i.outstanding(), 1);
-        let h = OpHeader { req: a, ..Default::default() };
-        assert_eq!(i.on_reply(&OpRef::AmoReply { h, status: Status::Ok, value: 1 }), None);
+        let h = OpHeader {
+            req: a,
+            ..Default::default()
+        };
+        assert_eq!(
+            i.on_reply(&OpRef::AmoReply {
+                h,
+                status: Status::Ok,
+                value: 1
+            }),
+            None
+        );
     }
 }

@@ -9,8 +9,16 @@ use crate::wire::{AmoOp, OpHeader, OpRef, Status};
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Reply {
     /// `lazy`: the initiator asked for no hurry (an implicit put).
-    PutAck { h: OpHeader, status: Status, lazy: bool },
-    AmoReply { h: OpHeader, status: Status, value: u64 },
+    PutAck {
+        h: OpHeader,
+        status: Status,
+        lazy: bool,
+    },
+    AmoReply {
+        h: OpHeader,
+        status: Status,
+        value: u64,
+    },
     /// A get that failed its checks: a single last reply fragment with no data.
     GetError { h: OpHeader, status: Status },
 }
@@ -20,7 +28,13 @@ impl Reply {
         match *self {
             Reply::PutAck { h, status, .. } => OpRef::PutAck { h, status },
             Reply::AmoReply { h, status, value } => OpRef::AmoReply { h, status, value },
-            Reply::GetError { h, status } => OpRef::GetReply { h, status, frag_off: 0, last: true, data: &[] },
+            Reply::GetError { h, status } => OpRef::GetReply {
+                h,
+                status,
+                frag_off: 0,
+                last: true,
+                data: &[],
+            },
         }
     }
 }
@@ -31,12 +45,22 @@ pub enum TargetAction {
     None,
     Reply(Reply),
     /// Stream `len` bytes of `region` from `offset` back as get-reply fragments.
-    StreamGet { h: OpHeader, region: Region, offset: u64, len: u64 },
+    StreamGet {
+        h: OpHeader,
+        region: Region,
+        offset: u64,
+        len: u64,
+    },
 }
 
 /// The header of a reply to `h`: same job and request, ranks swapped.
 pub fn reply_header(h: &OpHeader) -> OpHeader {
-    OpHeader { job: h.job, src_rank: h.dst_rank, dst_rank: h.src_rank, req: h.req }
+    OpHeader {
+        job: h.job,
+        src_rank: h.dst_rank,
+        dst_rank: h.src_rank,
+        req: h.req,
+    }
 }
 
 /// Applies one AMO to `word` with a CPU atomic instruction; returns the previous value.
@@ -60,33 +84,83 @@ pub fn apply_amo(word: &AtomicU64, op: AmoOp, operand: u64, operand2: u64) -> u6
 /// bounds and permissions; a failing access changes nothing and is answered with its status.
 pub fn serve(eps: &Endpoints, op: &OpRef<'_>) -> TargetAction {
     match *op {
-        OpRef::Put { h, region, offset, total_off, total_len, last, lazy_ack, data } => {
+        OpRef::Put {
+            h,
+            region,
+            offset,
+            total_off,
+            total_len,
+            last,
+            lazy_ack,
+            data,
+        } => {
             let status = match put_fragment(eps, &h, region, offset, total_off, total_len, data) {
                 Ok(()) => Status::Ok,
                 Err(s) => s,
             };
             if last {
-                TargetAction::Reply(Reply::PutAck { h: reply_header(&h), status, lazy: lazy_ack })
+                TargetAction::Reply(Reply::PutAck {
+                    h: reply_header(&h),
+                    status,
+                    lazy: lazy_ack,
+                })
             } else {
                 TargetAction::None
             }
         }
-        OpRef::Get { h, region, offset, len } => {
+        OpRef::Get {
+            h,
+            region,
+            offset,
+            len,
+        } => {
             let rh = reply_header(&h);
-            match eps.region(h.job, h.dst_rank, region).and_then(|r| r.check(offset, len, Perms::READ).map(|_| r)) {
-                Ok(r) => TargetAction::StreamGet { h: rh, region: r.clone(), offset, len },
+            match eps
+                .region(h.job, h.dst_rank, region)
+                .and_then(|r| r.check(offset, len, Perms::READ).map(|_| r))
+            {
+                Ok(r) => TargetAction::StreamGet {
+                    h: rh,
+                    region: r.clone(),
+                    offset,
+                    len,
+                },
                 Err(status) => TargetAction::Reply(Reply::GetError { h: rh, status }),
             }
         }
-        OpRef::Amo { h, region, op, offset, operand, operand2 } => {
-            let need = if op.is_fetching() { Perms::READ_WRITE } else { Perms::WRITE };
-            let (status, value) = match eps.region(h.job, h.dst_rank, region).and_then(|r| r.atomic(offset, need)) {
+        OpRef::Amo {
+            h,
+            region,
+            op,
+            offset,
+            operand,
+            operand2,
+        } => {
+            let need = if op.is_fetching() {
+                Perms::READ_WRITE
+            } else {
+                Perms::WRITE
+            };
+            let (status, value) = match eps
+                .region(h.job, h.dst_rank, region)
+                .and_then(|r| r.atomic(offset, need))
+            {
                 Ok(w) => (Status::Ok, apply_amo(w, op, operand, operand2)),
                 Err(s) => (s, 0),
             };
-            TargetAction::Reply(Reply::AmoReply { h: reply_header(&h), status, value })
+            TargetAction::Reply(Reply::AmoReply {
+                h: reply_header(&h),
+                status,
+                value,
+            })
         }
-        OpRef::AmoScatter { h, region, op, last, pairs } => {
+        OpRef::AmoScatter {
+            h,
+            region,
+            op,
+            last,
+            pairs,
+        } => {
             let mut applied = 0u64;
             let mut status = Status::Ok;
             match eps.region(h.job, h.dst_rank, region) {
@@ -106,12 +180,18 @@ pub fn serve(eps: &Endpoints, op: &OpRef<'_>) -> TargetAction {
                 Err(s) => status = s,
             }
             if last || !status.is_ok() {
-                TargetAction::Reply(Reply::AmoReply { h: reply_header(&h), status, value: applied })
+                TargetAction::Reply(Reply::AmoReply {
+                    h: reply_header(&h),
+                    status,
+                    value: applied,
+                })
             } else {
                 TargetAction::None
             }
         }
-        OpRef::PutAck { .. } | OpRef::GetReply { .. } | OpRef::AmoReply { .. } => TargetAction::None,
+        OpRef::PutAck { .. } | OpRef::GetReply { .. } | OpRef::AmoReply { .. } => {
+            TargetAction::None
+        }
     }
 }
 
@@ -128,7 +208,9 @@ fn put_fragment(
     // The whole put is checked on every fragment, so a put that is partly out of bounds writes
     // nothing at all; the fragment must lie inside the whole.
     r.check(total_off, total_len, Perms::WRITE)?;
-    let frag_end = offset.checked_add(data.len() as u64).ok_or(Status::BadRequest)?;
+    let frag_end = offset
+        .checked_add(data.len() as u64)
+        .ok_or(Status::BadRequest)?;
     if offset < total_off || frag_end > total_off + total_len {
         return Err(Status::BadRequest);
     }
@@ -146,20 +228,50 @@ mod tests {
         e.insert(1, 5, 0);
         let r = Region::new(HeapBacking::new(64), Perms::READ_WRITE);
         e.register(1, 5, r.clone()).unwrap();
-        e.register(1, 5, Region::new(HeapBacking::new(64), Perms::READ)).unwrap();
+        e.register(1, 5, Region::new(HeapBacking::new(64), Perms::READ))
+            .unwrap();
         (e, r)
     }
 
     fn h() -> OpHeader {
-        OpHeader { job: 1, src_rank: 0, dst_rank: 5, req: 42 }
+        OpHeader {
+            job: 1,
+            src_rank: 0,
+            dst_rank: 5,
+            req: 42,
+        }
     }
 
     #[test]
     fn put_writes_and_acks_on_last_fragment() {
         let (e, r) = eps();
-        let a = serve(&e, &OpRef::Put { h: h(), region: 0, offset: 3, total_off: 3, total_len: 4, last: false, lazy_ack: false, data: b"ab" });
+        let a = serve(
+            &e,
+            &OpRef::Put {
+                h: h(),
+                region: 0,
+                offset: 3,
+                total_off: 3,
+                total_len: 4,
+                last: false,
+                lazy_ack: false,
+                data: b"ab",
+            },
+        );
         assert!(matches!(a, TargetAction::None));
-        let a = serve(&e, &OpRef::Put { h: h(), region: 0, offset: 5, total_off: 3, total_len: 4, last: true, lazy_ack: false, data: b"cd" });
+        let a = serve(
+            &e,
+            &OpRef::Put {
+                h: h(),
+                region: 0,
+                offset: 5,
+                total_off: 3,
+                total_len: 4,
+                last: true,
+                lazy_ack: false,
+                data: b"cd",
+            },
+        );
         match a {
             TargetAction::Reply(Reply::PutAck { h: rh, status, .. }) => {
                 assert_eq!(status, Status::Ok);
@@ -173,11 +285,47 @@ mod tests {
     #[test]
     fn partly_out_of_bounds_put_writes_nothing() {
         let (e, r) = eps();
-        let a = serve(&e, &OpRef::Put { h: h(), region: 0, offset: 60, total_off: 60, total_len: 8, last: true, lazy_ack: false, data: b"abcd" });
-        assert!(matches!(a, TargetAction::Reply(Reply::PutAck { status: Status::OutOfBounds, .. })));
+        let a = serve(
+            &e,
+            &OpRef::Put {
+                h: h(),
+                region: 0,
+                offset: 60,
+                total_off: 60,
+                total_len: 8,
+                last: true,
+                lazy_ack: false,
+                data: b"abcd",
+            },
+        );
+        assert!(matches!(
+            a,
+            TargetAction::Reply(Reply::PutAck {
+                status: Status::OutOfBounds,
+                ..
+            })
+        ));
         assert_eq!(r.bytes(60, 4), &[0; 4]);
-        let a = serve(&e, &OpRef::Put { h: h(), region: 1, offset: 0, total_off: 0, total_len: 1, last: true, lazy_ack: false, data: b"x" });
-        assert!(matches!(a, TargetAction::Reply(Reply::PutAck { status: Status::Permission, .. })));
+        let a = serve(
+            &e,
+            &OpRef::Put {
+                h: h(),
+                region: 1,
+                offset: 0,
+                total_off: 0,
+                total_len: 1,
+                last: true,
+                lazy_ack: false,
+                data: b"x",
+            },
+        );
+        assert!(matches!(
+            a,
+            TargetAction::Reply(Reply::PutAck {
+                status: Status::Permission,
+                ..
+            })
+        ));
     }
 
     #[test]
@@ -207,11 +355,19 @@ mod tests {
     #[test]
     fn amo_checks() {
         let (e, _) = eps();
-        let amo = |region, op, offset| {
-            match serve(&e, &OpRef::Amo { h: h(), region, op, offset, operand: 1, operand2: 0 }) {
-                TargetAction::Reply(Reply::AmoReply { status, .. }) => status,
-                _ => panic!("expected an AMO reply"),
-            }
+        let amo = |region, op, offset| match serve(
+            &e,
+            &OpRef::Amo {
+                h: h(),
+                region,
+                op,
+                offset,
+                operand: 1,
+                operand2: 0,
+            },
+        ) {
+            TargetAction::Reply(Reply::AmoReply { status, .. }) => status,
+            _ => panic!("expected an AMO reply"),
         };
         assert_eq!(amo(0, AmoOp::Afadd, 8), Status::Ok);
         assert_eq!(amo(0, AmoOp::Afadd, 4), Status::BadRequest);
