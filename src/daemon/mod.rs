@@ -99,6 +99,7 @@ impl Daemon {
     pub fn run(&mut self) -> Result<(), DaemonError> {
         let mut idle_since = self.now();
         let mut busy_turns = 0u64;
+        let mut idle_turns = 0u64;
         while !self.stop.load(Ordering::Relaxed) {
             let now = self.now();
             let mut busy = false;
@@ -111,21 +112,32 @@ impl Daemon {
                     }
                 }
             }
-            busy_turns = if busy { busy_turns + 1 } else { 0 };
-            if busy && !busy_turns.is_multiple_of(64) {
+            if busy {
+                busy_turns += 1;
+                idle_turns = 0;
+                idle_since = now;
+                // A long busy stretch still looks at new connections now and then.
+                if busy_turns.is_multiple_of(64) {
+                    self.poll_events(Some(Duration::ZERO))?;
+                }
+                continue;
+            }
+            // Idle. A turn that finds nothing makes no syscall (rings are shared memory), so
+            // spin on turns; ask epoll every 16th idle turn (datagrams from other processes,
+            // attach sockets), give the core away every 8th (ranks may outnumber cores), and
+            // after `spin_us` sleep in epoll.
+            idle_turns += 1;
+            if idle_turns.is_multiple_of(16) && self.poll_events(Some(Duration::ZERO))? {
                 idle_since = now;
                 continue;
             }
-            // Nothing to do (or a long busy stretch): ask epoll what arrived.
-            if self.poll_events(Some(Duration::ZERO))? || busy {
-                idle_since = now;
-                continue;
-            }
-            // Idle: give the core away at once (ranks usually outnumber cores on the local
-            // default), keep polling by yielding for `spin_us`, then sleep in epoll.
             let idle = now - idle_since;
             if idle < self.spin_ns {
-                std::thread::yield_now();
+                if idle_turns.is_multiple_of(64) {
+                    std::thread::yield_now();
+                } else {
+                    std::hint::spin_loop();
+                }
             } else {
                 self.sleep()?;
                 idle_since = self.now();

