@@ -133,7 +133,7 @@ impl Daemon {
             }
             let idle = now - idle_since;
             if idle < self.spin_ns {
-                if idle_turns.is_multiple_of(64) {
+                if idle_turns.is_multiple_of(8) {
                     std::thread::yield_now();
                 } else {
                     std::hint::spin_loop();
