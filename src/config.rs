@@ -291,6 +291,16 @@ mod tests {
     }
 
     #[test]
+    fn shipped_configs_parse() {
+        let local = Config::parse(include_str!("../cluster-configs/local.toml")).unwrap();
+        assert_eq!(local.hosts.len(), 2);
+        assert!(local.key().is_ok());
+        let lan: Config = toml::from_str(include_str!("../cluster-configs/lan-example.toml")).unwrap();
+        assert_eq!(lan.hosts.len(), 4);
+        assert_eq!(lan.cluster.mtu, 1472);
+    }
+
+    #[test]
     fn bad_configs_say_what_is_wrong() {
         let c = Config::local_default(2, 7700, "/tmp/x".into());
         let text = c.to_toml().replace("mtu = 8972", "mtu = 10");

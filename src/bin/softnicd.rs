@@ -9,10 +9,18 @@ use clap::Parser;
 use softnic::config::{Config, Fault};
 use softnic::daemon::Daemon;
 
-/// The softnic NIC daemon: Gemini-style one-sided put/get and AMOs over UDP for the processes of
-/// this host, with reliable delivery between daemons.
+const ENV_HELP: &str = "Environment:
+  SOFTNIC_LOG              log filter (error, warn, info, debug, trace; tracing EnvFilter syntax)
+  SOFTNIC_TRANSPORT        udp or tcp (overrides cluster.transport)
+  SOFTNIC_MTU              largest datagram in bytes (overrides cluster.mtu)
+  SOFTNIC_PEER_TIMEOUT_MS  silence before a peer is declared dead (overrides cluster.peer_timeout_ms)
+  SOFTNIC_RUNTIME_DIR      where attach sockets live (overrides cluster.runtime_dir)";
+
+/// softnicd: the soft NIC daemon of one host. It serves the processes of its host through shared
+/// memory (Gemini-style put/get and 64-bit AMOs, completed without the target process) and
+/// talks to the other hosts' daemons over UDP or TCP with its own reliable delivery.
 #[derive(Parser, Debug)]
-#[command(version, about, long_about = None)]
+#[command(version, about = "softnicd: the soft NIC daemon of one host (see --help)", after_help = ENV_HELP)]
 struct Args {
     /// Cluster configuration (TOML; see cluster-configs/). SOFTNIC_* variables override it.
     #[arg(long)]
