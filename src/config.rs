@@ -295,7 +295,8 @@ mod tests {
         let local = Config::parse(include_str!("../cluster-configs/local.toml")).unwrap();
         assert_eq!(local.hosts.len(), 2);
         assert!(local.key().is_ok());
-        let lan: Config = toml::from_str(include_str!("../cluster-configs/lan-example.toml")).unwrap();
+        let lan: Config =
+            toml::from_str(include_str!("../cluster-configs/lan-example.toml")).unwrap();
         assert_eq!(lan.hosts.len(), 4);
         assert_eq!(lan.cluster.mtu, 1472);
     }

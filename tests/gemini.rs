@@ -372,3 +372,24 @@ fn amo_scatter_applies_every_update_once() {
     }
     launch_ok("amo_scatter_applies_every_update_once", 2, 2, &[]);
 }
+
+const TCP: &[(&str, &str)] = &[("SOFTNIC_TRANSPORT", "tcp")];
+
+#[test]
+fn put_get_over_tcp() {
+    if in_job() {
+        return put_get_body(&mut init());
+    }
+    launch_ok_env("put_get_over_tcp", 2, 2, &[], TCP);
+}
+
+#[test]
+fn amos_over_tcp_under_faults() {
+    if in_job() {
+        let mut nic = init();
+        afadd_small(&mut nic);
+        all_amos_body(&mut nic);
+        return;
+    }
+    launch_ok_env("amos_over_tcp_under_faults", 4, 2, FAULTS, TCP);
+}

@@ -11,12 +11,14 @@ use std::sync::Arc;
 use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
 
 use crate::config::Config;
+use crate::config::TransportKind;
 use crate::nic::gemini::{serve, Completion, Initiator, Pending, PendingKind, Reply, TargetAction};
 use crate::nic::memory::{Endpoints, Perms, Region};
 use crate::shm::attach::{self, Request, Response};
 use crate::shm::{Command, CommandKind, CqEntry, Mapping, CMD_IMPLICIT};
+use crate::transport::tcp::TcpDriver;
 use crate::transport::udp::UdpDriver;
-use crate::transport::{PushError, Transport, TransportConfig, TransportEvent};
+use crate::transport::{Driver, PushError, Transport, TransportConfig, TransportEvent};
 use crate::wire::{AmoOp, OpHeader, OpIter, OpKind, OpRef, Status};
 
 use super::session::{Attached, Session};
@@ -81,7 +83,7 @@ pub struct HostNic {
     pub name: String,
     nhosts: u16,
     pub transport: Transport,
-    pub driver: UdpDriver,
+    pub driver: Driver,
     pub listener: OwnedFd,
     socket_path: PathBuf,
     endpoints: Endpoints,
@@ -101,7 +103,14 @@ pub struct HostNic {
 }
 
 impl HostNic {
-    pub fn new(cfg: &Config, index: u16) -> io::Result<HostNic> {
+    /// Starts host `index` of `cfg`; its network sockets are registered with `registry` under
+    /// `token`.
+    pub fn new(
+        cfg: &Config,
+        index: u16,
+        registry: &mio::Registry,
+        token: mio::Token,
+    ) -> io::Result<HostNic> {
         let nhosts = cfg.hosts.len() as u16;
         let key = cfg
             .key()
@@ -115,13 +124,22 @@ impl HostNic {
         };
         let transport = Transport::new(index, nhosts, key, tcfg, rand::random());
         let peers = cfg.hosts.iter().map(|h| h.addr).collect();
-        let driver = UdpDriver::bind(cfg.hosts[index as usize].addr, peers, cfg.fault.clone())
-            .map_err(|e| {
-                io::Error::new(
-                    e.kind(),
-                    format!("cannot bind UDP {}: {e}", cfg.hosts[index as usize].addr),
-                )
-            })?;
+        let addr = cfg.hosts[index as usize].addr;
+        let fault = cfg.fault.clone();
+        let driver = match cfg.cluster.transport {
+            TransportKind::Udp => {
+                let mut d = UdpDriver::bind(addr, peers, fault).map_err(|e| {
+                    io::Error::new(e.kind(), format!("cannot bind UDP {addr}: {e}"))
+                })?;
+                registry.register(d.socket(), token, mio::Interest::READABLE)?;
+                Driver::Udp(d)
+            }
+            TransportKind::Tcp => Driver::Tcp(
+                TcpDriver::bind(addr, peers, fault, registry.try_clone()?, token).map_err(|e| {
+                    io::Error::new(e.kind(), format!("cannot listen on TCP {addr}: {e}"))
+                })?,
+            ),
+        };
         let socket_path = cfg.socket_path(index);
         std::fs::create_dir_all(&cfg.cluster.runtime_dir)?;
         let _ = std::fs::remove_file(&socket_path);
@@ -209,6 +227,7 @@ impl HostNic {
             }
             busy = true;
         }
+        self.driver.flush();
         busy |= !self.completions.is_empty();
         self.post_completions();
         busy
@@ -987,7 +1006,7 @@ impl HostNic {
 
     pub fn stat_text(&self) -> String {
         let t = &self.transport.stats;
-        let d = &self.driver.stats;
+        let d = self.driver.stats();
         let s = &self.stats;
         let clients = self
             .sessions

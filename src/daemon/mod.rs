@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 use mio::unix::SourceFd;
 use mio::{Events, Interest, Poll, Token};
 
-use crate::config::{Config, TransportKind};
+use crate::config::Config;
 
 #[derive(Debug, thiserror::Error)]
 pub enum DaemonError {
@@ -28,8 +28,6 @@ pub enum DaemonError {
     Start { host: String, source: io::Error },
     #[error("event loop failed: {0}")]
     Io(#[from] io::Error),
-    #[error("transport {0:?} is not available in this build of the daemon loop")]
-    Transport(TransportKind),
 }
 
 /// Token layout: host index × STRIDE + kind; kinds 0 socket, 1 listener, 2+2s session s,
@@ -56,19 +54,16 @@ impl Daemon {
         indices: &[u16],
         stop: Arc<AtomicBool>,
     ) -> Result<Daemon, DaemonError> {
-        if cfg.cluster.transport != TransportKind::Udp {
-            return Err(DaemonError::Transport(cfg.cluster.transport));
-        }
         let poll = Poll::new()?;
         let mut hosts = Vec::new();
         for (k, &i) in indices.iter().enumerate() {
-            let mut h = HostNic::new(cfg, i).map_err(|source| DaemonError::Start {
-                host: cfg.hosts[i as usize].name.clone(),
-                source,
-            })?;
             let base = k * STRIDE;
-            poll.registry()
-                .register(h.driver.socket(), Token(base), Interest::READABLE)?;
+            let h = HostNic::new(cfg, i, poll.registry(), Token(base)).map_err(|source| {
+                DaemonError::Start {
+                    host: cfg.hosts[i as usize].name.clone(),
+                    source,
+                }
+            })?;
             poll.registry().register(
                 &mut SourceFd(&h.listener.as_raw_fd()),
                 Token(base + 1),

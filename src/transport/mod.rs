@@ -14,3 +14,39 @@ pub mod udp;
 pub use reliable::{
     PushError, Received, Transport, TransportConfig, TransportEvent, TransportStats,
 };
+
+/// The socket layer under a host's transport: UDP (default) or TCP.
+pub enum Driver {
+    Udp(udp::UdpDriver),
+    Tcp(tcp::TcpDriver),
+}
+
+impl Driver {
+    pub fn send(&mut self, to: u16, bytes: &[u8]) {
+        match self {
+            Driver::Udp(d) => d.send(to, bytes),
+            Driver::Tcp(d) => d.send(to, bytes),
+        }
+    }
+
+    pub fn recv(&mut self, buf: &mut [u8]) -> Option<usize> {
+        match self {
+            Driver::Udp(d) => d.recv(buf),
+            Driver::Tcp(d) => d.recv(buf),
+        }
+    }
+
+    /// Pushes out bytes a stream transport could not write at once (nothing to do for UDP).
+    pub fn flush(&mut self) {
+        if let Driver::Tcp(d) = self {
+            d.flush();
+        }
+    }
+
+    pub fn stats(&self) -> &udp::DriverStats {
+        match self {
+            Driver::Udp(d) => &d.stats,
+            Driver::Tcp(d) => &d.stats,
+        }
+    }
+}

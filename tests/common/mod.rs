@@ -13,8 +13,20 @@ pub fn in_job() -> bool {
 
 /// Runs this test (by exact name) as `n` ranks over `hosts` simulated hosts with `softnic run`.
 pub fn launch(test: &str, n: u32, hosts: usize, extra: &[&str]) -> Output {
+    launch_env(test, n, hosts, extra, &[])
+}
+
+/// [`launch`] with extra environment for the launcher (e.g. `SOFTNIC_TRANSPORT=tcp`).
+pub fn launch_env(
+    test: &str,
+    n: u32,
+    hosts: usize,
+    extra: &[&str],
+    env: &[(&str, &str)],
+) -> Output {
     let exe = std::env::current_exe().expect("test exe");
     let out = Command::new(env!("CARGO_BIN_EXE_softnic"))
+        .envs(env.iter().copied())
         .args(["run", "-n", &n.to_string(), "--hosts", &hosts.to_string()])
         .args(extra)
         .arg("--")
@@ -27,7 +39,11 @@ pub fn launch(test: &str, n: u32, hosts: usize, extra: &[&str]) -> Output {
 
 /// Like [`launch`], and asserts that every rank succeeded.
 pub fn launch_ok(test: &str, n: u32, hosts: usize, extra: &[&str]) {
-    let out = launch(test, n, hosts, extra);
+    launch_ok_env(test, n, hosts, extra, &[])
+}
+
+pub fn launch_ok_env(test: &str, n: u32, hosts: usize, extra: &[&str], env: &[(&str, &str)]) {
+    let out = launch_env(test, n, hosts, extra, env);
     let text = format!(
         "{}\n{}",
         String::from_utf8_lossy(&out.stdout),
