@@ -1036,6 +1036,8 @@ impl HostNic {
             ("fault_dropped", d.fault_dropped.to_string()),
             ("fault_duplicated", d.fault_duplicated.to_string()),
             ("send_would_block", d.send_would_block.to_string()),
+            ("send_syscalls", d.send_syscalls.to_string()),
+            ("recv_syscalls", d.recv_syscalls.to_string()),
             ("gemini_put_issued", s.cmd_put.to_string()),
             ("gemini_get_issued", s.cmd_get.to_string()),
             ("gemini_amo_issued", s.cmd_amo.to_string()),

@@ -36,10 +36,11 @@ impl Driver {
         }
     }
 
-    /// Pushes out bytes a stream transport could not write at once (nothing to do for UDP).
+    /// Sends what [`Driver::send`] queued (UDP: one sendmmsg per peer; TCP: what the streams take).
     pub fn flush(&mut self) {
-        if let Driver::Tcp(d) = self {
-            d.flush();
+        match self {
+            Driver::Udp(d) => d.flush(),
+            Driver::Tcp(d) => d.flush(),
         }
     }
 

@@ -1,17 +1,29 @@
 //! UDP driver: a bound socket per host that receives, a connected socket per peer that sends
 //! (a connected send skips the per-datagram route lookup: ~0.6 µs of a ~3.7 µs loopback hop
-//! here), sized buffers, and optional seeded fault injection (drop/duplicate on send) for tests
-//! of the reliability layer through real sockets. Peers are identified by the authenticated
-//! datagram header, never by source address.
+//! here), sized buffers, adaptive batching, and optional seeded
+//! fault injection (drop/duplicate on send) for tests of the reliability layer through real
+//! sockets. Peers are identified by the authenticated datagram header, never by source address.
+//!
+//! Batching is adaptive because it is not free: measured here, `sendmmsg`/`recvmmsg` of a single
+//! datagram cost ~1 µs more per hop than `send`/`recv`. So the datagrams a turn queues for a
+//! peer leave in one `sendmmsg` only when there are several (else one `send`), and receiving
+//! uses plain `recv` until two datagrams in a row show a burst, then `recvmmsg` (32 per call)
+//! until the socket runs dry.
 
 use std::io;
 use std::net::SocketAddr;
+use std::os::fd::AsRawFd;
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use socket2::{Domain, Protocol, Socket, Type};
 
 use crate::config::Fault;
+
+/// Datagrams per recvmmsg/sendmmsg call.
+const BATCH: usize = 32;
+/// Receive buffer per datagram: the largest UDP payload fits.
+const RX_SLOT: usize = 65_536;
 
 /// Counters of what the fault injector and the socket did.
 #[derive(Debug, Default, Clone)]
@@ -20,21 +32,33 @@ pub struct DriverStats {
     pub fault_duplicated: u64,
     pub send_would_block: u64,
     pub send_errors: u64,
+    pub send_syscalls: u64,
+    pub recv_syscalls: u64,
+}
+
+/// Datagrams waiting to be sent to one peer in one `sendmmsg`.
+#[derive(Default)]
+struct TxBatch {
+    data: Vec<u8>,
+    lens: Vec<usize>,
 }
 
 pub struct UdpDriver {
     sock: mio::net::UdpSocket,
     senders: Vec<Option<std::net::UdpSocket>>,
+    tx: Vec<TxBatch>,
+    rx: Vec<u8>,
+    rx_lens: [usize; BATCH],
+    rx_count: usize,
+    rx_next: usize,
+    /// Consecutive successful receives: a burst is under way.
+    streak: u32,
     fault: Option<(Fault, StdRng)>,
     pub stats: DriverStats,
 }
 
 impl UdpDriver {
-    pub fn bind(
-        addr: SocketAddr,
-        peers: Vec<SocketAddr>,
-        fault: Option<Fault>,
-    ) -> io::Result<UdpDriver> {
+    pub fn bind(addr: SocketAddr, peers: Vec<SocketAddr>, fault: Option<Fault>) -> io::Result<UdpDriver> {
         let s = Socket::new(Domain::for_address(addr), Type::DGRAM, Some(Protocol::UDP))?;
         s.set_reuse_address(true)?;
         // Room for a full window of datagrams in flight; the kernel caps it at rmem_max.
@@ -63,22 +87,22 @@ impl UdpDriver {
                 Ok(Some(t.into()))
             })
             .collect::<io::Result<Vec<_>>>()?;
-        let fault = fault
-            .filter(|f| f.drop > 0.0 || f.duplicate > 0.0)
-            .map(|f| {
-                let rng = StdRng::seed_from_u64(
-                    f.seed
-                        ^ addr.port() as u64
-                        ^ u32::from_be_bytes(match addr.ip() {
-                            std::net::IpAddr::V4(v) => v.octets(),
-                            _ => [0; 4],
-                        }) as u64,
-                );
-                (f, rng)
-            });
+        let fault = fault.filter(|f| f.drop > 0.0 || f.duplicate > 0.0).map(|f| {
+            let ip = match addr.ip() {
+                std::net::IpAddr::V4(v) => u32::from_be_bytes(v.octets()) as u64,
+                std::net::IpAddr::V6(_) => 0,
+            };
+            (f.clone(), StdRng::seed_from_u64(f.seed ^ addr.port() as u64 ^ ip))
+        });
         Ok(UdpDriver {
             sock: mio::net::UdpSocket::from_std(s.into()),
+            tx: senders.iter().map(|_| TxBatch::default()).collect(),
             senders,
+            rx: vec![0; BATCH * RX_SLOT],
+            rx_lens: [0; BATCH],
+            rx_count: 0,
+            rx_next: 0,
+            streak: 0,
             fault,
             stats: DriverStats::default(),
         })
@@ -88,12 +112,12 @@ impl UdpDriver {
         &mut self.sock
     }
 
-    /// Sends one datagram to host `to`. A full socket buffer counts as loss: the transport
-    /// retransmits, exactly as for a drop on the wire.
+    /// Queues one datagram for host `to`; it leaves at the next [`UdpDriver::flush`].
     pub fn send(&mut self, to: u16, bytes: &[u8]) {
-        let Some(Some(sock)) = self.senders.get(to as usize) else {
+        let Some(b) = self.tx.get_mut(to as usize) else { return };
+        if self.senders[to as usize].is_none() {
             return;
-        };
+        }
         let mut copies = 1;
         if let Some((f, rng)) = &mut self.fault {
             if rng.gen_bool(f.drop) {
@@ -106,31 +130,149 @@ impl UdpDriver {
             }
         }
         for _ in 0..copies {
-            match sock.send(bytes) {
-                Ok(_) => {}
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => self.stats.send_would_block += 1,
-                Err(e) => {
-                    self.stats.send_errors += 1;
-                    tracing::debug!("send to host {to} failed: {e}");
-                }
+            b.data.extend_from_slice(bytes);
+            b.lens.push(bytes.len());
+        }
+        if b.lens.len() >= BATCH {
+            self.flush_peer(to as usize);
+        }
+    }
+
+    /// Sends every queued datagram, a `sendmmsg` per peer. A full socket buffer counts as loss:
+    /// the transport retransmits, exactly as for a drop on the wire.
+    pub fn flush(&mut self) {
+        for i in 0..self.tx.len() {
+            if !self.tx[i].lens.is_empty() {
+                self.flush_peer(i);
             }
         }
     }
 
-    /// Receives one datagram if one is waiting.
-    pub fn recv(&mut self, buf: &mut [u8]) -> Option<usize> {
-        for _ in 0..64 {
-            match self.sock.recv(buf) {
-                Ok(n) => return Some(n),
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return None,
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                // ICMP-induced errors (connection refused from a dead peer) are not fatal.
+    fn flush_peer(&mut self, i: usize) {
+        let Some(sock) = &self.senders[i] else { return };
+        let b = &mut self.tx[i];
+        if b.lens.len() == 1 {
+            self.stats.send_syscalls += 1;
+            match sock.send(&b.data) {
+                Ok(_) => {}
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => self.stats.send_would_block += 1,
                 Err(e) => {
-                    tracing::trace!("recv error ignored: {e}");
+                    self.stats.send_errors += 1;
+                    tracing::debug!("send to host {i} failed: {e}");
+                }
+            }
+            b.data.clear();
+            b.lens.clear();
+            return;
+        }
+        let mut iov = [libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 }; BATCH];
+        // SAFETY: an all-zero mmsghdr is a valid empty header.
+        let mut msgs: [libc::mmsghdr; BATCH] = unsafe { std::mem::zeroed() };
+        let mut at = 0;
+        let mut k = 0;
+        while k < b.lens.len() {
+            let n = (b.lens.len() - k).min(BATCH);
+            let mut off = at;
+            for j in 0..n {
+                iov[j] = libc::iovec { iov_base: b.data[off..].as_mut_ptr() as *mut _, iov_len: b.lens[k + j] };
+                off += b.lens[k + j];
+                msgs[j].msg_hdr.msg_iov = &mut iov[j];
+                msgs[j].msg_hdr.msg_iovlen = 1;
+            }
+            // SAFETY: msgs[..n] point at iovecs that point into `b.data`, alive for the call.
+            let sent = unsafe { libc::sendmmsg(sock.as_raw_fd(), msgs.as_mut_ptr(), n as u32, libc::MSG_DONTWAIT) };
+            self.stats.send_syscalls += 1;
+            if sent <= 0 {
+                let e = io::Error::last_os_error();
+                if e.kind() == io::ErrorKind::Interrupted {
                     continue;
                 }
+                if e.kind() == io::ErrorKind::WouldBlock {
+                    self.stats.send_would_block += (b.lens.len() - k) as u64;
+                } else {
+                    // ICMP-induced errors (a dead peer's closed port) are not fatal.
+                    self.stats.send_errors += (b.lens.len() - k) as u64;
+                    tracing::debug!("send to host {i} failed: {e}");
+                }
+                break;
+            }
+            for j in 0..sent as usize {
+                at += b.lens[k + j];
+            }
+            k += sent as usize;
+        }
+        b.data.clear();
+        b.lens.clear();
+    }
+
+    /// The next received datagram, copied into `out`; `None` when nothing is waiting.
+    pub fn recv(&mut self, out: &mut [u8]) -> Option<usize> {
+        if self.rx_next == self.rx_count {
+            if self.streak < 2 {
+                return self.recv_one(out);
+            }
+            if !self.refill() {
+                self.streak = 0;
+                return None;
+            }
+        }
+        let i = self.rx_next;
+        self.rx_next += 1;
+        let n = self.rx_lens[i].min(out.len());
+        out[..n].copy_from_slice(&self.rx[i * RX_SLOT..i * RX_SLOT + n]);
+        Some(n)
+    }
+
+    fn recv_one(&mut self, out: &mut [u8]) -> Option<usize> {
+        for _ in 0..64 {
+            self.stats.recv_syscalls += 1;
+            match self.sock.recv(out) {
+                Ok(n) => {
+                    self.streak += 1;
+                    return Some(n);
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    self.streak = 0;
+                    return None;
+                }
+                // Interrupted, or an ICMP error queued on the socket: try again.
+                Err(e) => tracing::trace!("recv: {e}"),
             }
         }
         None
+    }
+
+    fn refill(&mut self) -> bool {
+        self.rx_count = 0;
+        self.rx_next = 0;
+        let mut iov = [libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 }; BATCH];
+        // SAFETY: an all-zero mmsghdr is a valid empty header.
+        let mut msgs: [libc::mmsghdr; BATCH] = unsafe { std::mem::zeroed() };
+        for j in 0..BATCH {
+            iov[j] = libc::iovec { iov_base: self.rx[j * RX_SLOT..].as_mut_ptr() as *mut _, iov_len: RX_SLOT };
+            msgs[j].msg_hdr.msg_iov = &mut iov[j];
+            msgs[j].msg_hdr.msg_iovlen = 1;
+        }
+        for _ in 0..64 {
+            // SAFETY: each header points at its own RX_SLOT-sized slice of `self.rx`.
+            let got = unsafe {
+                libc::recvmmsg(self.sock.as_raw_fd(), msgs.as_mut_ptr(), BATCH as u32, libc::MSG_DONTWAIT, std::ptr::null_mut())
+            };
+            self.stats.recv_syscalls += 1;
+            if got > 0 {
+                for j in 0..got as usize {
+                    self.rx_lens[j] = msgs[j].msg_len as usize;
+                }
+                self.rx_count = got as usize;
+                return true;
+            }
+            let e = io::Error::last_os_error();
+            match e.kind() {
+                io::ErrorKind::WouldBlock => return false,
+                // Interrupted, or an ICMP error queued on the socket: try again.
+                _ => tracing::trace!("recvmmsg: {e}"),
+            }
+        }
+        false
     }
 }
