@@ -163,17 +163,24 @@ fn main() -> anyhow::Result<()> {
         Bench::Randomaccess => (false, false, true),
         Bench::Compare => (true, true, true),
     };
-    if (lat || bw) && want("raw-udp") && ctx.size >= 2 && ctx.rank < 2 {
-        let mut pair = raw_udp::Pair::connect(&ctx)?;
+    if (lat || bw) && want("raw-udp") && ctx.size >= 2 {
+        // Ranks 0 and 1 run it; every rank joins the barriers that keep sizes apart.
+        let mut pair = if ctx.rank < 2 { Some(raw_udp::Pair::connect(&ctx)?) } else { None };
         if lat {
             // One datagram per message: sizes above the MTU have no raw-udp ping-pong.
             for &s in lat_sizes.iter().filter(|&&s| s <= mtu) {
-                rows.extend(raw_udp::pingpong(&ctx, &mut pair, s));
+                if let Some(p) = pair.as_mut() {
+                    rows.extend(raw_udp::pingpong(&ctx, p, s));
+                }
+                nic.barrier()?;
             }
         }
         if bw {
             for &s in &bw_sizes {
-                rows.extend(raw_udp::bw(&ctx, &mut pair, s, mtu));
+                if let Some(p) = pair.as_mut() {
+                    rows.extend(raw_udp::bw(&ctx, p, s, mtu));
+                }
+                nic.barrier()?;
             }
         }
     }

@@ -11,6 +11,8 @@ pub struct Pair {
     sock: UdpSocket,
     peer: SocketAddr,
     buf: Vec<u8>,
+    /// Bumped by every bandwidth run, so that round ids never repeat across sizes.
+    epoch: u64,
 }
 
 fn addr(job: u32, rank: u32) -> SocketAddr {
@@ -33,6 +35,7 @@ impl Pair {
             sock,
             peer,
             buf: vec![0; 65_536],
+            epoch: 0,
         };
         // Handshake: rank 1 knocks until rank 0 answers.
         let t = Instant::now();
@@ -121,15 +124,20 @@ const DONE: u8 = 2;
 const COUNT: u8 = 3;
 
 /// Streams `size` bytes in datagrams of `mtu` bytes per round; rank 1 reports how many bytes
-/// arrived when asked. MB/s counts only bytes that arrived.
+/// arrived when asked. MB/s counts only bytes that arrived. Round ids carry an epoch per call,
+/// and the caller separates calls with a barrier, so stragglers of one size are never counted
+/// (or lost) in the next.
 pub fn bw(ctx: &Ctx, p: &mut Pair, size: usize, mtu: usize) -> Option<Row> {
     let per = size.div_ceil(mtu).max(1);
     let rounds = (crate::gni_bench::bw_iters(ctx.iters, size) / 4).max(5);
+    p.epoch += 1;
+    let base = p.epoch << 32;
+    while p.try_recv().is_some() {}
     if ctx.rank == 0 {
         let mut chunk = vec![0u8; mtu.max(17)];
         let mut delivered = 0u64;
         let t = Instant::now();
-        for r in 0..rounds as u64 {
+        for r in base..base + rounds as u64 {
             for k in 0..per {
                 let n = if k + 1 == per { size - k * mtu } else { mtu }.max(9);
                 chunk[0] = DATA;
@@ -158,9 +166,9 @@ pub fn bw(ctx: &Ctx, p: &mut Pair, size: usize, mtu: usize) -> Option<Row> {
         Some(row)
     } else {
         let mut got = 0u64;
-        let mut round = 0u64;
+        let mut round = base;
         let mut answer = [COUNT; 17];
-        while round < rounds as u64 {
+        while round < base + rounds as u64 {
             let Some(n) = p.recv_timeout(Duration::from_secs(10)) else {
                 break;
             };
@@ -183,11 +191,14 @@ pub fn bw(ctx: &Ctx, p: &mut Pair, size: usize, mtu: usize) -> Option<Row> {
                 _ => {}
             }
         }
-        // Linger to repeat the final answer if it was lost.
+        // Linger to repeat the final answer if it was lost (only to a request for it).
+        let last = base + rounds as u64 - 1;
         let t = Instant::now();
         while t.elapsed() < Duration::from_millis(200) {
-            if p.try_recv().is_some() {
-                p.sock.send_to(&answer, p.peer).ok();
+            if let Some(n) = p.try_recv() {
+                if n >= 9 && p.buf[0] == DONE && p.buf[1..9] == last.to_le_bytes() {
+                    p.sock.send_to(&answer, p.peer).ok();
+                }
             }
         }
         None
