@@ -165,7 +165,11 @@ fn main() -> anyhow::Result<()> {
     };
     if (lat || bw) && want("raw-udp") && ctx.size >= 2 {
         // Ranks 0 and 1 run it; every rank joins the barriers that keep sizes apart.
-        let mut pair = if ctx.rank < 2 { Some(raw_udp::Pair::connect(&ctx)?) } else { None };
+        let mut pair = if ctx.rank < 2 {
+            Some(raw_udp::Pair::connect(&ctx)?)
+        } else {
+            None
+        };
         if lat {
             // One datagram per message: sizes above the MTU have no raw-udp ping-pong.
             for &s in lat_sizes.iter().filter(|&&s| s <= mtu) {

@@ -58,7 +58,11 @@ pub struct UdpDriver {
 }
 
 impl UdpDriver {
-    pub fn bind(addr: SocketAddr, peers: Vec<SocketAddr>, fault: Option<Fault>) -> io::Result<UdpDriver> {
+    pub fn bind(
+        addr: SocketAddr,
+        peers: Vec<SocketAddr>,
+        fault: Option<Fault>,
+    ) -> io::Result<UdpDriver> {
         let s = Socket::new(Domain::for_address(addr), Type::DGRAM, Some(Protocol::UDP))?;
         s.set_reuse_address(true)?;
         // Room for a full window of datagrams in flight; the kernel caps it at rmem_max.
@@ -87,13 +91,18 @@ impl UdpDriver {
                 Ok(Some(t.into()))
             })
             .collect::<io::Result<Vec<_>>>()?;
-        let fault = fault.filter(|f| f.drop > 0.0 || f.duplicate > 0.0).map(|f| {
-            let ip = match addr.ip() {
-                std::net::IpAddr::V4(v) => u32::from_be_bytes(v.octets()) as u64,
-                std::net::IpAddr::V6(_) => 0,
-            };
-            (f.clone(), StdRng::seed_from_u64(f.seed ^ addr.port() as u64 ^ ip))
-        });
+        let fault = fault
+            .filter(|f| f.drop > 0.0 || f.duplicate > 0.0)
+            .map(|f| {
+                let ip = match addr.ip() {
+                    std::net::IpAddr::V4(v) => u32::from_be_bytes(v.octets()) as u64,
+                    std::net::IpAddr::V6(_) => 0,
+                };
+                (
+                    f.clone(),
+                    StdRng::seed_from_u64(f.seed ^ addr.port() as u64 ^ ip),
+                )
+            });
         Ok(UdpDriver {
             sock: mio::net::UdpSocket::from_std(s.into()),
             tx: senders.iter().map(|_| TxBatch::default()).collect(),
@@ -114,7 +123,9 @@ impl UdpDriver {
 
     /// Queues one datagram for host `to`; it leaves at the next [`UdpDriver::flush`].
     pub fn send(&mut self, to: u16, bytes: &[u8]) {
-        let Some(b) = self.tx.get_mut(to as usize) else { return };
+        let Some(b) = self.tx.get_mut(to as usize) else {
+            return;
+        };
         if self.senders[to as usize].is_none() {
             return;
         }
@@ -165,7 +176,10 @@ impl UdpDriver {
             b.lens.clear();
             return;
         }
-        let mut iov = [libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 }; BATCH];
+        let mut iov = [libc::iovec {
+            iov_base: std::ptr::null_mut(),
+            iov_len: 0,
+        }; BATCH];
         // SAFETY: an all-zero mmsghdr is a valid empty header.
         let mut msgs: [libc::mmsghdr; BATCH] = unsafe { std::mem::zeroed() };
         let mut at = 0;
@@ -174,13 +188,23 @@ impl UdpDriver {
             let n = (b.lens.len() - k).min(BATCH);
             let mut off = at;
             for j in 0..n {
-                iov[j] = libc::iovec { iov_base: b.data[off..].as_mut_ptr() as *mut _, iov_len: b.lens[k + j] };
+                iov[j] = libc::iovec {
+                    iov_base: b.data[off..].as_mut_ptr() as *mut _,
+                    iov_len: b.lens[k + j],
+                };
                 off += b.lens[k + j];
                 msgs[j].msg_hdr.msg_iov = &mut iov[j];
                 msgs[j].msg_hdr.msg_iovlen = 1;
             }
             // SAFETY: msgs[..n] point at iovecs that point into `b.data`, alive for the call.
-            let sent = unsafe { libc::sendmmsg(sock.as_raw_fd(), msgs.as_mut_ptr(), n as u32, libc::MSG_DONTWAIT) };
+            let sent = unsafe {
+                libc::sendmmsg(
+                    sock.as_raw_fd(),
+                    msgs.as_mut_ptr(),
+                    n as u32,
+                    libc::MSG_DONTWAIT,
+                )
+            };
             self.stats.send_syscalls += 1;
             if sent <= 0 {
                 let e = io::Error::last_os_error();
@@ -245,18 +269,30 @@ impl UdpDriver {
     fn refill(&mut self) -> bool {
         self.rx_count = 0;
         self.rx_next = 0;
-        let mut iov = [libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 }; BATCH];
+        let mut iov = [libc::iovec {
+            iov_base: std::ptr::null_mut(),
+            iov_len: 0,
+        }; BATCH];
         // SAFETY: an all-zero mmsghdr is a valid empty header.
         let mut msgs: [libc::mmsghdr; BATCH] = unsafe { std::mem::zeroed() };
         for j in 0..BATCH {
-            iov[j] = libc::iovec { iov_base: self.rx[j * RX_SLOT..].as_mut_ptr() as *mut _, iov_len: RX_SLOT };
+            iov[j] = libc::iovec {
+                iov_base: self.rx[j * RX_SLOT..].as_mut_ptr() as *mut _,
+                iov_len: RX_SLOT,
+            };
             msgs[j].msg_hdr.msg_iov = &mut iov[j];
             msgs[j].msg_hdr.msg_iovlen = 1;
         }
         for _ in 0..64 {
             // SAFETY: each header points at its own RX_SLOT-sized slice of `self.rx`.
             let got = unsafe {
-                libc::recvmmsg(self.sock.as_raw_fd(), msgs.as_mut_ptr(), BATCH as u32, libc::MSG_DONTWAIT, std::ptr::null_mut())
+                libc::recvmmsg(
+                    self.sock.as_raw_fd(),
+                    msgs.as_mut_ptr(),
+                    BATCH as u32,
+                    libc::MSG_DONTWAIT,
+                    std::ptr::null_mut(),
+                )
             };
             self.stats.recv_syscalls += 1;
             if got > 0 {

@@ -84,13 +84,13 @@ pub fn init() -> Nic {
     Nic::init().expect("attach to the local daemon")
 }
 
-/// Daemons started as a separate `softnicd` process on a fresh config (for tests that need a
-/// daemon outliving ranks, or raw access to its UDP port).
+/// One `softnicd` process per host on a fresh config (for tests that need daemons outliving
+/// ranks, or raw access to their UDP ports).
 pub struct Daemons {
     pub dir: PathBuf,
     pub config: PathBuf,
     pub cfg: softnic::config::Config,
-    child: Child,
+    children: Vec<Child>,
 }
 
 impl Daemons {
@@ -105,12 +105,18 @@ impl Daemons {
         let cfg = softnic::config::Config::local_default(hosts, port, dir.clone());
         let config = dir.join("cluster.toml");
         std::fs::write(&config, cfg.to_toml()).unwrap();
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_softnicd"));
-        cmd.arg("--config").arg(&config);
-        for h in &cfg.hosts {
-            cmd.args(["--host", &h.name]);
-        }
-        let child = cmd.spawn().expect("softnicd starts");
+        let children = cfg
+            .hosts
+            .iter()
+            .map(|h| {
+                Command::new(env!("CARGO_BIN_EXE_softnicd"))
+                    .arg("--config")
+                    .arg(&config)
+                    .args(["--host", &h.name])
+                    .spawn()
+                    .expect("softnicd starts")
+            })
+            .collect();
         for i in 0..hosts as u16 {
             assert!(
                 softnic::job::local::health_check(
@@ -124,7 +130,7 @@ impl Daemons {
             dir,
             config,
             cfg,
-            child,
+            children,
         }
     }
 
@@ -179,11 +185,13 @@ impl Daemons {
 
 impl Drop for Daemons {
     fn drop(&mut self) {
-        let _ = rustix::process::kill_process(
-            rustix::process::Pid::from_child(&self.child),
-            rustix::process::Signal::Term,
-        );
-        let _ = self.child.wait();
+        for c in &mut self.children {
+            let _ = rustix::process::kill_process(
+                rustix::process::Pid::from_child(c),
+                rustix::process::Signal::Term,
+            );
+            let _ = c.wait();
+        }
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
