@@ -7,6 +7,7 @@ pub mod config;
 pub mod daemon;
 pub mod gni;
 pub mod job;
+pub mod logging;
 pub mod nic;
 pub mod shm;
 pub mod transport;

@@ -84,19 +84,7 @@ fn killed_rank_leaves_daemon_serving_the_others() {
     assert_eq!(d.counter("clients_detached_total"), 3);
     assert_eq!(d.counter("clients "), 0);
     // And a fresh job runs on the same daemons.
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_softnic"))
-        .args(["run", "-n", "2", "--attach", "--config"])
-        .arg(d.path())
-        .arg("--")
-        .arg(std::env::current_exe().unwrap())
-        .args(["--exact", "small_job_body", "--nocapture"])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    d.run_job_ok("small_job_body", 2);
 }
 
 /// A short job used after fault scenarios to show the daemons still work.
@@ -154,19 +142,7 @@ fn garbage_datagrams_are_dropped_and_counted() {
         );
         std::thread::sleep(Duration::from_millis(20));
     }
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_softnic"))
-        .args(["run", "-n", "2", "--attach", "--config"])
-        .arg(d.path())
-        .arg("--")
-        .arg(std::env::current_exe().unwrap())
-        .args(["--exact", "small_job_body", "--nocapture"])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    d.run_job_ok("small_job_body", 2);
 }
 
 #[test]

@@ -60,13 +60,7 @@ enum Cmd {
 }
 
 fn main() -> anyhow::Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("SOFTNIC_LOG")
-                .unwrap_or_else(|_| "warn".into()),
-        )
-        .with_writer(std::io::stderr)
-        .init();
+    softnic::logging::init("warn");
     match Cli::parse().cmd {
         Cmd::Run {
             n,

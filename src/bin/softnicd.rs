@@ -45,13 +45,7 @@ struct Args {
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let default = if args.verbose { "info" } else { "warn" };
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("SOFTNIC_LOG")
-                .unwrap_or_else(|_| default.into()),
-        )
-        .with_writer(std::io::stderr)
-        .init();
+    softnic::logging::init(default);
     let mut cfg = Config::load(&args.config)?;
     if args.fault_drop > 0.0 || args.fault_duplicate > 0.0 {
         cfg.fault = Some(Fault {

@@ -6,6 +6,7 @@
 //! drivers ([`udp`], [`tcp`]) move those datagrams over sockets; [`sim`] moves them through a
 //! seeded lossy network for tests.
 
+pub mod fault;
 pub mod reliable;
 pub mod sim;
 pub mod tcp;
@@ -16,6 +17,7 @@ pub use reliable::{
 };
 
 /// The socket layer under a host's transport: UDP (default) or TCP.
+#[allow(clippy::large_enum_variant)] // one per host, built once, never moved on a hot path
 pub enum Driver {
     Udp(udp::UdpDriver),
     Tcp(tcp::TcpDriver),

@@ -15,9 +15,8 @@ use std::time::{Duration, Instant};
 
 use mio::net::{TcpListener, TcpStream};
 use mio::{Interest, Registry, Token};
-use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
 
+use super::fault::FaultInjector;
 use super::udp::DriverStats;
 use crate::config::Fault;
 
@@ -65,7 +64,7 @@ pub struct TcpDriver {
     out: Vec<Option<Outgoing>>,
     inc: Vec<Incoming>,
     next_inc: usize,
-    fault: Option<(Fault, StdRng)>,
+    fault: Option<FaultInjector>,
     pub stats: DriverStats,
 }
 
@@ -100,12 +99,7 @@ impl TcpDriver {
                 })
             })
             .collect();
-        let fault = fault
-            .filter(|f| f.drop > 0.0 || f.duplicate > 0.0)
-            .map(|f| {
-                let rng = StdRng::seed_from_u64(f.seed ^ addr.port() as u64 ^ 0x7cb);
-                (f, rng)
-            });
+        let fault = FaultInjector::new(fault, addr.port() as u64 ^ 0x7cb);
         Ok(TcpDriver {
             listener,
             registry,
@@ -120,17 +114,7 @@ impl TcpDriver {
 
     /// Queues one datagram for host `to` and pushes out what the socket takes.
     pub fn send(&mut self, to: u16, bytes: &[u8]) {
-        let mut copies = 1;
-        if let Some((f, rng)) = &mut self.fault {
-            if rng.gen_bool(f.drop) {
-                self.stats.fault_dropped += 1;
-                return;
-            }
-            if rng.gen_bool(f.duplicate) {
-                self.stats.fault_duplicated += 1;
-                copies = 2;
-            }
-        }
+        let copies = self.fault.as_mut().map_or(1, |f| f.copies(&mut self.stats));
         let Some(Some(o)) = self.out.get_mut(to as usize) else {
             return;
         };

@@ -14,10 +14,9 @@ use std::io;
 use std::net::SocketAddr;
 use std::os::fd::AsRawFd;
 
-use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
 use socket2::{Domain, Protocol, Socket, Type};
 
+use super::fault::FaultInjector;
 use crate::config::Fault;
 
 /// Datagrams per recvmmsg/sendmmsg call.
@@ -53,7 +52,7 @@ pub struct UdpDriver {
     rx_next: usize,
     /// Consecutive successful receives: a burst is under way.
     streak: u32,
-    fault: Option<(Fault, StdRng)>,
+    fault: Option<FaultInjector>,
     pub stats: DriverStats,
 }
 
@@ -91,18 +90,11 @@ impl UdpDriver {
                 Ok(Some(t.into()))
             })
             .collect::<io::Result<Vec<_>>>()?;
-        let fault = fault
-            .filter(|f| f.drop > 0.0 || f.duplicate > 0.0)
-            .map(|f| {
-                let ip = match addr.ip() {
-                    std::net::IpAddr::V4(v) => u32::from_be_bytes(v.octets()) as u64,
-                    std::net::IpAddr::V6(_) => 0,
-                };
-                (
-                    f.clone(),
-                    StdRng::seed_from_u64(f.seed ^ addr.port() as u64 ^ ip),
-                )
-            });
+        let ip = match addr.ip() {
+            std::net::IpAddr::V4(v) => u32::from_be_bytes(v.octets()) as u64,
+            std::net::IpAddr::V6(_) => 0,
+        };
+        let fault = FaultInjector::new(fault, addr.port() as u64 ^ ip);
         Ok(UdpDriver {
             sock: mio::net::UdpSocket::from_std(s.into()),
             tx: senders.iter().map(|_| TxBatch::default()).collect(),
@@ -129,17 +121,7 @@ impl UdpDriver {
         if self.senders[to as usize].is_none() {
             return;
         }
-        let mut copies = 1;
-        if let Some((f, rng)) = &mut self.fault {
-            if rng.gen_bool(f.drop) {
-                self.stats.fault_dropped += 1;
-                return;
-            }
-            if rng.gen_bool(f.duplicate) {
-                self.stats.fault_duplicated += 1;
-                copies = 2;
-            }
-        }
+        let copies = self.fault.as_mut().map_or(1, |f| f.copies(&mut self.stats));
         for _ in 0..copies {
             b.data.extend_from_slice(bytes);
             b.lens.push(bytes.len());
@@ -296,8 +278,8 @@ impl UdpDriver {
             };
             self.stats.recv_syscalls += 1;
             if got > 0 {
-                for j in 0..got as usize {
-                    self.rx_lens[j] = msgs[j].msg_len as usize;
+                for (len, m) in self.rx_lens.iter_mut().zip(&msgs).take(got as usize) {
+                    *len = m.msg_len as usize;
                 }
                 self.rx_count = got as usize;
                 return true;

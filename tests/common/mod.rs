@@ -178,6 +178,23 @@ impl Daemons {
             .unwrap()
     }
 
+    /// Runs this test binary's `test` as an `n`-rank job on these daemons; asserts success.
+    pub fn run_job_ok(&self, test: &str, n: u32) {
+        let out = Command::new(env!("CARGO_BIN_EXE_softnic"))
+            .args(["run", "-n", &n.to_string(), "--attach", "--config"])
+            .arg(&self.config)
+            .arg("--")
+            .arg(std::env::current_exe().unwrap())
+            .args(["--exact", test, "--nocapture"])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
     pub fn path(&self) -> &Path {
         &self.config
     }
