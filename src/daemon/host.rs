@@ -832,8 +832,8 @@ impl HostNic {
         new
     }
 
-    /// Handles readable attach socket of `slot`. Returns (fd to register, fd to deregister) changes
-    /// through `registered` (the daemon bell after a successful hello) and `false` if the session ended.
+    /// Serves the attach requests waiting on `slot`'s socket. After a successful hello,
+    /// `bell` receives the daemon doorbell to watch. Returns `false` if the session ended.
     pub fn on_session_readable(&mut self, slot: usize, bell: &mut Option<i32>) -> bool {
         let mut buf = vec![0u8; attach::MAX_MESSAGE];
         loop {

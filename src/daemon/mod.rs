@@ -45,6 +45,7 @@ pub struct Daemon {
     readable: Vec<bool>,
     /// Host index (of the config) → position in `hosts`, for the hosts this process serves.
     served: Vec<Option<usize>>,
+    tokens: Vec<usize>,
 }
 
 impl Daemon {
@@ -79,6 +80,7 @@ impl Daemon {
             clock: Instant::now(),
             spin_ns: cfg.cluster.spin_us * 1000,
             readable: vec![true; indices.len()],
+            tokens: Vec::with_capacity(256),
             served: (0..cfg.hosts.len() as u16)
                 .map(|h| indices.iter().position(|&i| i == h))
                 .collect(),
@@ -172,9 +174,12 @@ impl Daemon {
             Err(e) if e.kind() == io::ErrorKind::Interrupted => return Ok(false),
             Err(e) => return Err(e.into()),
         }
-        let tokens: Vec<usize> = self.events.iter().map(|e| e.token().0).collect();
+        // Copied out (into a reused buffer) because handling an event needs `&mut self`.
+        let mut tokens = std::mem::take(&mut self.tokens);
+        tokens.clear();
+        tokens.extend(self.events.iter().map(|e| e.token().0));
         let any = !tokens.is_empty();
-        for t in tokens {
+        for &t in &tokens {
             let (k, kind) = (t / STRIDE, t % STRIDE);
             match kind {
                 0 => self.readable[k] = true,
@@ -206,27 +211,21 @@ impl Daemon {
                 }
             }
         }
+        self.tokens = tokens;
         Ok(any)
     }
 
+    /// Serves a readable attach socket. A session that ends has its descriptors closed on
+    /// detach, which also removes them from epoll.
     fn session_readable(&mut self, k: usize, slot: usize) -> Result<(), DaemonError> {
-        let sock = self.hosts[k]
-            .sessions
-            .get(slot)
-            .and_then(|s| s.as_ref())
-            .map(|s| s.sock.as_raw_fd());
         let mut bell = None;
-        let alive = self.hosts[k].on_session_readable(slot, &mut bell);
+        self.hosts[k].on_session_readable(slot, &mut bell);
         if let Some(fd) = bell {
             self.poll.registry().register(
                 &mut SourceFd(&fd),
                 Token(k * STRIDE + 3 + 2 * slot),
                 Interest::READABLE,
             )?;
-        }
-        if !alive {
-            // The session's descriptors were closed on detach, which removed them from epoll.
-            let _ = sock;
         }
         Ok(())
     }
