@@ -4,8 +4,9 @@
 //! The receiver delivers bodies in sequence order exactly once; out-of-order bodies wait in a
 //! bounded reorder buffer and are announced in the selective-ack bitmap. The sender keeps every
 //! unacknowledged body (so replies of fetching ops live until acknowledged), retransmits on
-//! timeout (RTO from measured RTT, Karn's rule, exponential backoff) or when three later bodies
-//! were selectively acked, and declares a peer dead when it stays silent for `peer_timeout`
+//! timeout (RTO from measured RTT, Karn's rule, exponential backoff; the timer restarts on ack
+//! progress, so a long burst is not resent while the receiver still works through it) or when
+//! three later bodies were selectively acked, and declares a peer dead when it stays silent for `peer_timeout`
 //! while data is outstanding. A dead peer's queued and unacknowledged bodies are discarded and a
 //! [`TransportEvent::PeerDead`] tells the engine to fail what was pending on it.
 
@@ -468,6 +469,7 @@ impl Transport {
                     && !f.sacked
                 {
                     f.sacked = true;
+                    p.waiting_since = now;
                     if f.retries == 0 {
                         sample = Some(now.saturating_sub(f.sent_at));
                     }
@@ -518,8 +520,14 @@ impl Transport {
             }
             let rto = p.rto;
             let mut backoff = false;
-            for f in p.inflight.iter_mut() {
-                if !f.sacked && !f.resend && now.saturating_sub(f.sent_at) >= rto {
+            // The timer restarts on ack progress (as TCP's does): a long burst drains at the
+            // receiver's pace, and its tail must not time out while acks still arrive.
+            // Only the oldest unacknowledged body is resent on timeout: a stalled receiver (not
+            // a lossy path) is the usual cause, and the holes a real loss leaves behind are
+            // repaired by SACK-driven fast retransmit once acks flow again.
+            let anchor = p.waiting_since;
+            if let Some(f) = p.inflight.iter_mut().find(|f| !f.sacked) {
+                if !f.resend && now.saturating_sub(f.sent_at.max(anchor)) >= rto {
                     f.resend = true;
                     backoff = true;
                 }
@@ -569,7 +577,7 @@ impl Transport {
                 continue;
             }
             if let Some(f) = p.inflight.iter().find(|f| !f.sacked) {
-                at(f.sent_at + p.rto);
+                at(f.sent_at.max(p.waiting_since) + p.rto);
             }
             if p.has_outstanding() {
                 at(p.last_heard.max(p.waiting_since) + self.cfg.peer_timeout + 1);
