@@ -97,8 +97,11 @@ pub struct Received<'a> {
 
 struct InFlight {
     seq: u64,
-    /// `HEADER_LEN` bytes of header space, the body, and `TAG_LEN` spare capacity.
+    /// `HEADER_LEN` bytes of header space, the body, and (once sent) the tag: each
+    /// (re)transmission writes a fresh header and tag around the body in place.
     buf: Vec<u8>,
+    /// Where the body ends (the tag starts) in `buf`.
+    body_end: usize,
     sent_at: u64,
     retries: u32,
     sacked: bool,
@@ -605,18 +608,23 @@ impl Transport {
         let n = self.peers.len();
         for k in 0..n {
             let i = (self.cursor + k) % n;
-            if let Some(len) = self.transmit_one(now, i as u16) {
+            if let Some((idx, len)) = self.transmit_one(now, i as u16) {
                 self.cursor = (i + 1) % n;
                 self.stats.datagrams_sent += 1;
                 self.stats.bytes_sent += len as u64;
-                return Some((i as u16, &self.scratch[..len]));
+                let d = match idx {
+                    Some(k) => &self.peers[i].inflight[k].buf[..len],
+                    None => &self.scratch[..len],
+                };
+                return Some((i as u16, d));
             }
         }
         None
     }
 
-    /// Builds one datagram for `peer` into `scratch`; returns its length.
-    fn transmit_one(&mut self, now: u64, peer: u16) -> Option<usize> {
+    /// Builds one datagram for `peer`: in place in its in-flight buffer (returning its index),
+    /// or a pure ack in `scratch`; returns where and its length.
+    fn transmit_one(&mut self, now: u64, peer: u16) -> Option<(Option<usize>, usize)> {
         if peer == self.host {
             return None;
         }
@@ -638,6 +646,7 @@ impl Transport {
             }
             p.inflight.push_back(InFlight {
                 seq,
+                body_end: buf.len(),
                 buf,
                 sent_at: now,
                 retries: 0,
@@ -655,15 +664,19 @@ impl Transport {
         let p = &mut self.peers[peer as usize];
         p.ack_due = None;
         p.unacked_received = 0;
-        let body: &[u8] = match idx {
-            Some(i) => &p.inflight[i].buf[HEADER_LEN..],
-            None => &[],
-        };
-        let len = HEADER_LEN + body.len();
-        self.scratch.resize(self.cfg.mtu.max(len + TAG_LEN), 0);
-        h.write(&mut self.scratch);
-        self.scratch[HEADER_LEN..len].copy_from_slice(body);
-        Some(DatagramHeader::seal(&self.key, &mut self.scratch, len))
+        match idx {
+            Some(i) => {
+                let f = &mut p.inflight[i];
+                f.buf.resize(f.body_end + TAG_LEN, 0);
+                h.write(&mut f.buf);
+                Some((Some(i), DatagramHeader::seal(&self.key, &mut f.buf, f.body_end)))
+            }
+            None => {
+                self.scratch.resize(HEADER_LEN + TAG_LEN, 0);
+                h.write(&mut self.scratch);
+                Some((None, DatagramHeader::seal(&self.key, &mut self.scratch, HEADER_LEN)))
+            }
+        }
     }
 }
 
