@@ -393,3 +393,12 @@ fn amos_over_tcp_under_faults() {
     }
     launch_ok_env("amos_over_tcp_under_faults", 4, 2, FAULTS, TCP);
 }
+
+#[test]
+fn put_get_on_two_separate_daemons() {
+    if in_job() {
+        return put_get_body(&mut init());
+    }
+    // One softnicd process per host, as on a LAN.
+    Daemons::start(2).run_job_ok("put_get_on_two_separate_daemons", 2);
+}

@@ -178,3 +178,30 @@ fn garbage_in_a_command_ring_disconnects_only_that_client() {
     );
     assert_eq!(d.counter("clients "), 1);
 }
+
+#[test]
+fn hostile_tcp_frames_close_only_that_connection() {
+    use std::io::Write;
+    let d = Daemons::start_with(2, softnic::config::TransportKind::Tcp);
+    let target = d.cfg.hosts[0].addr;
+    // A frame claiming 1 GB, garbage of the right length, and a half-sent frame then close.
+    let mut a = std::net::TcpStream::connect(target).unwrap();
+    a.write_all(&(1u32 << 30).to_le_bytes()).unwrap();
+    let mut b = std::net::TcpStream::connect(target).unwrap();
+    b.write_all(&100u32.to_le_bytes()).unwrap();
+    b.write_all(&[0x42; 100]).unwrap();
+    let mut c = std::net::TcpStream::connect(target).unwrap();
+    c.write_all(&50u32.to_le_bytes()).unwrap();
+    c.write_all(&[1; 10]).unwrap();
+    drop(c);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while d.counter("malformed_datagrams") < 1 {
+        assert!(
+            Instant::now() < deadline,
+            "garbage frame not counted:\n{}",
+            d.stat()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    d.run_job_ok("small_job_body", 2);
+}

@@ -686,12 +686,18 @@ impl Transport {
                 let f = &mut p.inflight[i];
                 f.buf.resize(f.body_end + TAG_LEN, 0);
                 h.write(&mut f.buf);
-                Some((Some(i), DatagramHeader::seal(&self.key, &mut f.buf, f.body_end)))
+                Some((
+                    Some(i),
+                    DatagramHeader::seal(&self.key, &mut f.buf, f.body_end),
+                ))
             }
             None => {
                 self.scratch.resize(HEADER_LEN + TAG_LEN, 0);
                 h.write(&mut self.scratch);
-                Some((None, DatagramHeader::seal(&self.key, &mut self.scratch, HEADER_LEN)))
+                Some((
+                    None,
+                    DatagramHeader::seal(&self.key, &mut self.scratch, HEADER_LEN),
+                ))
             }
         }
     }

@@ -95,6 +95,10 @@ pub struct Daemons {
 
 impl Daemons {
     pub fn start(hosts: usize) -> Daemons {
+        Self::start_with(hosts, softnic::config::TransportKind::Udp)
+    }
+
+    pub fn start_with(hosts: usize, transport: softnic::config::TransportKind) -> Daemons {
         let dir = std::env::temp_dir().join(format!(
             "softnic-test-{}-{:08x}",
             std::process::id(),
@@ -102,7 +106,8 @@ impl Daemons {
         ));
         std::fs::create_dir_all(&dir).unwrap();
         let port = 20_000 + rand::random::<u16>() % 40_000;
-        let cfg = softnic::config::Config::local_default(hosts, port, dir.clone());
+        let mut cfg = softnic::config::Config::local_default(hosts, port, dir.clone());
+        cfg.cluster.transport = transport;
         let config = dir.join("cluster.toml");
         std::fs::write(&config, cfg.to_toml()).unwrap();
         let children = cfg
