@@ -6,3 +6,4 @@
 
 pub mod gemini;
 pub mod memory;
+pub mod portals;

@@ -1,0 +1,147 @@
+//! Event queues and counting events as the NIC keeps them.
+//!
+//! A full EQ drops the event and remembers it: the next event read reports PTL_EQ_DROPPED
+//! (PtlEQGet's semantics). Counting events count successes and failures separately.
+
+use std::collections::VecDeque;
+
+use super::types::{Event, PtlError};
+
+#[derive(Debug)]
+pub struct EventQueue {
+    cap: usize,
+    events: VecDeque<Event>,
+    dropped: bool,
+}
+
+impl EventQueue {
+    pub fn new(cap: usize) -> EventQueue {
+        EventQueue {
+            cap,
+            events: VecDeque::with_capacity(cap.min(4096)),
+            dropped: false,
+        }
+    }
+
+    /// Room for `n` more events.
+    pub fn has_room(&self, n: usize) -> bool {
+        self.events.len() + n <= self.cap
+    }
+
+    /// Posts an event; a full queue drops it (and says so on the next read).
+    pub fn push(&mut self, e: Event) -> bool {
+        if self.events.len() >= self.cap {
+            self.dropped = true;
+            return false;
+        }
+        self.events.push_back(e);
+        true
+    }
+
+    /// PtlEQGet: the next event, and whether events were dropped since the previous read
+    /// (PTL_EQ_DROPPED); `Err(EqEmpty)` when there is none.
+    pub fn get(&mut self) -> Result<(Event, bool), PtlError> {
+        let e = self.events.pop_front().ok_or(PtlError::EqEmpty)?;
+        Ok((e, std::mem::take(&mut self.dropped)))
+    }
+
+    pub fn len(&self) -> usize {
+        self.events.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.events.is_empty()
+    }
+}
+
+/// A counting event (`ptl_ct_event_t`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct CtEvent {
+    pub success: u64,
+    pub failure: u64,
+}
+
+impl CtEvent {
+    pub fn inc(&mut self, by: CtEvent) {
+        self.success += by.success;
+        self.failure += by.failure;
+    }
+
+    /// Whether a test value (PtlCTWait / triggered threshold) is reached: the success count
+    /// reaches it, or any failure happened.
+    pub fn reached(&self, test: u64) -> bool {
+        self.success >= test || self.failure > 0
+    }
+}
+
+/// The limits of an interface (`ptl_ni_limits_t`), as reported by PtlNIInit and enforced.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    pub max_entries: usize,
+    pub max_unexpected_headers: usize,
+    pub max_mds: usize,
+    pub max_cts: usize,
+    pub max_eqs: usize,
+    /// Largest portal table index (at least 63).
+    pub max_pt_index: u32,
+    pub max_iovecs: usize,
+    pub max_list_size: usize,
+    pub max_triggered_ops: usize,
+    pub max_msg_size: u64,
+    pub max_atomic_size: u64,
+    pub max_fetch_atomic_size: u64,
+    pub max_ordered_size: u64,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            max_entries: 65_536,
+            max_unexpected_headers: 65_536,
+            max_mds: 65_536,
+            max_cts: 4096,
+            max_eqs: 256,
+            max_pt_index: 255,
+            max_iovecs: 1024,
+            max_list_size: 65_536,
+            max_triggered_ops: 65_536,
+            max_msg_size: 1 << 30,
+            max_atomic_size: 512,
+            max_fetch_atomic_size: 512,
+            max_ordered_size: 1 << 30,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::nic::portals::types::{EventKind, NiFail};
+
+    #[test]
+    fn full_queue_reports_dropped_once() {
+        let mut q = EventQueue::new(2);
+        let e = |p| Event::bare(EventKind::Link, 0, p, NiFail::Ok);
+        assert!(q.push(e(1)) && q.push(e(2)));
+        assert!(!q.push(e(3)));
+        assert_eq!(q.get().unwrap(), (e(1), true));
+        assert_eq!(q.get().unwrap(), (e(2), false));
+        assert_eq!(q.get(), Err(PtlError::EqEmpty));
+    }
+
+    #[test]
+    fn thresholds() {
+        let mut c = CtEvent::default();
+        assert!(!c.reached(1));
+        c.inc(CtEvent {
+            success: 2,
+            failure: 0,
+        });
+        assert!(c.reached(2) && !c.reached(3));
+        c.inc(CtEvent {
+            success: 0,
+            failure: 1,
+        });
+        assert!(c.reached(100), "a failure releases every waiter");
+    }
+}

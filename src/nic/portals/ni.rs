@@ -1,0 +1,806 @@
+//! One process's Portals network interface at the NIC: the portal table with its priority and
+//! overflow lists and unexpected headers, event queues, counting events, and the delivery of
+//! incoming messages — all in the NIC, without the process.
+//!
+//! Delivery (Portals 4 matching): a message to a disabled entry fails with PT_DISABLED; else the
+//! priority list is searched, then the overflow list (a match there also records an unexpected
+//! header); with no match the message is dropped — or, on a PTL_PT_FLOWCTRL entry, the entry is
+//! disabled (PTL_EVENT_PT_DISABLED) and the message fails with PT_DISABLED, as it does when the
+//! entry's event queue or the unexpected-header space runs out. Appending to the priority list
+//! first searches the unexpected headers (PTL_EVENT_*_OVERFLOW), atomically with respect to
+//! arriving messages because the NIC serialises both.
+
+use std::collections::VecDeque;
+
+use super::atomic::{self, AtomicError};
+use super::events::{CtEvent, EventQueue, Limits};
+use super::matching::{Linked, MatchEntry, ReqKind};
+use super::types::{me, pt, Event, EventKind, List, NiFail, ProcessId, PtlError, SearchOp};
+
+/// An incoming message as the target NIC sees it.
+#[derive(Debug, Clone, Copy)]
+pub struct Request<'a> {
+    pub kind: ReqKind,
+    pub initiator: ProcessId,
+    pub uid: u32,
+    pub pt_index: u32,
+    pub match_bits: u64,
+    pub remote_offset: u64,
+    /// Requested length (the payload's for puts and atomics, the wanted bytes for gets).
+    pub rlength: u64,
+    pub hdr_data: u64,
+    /// Payload of puts, atomics and swaps.
+    pub data: &'a [u8],
+    /// Comparand or mask of swaps.
+    pub operand: &'a [u8],
+}
+
+/// What the initiator is told.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Response {
+    pub ni_fail: NiFail,
+    pub mlength: u64,
+    /// The offset actually used in the target entry.
+    pub offset: u64,
+    /// Whether the target entry allows an acknowledgement (not PTL_ME_ACK_DISABLE).
+    pub ack: bool,
+    /// Reply data of gets, fetching atomics and swaps.
+    pub data: Vec<u8>,
+}
+
+impl Response {
+    fn fail(f: NiFail) -> Response {
+        Response {
+            ni_fail: f,
+            ack: true,
+            ..Default::default()
+        }
+    }
+}
+
+/// A message that landed in an overflow entry and waits for a matching append.
+#[derive(Debug, Clone, Copy)]
+struct Unexpected {
+    kind: ReqKind,
+    initiator: ProcessId,
+    uid: u32,
+    match_bits: u64,
+    rlength: u64,
+    mlength: u64,
+    remote_offset: u64,
+    hdr_data: u64,
+    /// Where the data lies, within the overflow entry's region.
+    start: u64,
+    /// The overflow entry holding the data.
+    entry: u32,
+}
+
+struct PtEntry {
+    options: u32,
+    eq: Option<u32>,
+    enabled: bool,
+    priority: Vec<u32>,
+    overflow: Vec<u32>,
+    unexpected: VecDeque<Unexpected>,
+}
+
+/// Objects addressed by handle: a slot index plus a generation, so stale handles are refused.
+struct Slots<T> {
+    items: Vec<(u32, Option<T>)>,
+    free: Vec<usize>,
+    live: usize,
+}
+
+impl<T> Slots<T> {
+    fn new() -> Self {
+        Slots {
+            items: Vec::new(),
+            free: Vec::new(),
+            live: 0,
+        }
+    }
+    fn insert(&mut self, v: T) -> u32 {
+        let i = self.free.pop().unwrap_or_else(|| {
+            self.items.push((0, None));
+            self.items.len() - 1
+        });
+        let slot = &mut self.items[i];
+        slot.0 = slot.0.wrapping_add(1) & 0xff;
+        slot.1 = Some(v);
+        self.live += 1;
+        (slot.0 << 24) | i as u32
+    }
+    fn get(&self, h: u32) -> Option<&T> {
+        let (g, i) = (h >> 24, (h & 0xff_ffff) as usize);
+        self.items
+            .get(i)
+            .filter(|s| s.0 == g)
+            .and_then(|s| s.1.as_ref())
+    }
+    fn get_mut(&mut self, h: u32) -> Option<&mut T> {
+        let (g, i) = (h >> 24, (h & 0xff_ffff) as usize);
+        self.items
+            .get_mut(i)
+            .filter(|s| s.0 == g)
+            .and_then(|s| s.1.as_mut())
+    }
+    fn remove(&mut self, h: u32) -> Option<T> {
+        let (g, i) = (h >> 24, (h & 0xff_ffff) as usize);
+        let slot = self.items.get_mut(i).filter(|s| s.0 == g)?;
+        let v = slot.1.take()?;
+        self.free.push(i);
+        self.live -= 1;
+        Some(v)
+    }
+}
+
+/// The NIC-side state of one process's Portals interface.
+pub struct PortalsNi {
+    pub matching: bool,
+    pub limits: Limits,
+    table: Vec<Option<PtEntry>>,
+    entries: Slots<Linked>,
+    eqs: Slots<EventQueue>,
+    cts: Slots<CtEvent>,
+    unexpected_total: usize,
+    /// PtlNIStatus: messages dropped, permission violations.
+    pub dropped: u64,
+    pub perm_violations: u64,
+}
+
+impl PortalsNi {
+    pub fn new(matching: bool, limits: Limits) -> PortalsNi {
+        PortalsNi {
+            matching,
+            limits,
+            table: (0..=limits.max_pt_index).map(|_| None).collect(),
+            entries: Slots::new(),
+            eqs: Slots::new(),
+            cts: Slots::new(),
+            unexpected_total: 0,
+            dropped: 0,
+            perm_violations: 0,
+        }
+    }
+
+    // ------------------------------------------------------------------ EQ and CT
+
+    /// PtlEQAlloc.
+    pub fn eq_alloc(&mut self, count: usize) -> Result<u32, PtlError> {
+        if count == 0 {
+            return Err(PtlError::ArgInvalid);
+        }
+        if self.eqs.live >= self.limits.max_eqs {
+            return Err(PtlError::NoSpace);
+        }
+        Ok(self.eqs.insert(EventQueue::new(count)))
+    }
+
+    /// PtlEQFree: refused while a portal table entry still reports to it.
+    pub fn eq_free(&mut self, eq: u32) -> Result<(), PtlError> {
+        self.eqs.get(eq).ok_or(PtlError::ArgInvalid)?;
+        if self.table.iter().flatten().any(|p| p.eq == Some(eq)) {
+            return Err(PtlError::InUse);
+        }
+        self.eqs.remove(eq);
+        Ok(())
+    }
+
+    /// PtlEQGet.
+    pub fn eq_get(&mut self, eq: u32) -> Result<(Event, bool), PtlError> {
+        self.eqs.get_mut(eq).ok_or(PtlError::ArgInvalid)?.get()
+    }
+
+    /// PtlCTAlloc.
+    pub fn ct_alloc(&mut self) -> Result<u32, PtlError> {
+        if self.cts.live >= self.limits.max_cts {
+            return Err(PtlError::NoSpace);
+        }
+        Ok(self.cts.insert(CtEvent::default()))
+    }
+
+    pub fn ct_free(&mut self, ct: u32) -> Result<(), PtlError> {
+        self.cts.remove(ct).map(|_| ()).ok_or(PtlError::ArgInvalid)
+    }
+
+    pub fn ct_get(&self, ct: u32) -> Result<CtEvent, PtlError> {
+        self.cts.get(ct).copied().ok_or(PtlError::ArgInvalid)
+    }
+
+    pub fn ct_set(&mut self, ct: u32, v: CtEvent) -> Result<(), PtlError> {
+        *self.cts.get_mut(ct).ok_or(PtlError::ArgInvalid)? = v;
+        Ok(())
+    }
+
+    pub fn ct_inc(&mut self, ct: u32, by: CtEvent) -> Result<(), PtlError> {
+        self.cts.get_mut(ct).ok_or(PtlError::ArgInvalid)?.inc(by);
+        Ok(())
+    }
+
+    fn post(&mut self, eq: Option<u32>, e: Event) {
+        if let Some(q) = eq.and_then(|h| self.eqs.get_mut(h)) {
+            q.push(e);
+        }
+    }
+
+    // ------------------------------------------------------------------ portal table
+
+    /// PtlPTAlloc: at `want` or, with `None` (PTL_PT_ANY), the first free index.
+    pub fn pt_alloc(
+        &mut self,
+        options: u32,
+        eq: Option<u32>,
+        want: Option<u32>,
+    ) -> Result<u32, PtlError> {
+        if options & !(pt::FLOWCTRL | pt::ONLY_USE_ONCE | pt::ONLY_TRUNCATE) != 0 {
+            return Err(PtlError::ArgInvalid);
+        }
+        if let Some(h) = eq {
+            self.eqs.get(h).ok_or(PtlError::ArgInvalid)?;
+        } else if options & pt::FLOWCTRL != 0 {
+            return Err(PtlError::PtEqNeeded);
+        }
+        let idx = match want {
+            Some(i) => {
+                let slot = self.table.get(i as usize).ok_or(PtlError::ArgInvalid)?;
+                if slot.is_some() {
+                    return Err(PtlError::PtInUse);
+                }
+                i
+            }
+            None => self
+                .table
+                .iter()
+                .position(|p| p.is_none())
+                .ok_or(PtlError::PtFull)? as u32,
+        };
+        self.table[idx as usize] = Some(PtEntry {
+            options,
+            eq,
+            enabled: true,
+            priority: Vec::new(),
+            overflow: Vec::new(),
+            unexpected: VecDeque::new(),
+        });
+        Ok(idx)
+    }
+
+    /// PtlPTFree: refused while entries are attached.
+    pub fn pt_free(&mut self, idx: u32) -> Result<(), PtlError> {
+        let p = self.pt(idx)?;
+        if !p.priority.is_empty() || !p.overflow.is_empty() {
+            return Err(PtlError::PtInUse);
+        }
+        let n = p.unexpected.len();
+        self.unexpected_total -= n;
+        self.table[idx as usize] = None;
+        Ok(())
+    }
+
+    pub fn pt_enable(&mut self, idx: u32) -> Result<(), PtlError> {
+        self.pt_mut(idx)?.enabled = true;
+        Ok(())
+    }
+
+    pub fn pt_disable(&mut self, idx: u32) -> Result<(), PtlError> {
+        self.pt_mut(idx)?.enabled = false;
+        Ok(())
+    }
+
+    pub fn pt_enabled(&self, idx: u32) -> Result<bool, PtlError> {
+        Ok(self.pt(idx)?.enabled)
+    }
+
+    fn pt(&self, idx: u32) -> Result<&PtEntry, PtlError> {
+        self.table
+            .get(idx as usize)
+            .and_then(|p| p.as_ref())
+            .ok_or(PtlError::ArgInvalid)
+    }
+
+    fn pt_mut(&mut self, idx: u32) -> Result<&mut PtEntry, PtlError> {
+        self.table
+            .get_mut(idx as usize)
+            .and_then(|p| p.as_mut())
+            .ok_or(PtlError::ArgInvalid)
+    }
+
+    /// Disables a flow-controlled entry and tells its owner.
+    fn flow_control(&mut self, idx: u32) -> Response {
+        let p = self.table[idx as usize].as_mut().expect("caller checked");
+        p.enabled = false;
+        let eq = p.eq;
+        // The queue keeps a slot for this event (see `deliver`).
+        self.post(
+            eq,
+            Event::bare(EventKind::PtDisabled, idx, 0, NiFail::PtDisabled),
+        );
+        self.dropped += 1;
+        Response::fail(NiFail::PtDisabled)
+    }
+
+    // ------------------------------------------------------------------ lists
+
+    /// PtlMEAppend / PtlLEAppend. Returns the entry's handle (which names nothing if a use-once
+    /// entry was consumed at once by an unexpected message).
+    pub fn append(
+        &mut self,
+        idx: u32,
+        e: MatchEntry,
+        list: List,
+        user_ptr: u64,
+    ) -> Result<u32, PtlError> {
+        let popts = self.pt(idx)?.options;
+        if popts & pt::ONLY_USE_ONCE != 0 && !e.has(me::USE_ONCE) {
+            return Err(PtlError::ArgInvalid);
+        }
+        if popts & pt::ONLY_TRUNCATE != 0 && e.has(me::NO_TRUNCATE) {
+            return Err(PtlError::ArgInvalid);
+        }
+        if e.start
+            .checked_add(e.length)
+            .is_none_or(|end| end > e.region.len() as u64)
+        {
+            return Err(PtlError::ArgInvalid);
+        }
+        if let Some(ct) = e.ct {
+            self.cts.get(ct).ok_or(PtlError::ArgInvalid)?;
+        }
+        let p = self.pt(idx)?;
+        let len = if list == List::Priority {
+            p.priority.len()
+        } else {
+            p.overflow.len()
+        };
+        if len >= self.limits.max_list_size {
+            return Err(PtlError::ListTooLong);
+        }
+        if self.entries.live >= self.limits.max_entries {
+            return Err(PtlError::NoSpace);
+        }
+        let eq = p.eq;
+        let opts = e.options;
+        let h = self.entries.insert(Linked {
+            entry: e,
+            user_ptr,
+            pt_index: idx,
+            local_offset: 0,
+            linked: true,
+            pending_headers: 0,
+        });
+        if list == List::Priority && self.matching {
+            let use_once = opts & me::USE_ONCE != 0;
+            let consumed = self.consume_unexpected(idx, h, if use_once { 1 } else { usize::MAX });
+            if use_once && consumed > 0 {
+                self.entries.remove(h);
+                return Ok(h);
+            }
+        }
+        let p = self.pt_mut(idx)?;
+        match list {
+            List::Priority => p.priority.push(h),
+            List::Overflow => p.overflow.push(h),
+        }
+        if opts & me::EVENT_LINK_DISABLE == 0 {
+            self.post(eq, Event::bare(EventKind::Link, idx, user_ptr, NiFail::Ok));
+        }
+        Ok(h)
+    }
+
+    /// Hands up to `max` unexpected headers matching entry `h` to it (PTL_EVENT_*_OVERFLOW),
+    /// removing them; returns how many.
+    fn consume_unexpected(&mut self, idx: u32, h: u32, max: usize) -> usize {
+        let mut n = 0;
+        while n < max {
+            let Some(pos) = self.find_unexpected(idx, h) else {
+                break;
+            };
+            let u = self.table[idx as usize]
+                .as_mut()
+                .expect("checked")
+                .unexpected
+                .remove(pos)
+                .expect("found");
+            self.unexpected_total -= 1;
+            let kind = overflow_kind(u.kind);
+            self.report_header(idx, h, &u, kind, NiFail::Ok);
+            self.release_header(u.entry);
+            n += 1;
+        }
+        n
+    }
+
+    fn find_unexpected(&self, idx: u32, h: u32) -> Option<usize> {
+        let e = &self.entries.get(h)?.entry;
+        let p = self.table[idx as usize].as_ref()?;
+        p.unexpected.iter().position(|u| {
+            e.criteria(self.matching, &u.initiator, u.match_bits)
+                && !(e.has(me::NO_TRUNCATE) && u.rlength > e.length)
+        })
+    }
+
+    /// Posts the event describing an unexpected header to entry `h`'s owner.
+    fn report_header(
+        &mut self,
+        idx: u32,
+        h: u32,
+        u: &Unexpected,
+        kind: EventKind,
+        ni_fail: NiFail,
+    ) {
+        let Some(l) = self.entries.get(h) else { return };
+        let (opts, user_ptr, ct) = (l.entry.options, l.user_ptr, l.entry.ct);
+        let eq = self.table[idx as usize].as_ref().and_then(|p| p.eq);
+        if kind != EventKind::Search && opts & me::EVENT_CT_OVERFLOW != 0 {
+            if let Some(c) = ct.and_then(|c| self.cts.get_mut(c)) {
+                c.inc(CtEvent {
+                    success: if opts & me::EVENT_CT_BYTES != 0 {
+                        u.mlength
+                    } else {
+                        1
+                    },
+                    failure: 0,
+                });
+            }
+        }
+        let silent = kind != EventKind::Search
+            && opts & (me::EVENT_OVER_DISABLE | me::EVENT_COMM_DISABLE) != 0;
+        if !silent {
+            self.post(
+                eq,
+                Event {
+                    kind,
+                    initiator: u.initiator,
+                    pt_index: idx,
+                    uid: u.uid,
+                    match_bits: u.match_bits,
+                    rlength: u.rlength,
+                    mlength: u.mlength,
+                    remote_offset: u.remote_offset,
+                    start: u.start,
+                    user_ptr,
+                    hdr_data: u.hdr_data,
+                    ni_fail,
+                    atomic: atomic_of(u.kind),
+                },
+            );
+        }
+    }
+
+    /// An unexpected header into overflow entry `oh` was consumed: free the entry once it is
+    /// unlinked and no header refers to its buffer any more (PTL_EVENT_AUTO_FREE).
+    fn release_header(&mut self, oh: u32) {
+        let Some(l) = self.entries.get_mut(oh) else {
+            return;
+        };
+        l.pending_headers -= 1;
+        if !l.linked && l.pending_headers == 0 {
+            let (idx, user_ptr, opts) = (l.pt_index, l.user_ptr, l.entry.options);
+            self.entries.remove(oh);
+            if opts & me::EVENT_UNLINK_DISABLE == 0 {
+                let eq = self
+                    .table
+                    .get(idx as usize)
+                    .and_then(|p| p.as_ref())
+                    .and_then(|p| p.eq);
+                self.post(
+                    eq,
+                    Event::bare(EventKind::AutoFree, idx, user_ptr, NiFail::Ok),
+                );
+            }
+        }
+    }
+
+    /// PtlMESearch: SEARCH_ONLY reports the first matching unexpected header (PTL_EVENT_SEARCH);
+    /// SEARCH_DELETE hands every matching header over as an append would and deletes them. With
+    /// no match, a PTL_EVENT_SEARCH with PTL_NI_NO_MATCH.
+    pub fn search(
+        &mut self,
+        idx: u32,
+        e: MatchEntry,
+        op: SearchOp,
+        user_ptr: u64,
+    ) -> Result<(), PtlError> {
+        self.pt(idx)?;
+        let h = self.entries.insert(Linked {
+            entry: e,
+            user_ptr,
+            pt_index: idx,
+            local_offset: 0,
+            linked: false,
+            pending_headers: 0,
+        });
+        let found = match op {
+            SearchOp::SearchOnly => match self.find_unexpected(idx, h) {
+                Some(pos) => {
+                    let u = self.table[idx as usize]
+                        .as_ref()
+                        .expect("checked")
+                        .unexpected[pos];
+                    self.report_header(idx, h, &u, EventKind::Search, NiFail::Ok);
+                    1
+                }
+                None => 0,
+            },
+            SearchOp::SearchDelete => self.consume_unexpected(idx, h, usize::MAX),
+        };
+        self.entries.remove(h);
+        if found == 0 {
+            let eq = self.pt(idx)?.eq;
+            self.post(
+                eq,
+                Event::bare(EventKind::Search, idx, user_ptr, NiFail::NoMatch),
+            );
+        }
+        Ok(())
+    }
+
+    /// PtlMEUnlink / PtlLEUnlink (no event).
+    pub fn unlink(&mut self, h: u32) -> Result<(), PtlError> {
+        let l = self.entries.get_mut(h).ok_or(PtlError::ArgInvalid)?;
+        if !l.linked {
+            return Err(PtlError::ArgInvalid);
+        }
+        l.linked = false;
+        let (idx, keep) = (l.pt_index, l.pending_headers > 0);
+        if let Some(p) = self.table[idx as usize].as_mut() {
+            p.priority.retain(|&x| x != h);
+            p.overflow.retain(|&x| x != h);
+        }
+        if !keep {
+            self.entries.remove(h);
+        }
+        Ok(())
+    }
+
+    /// The unused room of a locally managed entry (for tests and PtlMEUnlink decisions).
+    pub fn local_offset(&self, h: u32) -> Option<u64> {
+        self.entries.get(h).map(|l| l.local_offset)
+    }
+
+    pub fn is_linked(&self, h: u32) -> bool {
+        self.entries.get(h).is_some_and(|l| l.linked)
+    }
+
+    pub fn unexpected_len(&self, idx: u32) -> usize {
+        self.pt(idx).map_or(0, |p| p.unexpected.len())
+    }
+
+    // ------------------------------------------------------------------ delivery
+
+    /// Delivers an incoming message: matching, data placement, events, unlinking, flow control.
+    pub fn deliver(&mut self, req: &Request<'_>) -> Response {
+        let Ok(p) = self.pt(req.pt_index) else {
+            self.dropped += 1;
+            return Response::fail(NiFail::Dropped);
+        };
+        if !p.enabled {
+            self.dropped += 1;
+            return Response::fail(NiFail::PtDisabled);
+        }
+        let (flowctrl, eq) = (p.options & pt::FLOWCTRL != 0, p.eq);
+        // Flow control keeps room for the PT_DISABLED event itself.
+        if flowctrl
+            && eq
+                .and_then(|q| self.eqs.get(q))
+                .is_some_and(|q| !q.has_room(2))
+        {
+            return self.flow_control(req.pt_index);
+        }
+        if let Some(h) = self.find_match(req, List::Priority) {
+            return self.deliver_to(h, req, false);
+        }
+        if let Some(h) = self.find_match(req, List::Overflow) {
+            if self.unexpected_total >= self.limits.max_unexpected_headers {
+                if flowctrl {
+                    return self.flow_control(req.pt_index);
+                }
+                self.dropped += 1;
+                return Response::fail(NiFail::Dropped);
+            }
+            return self.deliver_to(h, req, true);
+        }
+        if flowctrl {
+            return self.flow_control(req.pt_index);
+        }
+        self.dropped += 1;
+        Response::fail(NiFail::Dropped)
+    }
+
+    fn find_match(&self, req: &Request<'_>, list: List) -> Option<u32> {
+        let p = self.table[req.pt_index as usize].as_ref()?;
+        let l = if list == List::Priority {
+            &p.priority
+        } else {
+            &p.overflow
+        };
+        l.iter().copied().find(|&h| {
+            self.entries.get(h).is_some_and(|l| {
+                l.entry
+                    .criteria(self.matching, &req.initiator, req.match_bits)
+                    && l.placement(req.remote_offset, req.rlength).is_some()
+            })
+        })
+    }
+
+    fn deliver_to(&mut self, h: u32, req: &Request<'_>, overflow: bool) -> Response {
+        let idx = req.pt_index;
+        let eq = self.table[idx as usize].as_ref().and_then(|p| p.eq);
+        let l = self.entries.get(h).expect("matched entry exists");
+        let e = &l.entry;
+        let (opts, ct, user_ptr) = (e.options, e.ct, l.user_ptr);
+        let fail = |this: &mut Self, f: NiFail| {
+            if let Some(c) = ct.and_then(|c| this.cts.get_mut(c)) {
+                if opts & me::EVENT_CT_COMM != 0 {
+                    c.inc(CtEvent {
+                        success: 0,
+                        failure: 1,
+                    });
+                }
+            }
+            Response::fail(f)
+        };
+        if e.uid != u32::MAX && e.uid != req.uid {
+            self.perm_violations += 1;
+            return fail(self, NiFail::PermViolation);
+        }
+        if opts & req.kind.needs() != req.kind.needs() {
+            return fail(self, NiFail::OpViolation);
+        }
+        let (offset, mut mlength) = l
+            .placement(req.remote_offset, req.rlength)
+            .expect("matched");
+        // An offset past the entry truncates the message to zero bytes; never address beyond it.
+        let at = e.start + offset.min(e.length);
+        let mut data = Vec::new();
+        match req.kind {
+            _ if mlength == 0 => {}
+            ReqKind::Put => {
+                mlength = mlength.min(req.data.len() as u64);
+                e.region.write(at, &req.data[..mlength as usize]);
+            }
+            ReqKind::Get => data = e.region.bytes(at, mlength as usize).to_vec(),
+            ReqKind::Atomic(op, dt) | ReqKind::FetchAtomic(op, dt) | ReqKind::Swap(op, dt) => {
+                let w = dt.size() as u64;
+                mlength = mlength.min(req.data.len() as u64) / w * w;
+                let fetch = !matches!(req.kind, ReqKind::Atomic(..));
+                if fetch {
+                    data = vec![0; mlength as usize];
+                }
+                let ptr = e.region.bytes(at, mlength as usize).as_ptr() as *mut u8;
+                // SAFETY: [at, at+mlength) lies inside the entry (placement) and so inside its
+                // region (checked at append); the region stays mapped while `e` holds it.
+                let r = unsafe {
+                    atomic::apply(
+                        ptr,
+                        op,
+                        dt,
+                        &req.data[..mlength as usize],
+                        req.operand,
+                        fetch.then_some(&mut data[..]),
+                    )
+                };
+                match r {
+                    Ok(()) => {}
+                    Err(AtomicError::Unsupported) | Err(AtomicError::BadLength) => {
+                        return fail(self, NiFail::OpViolation)
+                    }
+                }
+            }
+        }
+        let l = self.entries.get_mut(h).expect("exists");
+        if opts & me::MANAGE_LOCAL != 0 {
+            l.local_offset += mlength;
+            if opts & me::MAY_ALIGN != 0 {
+                l.local_offset = l.local_offset.next_multiple_of(8);
+            }
+        }
+        let room = l.entry.length.saturating_sub(l.local_offset);
+        let unlink = opts & me::USE_ONCE != 0
+            || (opts & me::MANAGE_LOCAL != 0 && l.entry.min_free > 0 && room < l.entry.min_free);
+        if overflow {
+            l.pending_headers += 1;
+        }
+        if let Some(c) = ct.and_then(|c| self.cts.get_mut(c)) {
+            if opts & me::EVENT_CT_COMM != 0 {
+                c.inc(CtEvent {
+                    success: if opts & me::EVENT_CT_BYTES != 0 {
+                        mlength
+                    } else {
+                        1
+                    },
+                    failure: 0,
+                });
+            }
+        }
+        if opts & (me::EVENT_COMM_DISABLE | me::EVENT_SUCCESS_DISABLE) == 0 {
+            let kind = match req.kind {
+                ReqKind::Put => EventKind::Put,
+                ReqKind::Get => EventKind::Get,
+                ReqKind::Atomic(..) => EventKind::Atomic,
+                ReqKind::FetchAtomic(..) | ReqKind::Swap(..) => EventKind::FetchAtomic,
+            };
+            self.post(
+                eq,
+                Event {
+                    kind,
+                    initiator: req.initiator,
+                    pt_index: idx,
+                    uid: req.uid,
+                    match_bits: req.match_bits,
+                    rlength: req.rlength,
+                    mlength,
+                    remote_offset: offset,
+                    start: at,
+                    user_ptr,
+                    hdr_data: req.hdr_data,
+                    ni_fail: NiFail::Ok,
+                    atomic: atomic_of(req.kind),
+                },
+            );
+        }
+        if overflow {
+            let u = Unexpected {
+                kind: req.kind,
+                initiator: req.initiator,
+                uid: req.uid,
+                match_bits: req.match_bits,
+                rlength: req.rlength,
+                mlength,
+                remote_offset: req.remote_offset,
+                hdr_data: req.hdr_data,
+                start: at,
+                entry: h,
+            };
+            self.table[idx as usize]
+                .as_mut()
+                .expect("exists")
+                .unexpected
+                .push_back(u);
+            self.unexpected_total += 1;
+        }
+        if unlink {
+            let l = self.entries.get_mut(h).expect("exists");
+            l.linked = false;
+            let keep = l.pending_headers > 0;
+            if let Some(p) = self.table[idx as usize].as_mut() {
+                p.priority.retain(|&x| x != h);
+                p.overflow.retain(|&x| x != h);
+            }
+            if opts & me::EVENT_UNLINK_DISABLE == 0 {
+                self.post(
+                    eq,
+                    Event::bare(EventKind::AutoUnlink, idx, user_ptr, NiFail::Ok),
+                );
+            }
+            if !keep {
+                self.entries.remove(h);
+            }
+        }
+        Response {
+            ni_fail: NiFail::Ok,
+            mlength,
+            offset,
+            ack: opts & me::ACK_DISABLE == 0,
+            data,
+        }
+    }
+}
+
+fn overflow_kind(k: ReqKind) -> EventKind {
+    match k {
+        ReqKind::Put => EventKind::PutOverflow,
+        ReqKind::Get => EventKind::GetOverflow,
+        ReqKind::Atomic(..) => EventKind::AtomicOverflow,
+        ReqKind::FetchAtomic(..) | ReqKind::Swap(..) => EventKind::FetchAtomicOverflow,
+    }
+}
+
+fn atomic_of(k: ReqKind) -> Option<(super::atomic::AtomicOp, super::atomic::Datatype)> {
+    match k {
+        ReqKind::Atomic(op, dt) | ReqKind::FetchAtomic(op, dt) | ReqKind::Swap(op, dt) => {
+            Some((op, dt))
+        }
+        _ => None,
+    }
+}
