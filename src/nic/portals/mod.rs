@@ -8,14 +8,21 @@
 
 pub mod atomic;
 pub mod events;
+pub mod initiator;
 pub mod matching;
 pub mod ni;
+pub mod triggered;
 pub mod types;
 
 pub use events::{CtEvent, EventQueue, Limits};
+pub use initiator::{AckReq, OpSpec};
 pub use matching::{MatchEntry, ReqKind};
 pub use ni::{PortalsNi, Request, Response};
+pub use triggered::TriggeredAction;
 pub use types::{Event, EventKind, List, NiFail, ProcessId, PtlError, SearchOp};
 
 #[cfg(test)]
 mod tests;
+
+#[cfg(test)]
+mod tests_initiator;

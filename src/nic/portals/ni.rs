@@ -14,7 +14,9 @@ use std::collections::VecDeque;
 
 use super::atomic::{self, AtomicError};
 use super::events::{CtEvent, EventQueue, Limits};
+use super::initiator::{Md, OpSpec, Outgoing};
 use super::matching::{Linked, MatchEntry, ReqKind};
+use super::triggered::Triggered;
 use super::types::{me, pt, Event, EventKind, List, NiFail, ProcessId, PtlError, SearchOp};
 
 /// An incoming message as the target NIC sees it.
@@ -85,10 +87,10 @@ struct PtEntry {
 }
 
 /// Objects addressed by handle: a slot index plus a generation, so stale handles are refused.
-struct Slots<T> {
+pub(super) struct Slots<T> {
     items: Vec<(u32, Option<T>)>,
     free: Vec<usize>,
-    live: usize,
+    pub(super) live: usize,
 }
 
 impl<T> Slots<T> {
@@ -99,7 +101,7 @@ impl<T> Slots<T> {
             live: 0,
         }
     }
-    fn insert(&mut self, v: T) -> u32 {
+    pub(super) fn insert(&mut self, v: T) -> u32 {
         let i = self.free.pop().unwrap_or_else(|| {
             self.items.push((0, None));
             self.items.len() - 1
@@ -110,21 +112,21 @@ impl<T> Slots<T> {
         self.live += 1;
         (slot.0 << 24) | i as u32
     }
-    fn get(&self, h: u32) -> Option<&T> {
+    pub(super) fn get(&self, h: u32) -> Option<&T> {
         let (g, i) = (h >> 24, (h & 0xff_ffff) as usize);
         self.items
             .get(i)
             .filter(|s| s.0 == g)
             .and_then(|s| s.1.as_ref())
     }
-    fn get_mut(&mut self, h: u32) -> Option<&mut T> {
+    pub(super) fn get_mut(&mut self, h: u32) -> Option<&mut T> {
         let (g, i) = (h >> 24, (h & 0xff_ffff) as usize);
         self.items
             .get_mut(i)
             .filter(|s| s.0 == g)
             .and_then(|s| s.1.as_mut())
     }
-    fn remove(&mut self, h: u32) -> Option<T> {
+    pub(super) fn remove(&mut self, h: u32) -> Option<T> {
         let (g, i) = (h >> 24, (h & 0xff_ffff) as usize);
         let slot = self.items.get_mut(i).filter(|s| s.0 == g)?;
         let v = slot.1.take()?;
@@ -142,6 +144,11 @@ pub struct PortalsNi {
     entries: Slots<Linked>,
     eqs: Slots<EventQueue>,
     cts: Slots<CtEvent>,
+    pub(super) mds: Slots<Md>,
+    pub(super) outgoing: Slots<Outgoing>,
+    pub(super) triggered: Vec<Triggered>,
+    /// Triggered operations that fired, for the daemon to start.
+    pub(super) fired: VecDeque<OpSpec>,
     unexpected_total: usize,
     /// PtlNIStatus: messages dropped, permission violations.
     pub dropped: u64,
@@ -157,6 +164,10 @@ impl PortalsNi {
             entries: Slots::new(),
             eqs: Slots::new(),
             cts: Slots::new(),
+            mds: Slots::new(),
+            outgoing: Slots::new(),
+            triggered: Vec::new(),
+            fired: VecDeque::new(),
             unexpected_total: 0,
             dropped: 0,
             perm_violations: 0,
@@ -209,15 +220,36 @@ impl PortalsNi {
 
     pub fn ct_set(&mut self, ct: u32, v: CtEvent) -> Result<(), PtlError> {
         *self.cts.get_mut(ct).ok_or(PtlError::ArgInvalid)? = v;
+        self.fire_triggered(ct);
         Ok(())
     }
 
     pub fn ct_inc(&mut self, ct: u32, by: CtEvent) -> Result<(), PtlError> {
-        self.cts.get_mut(ct).ok_or(PtlError::ArgInvalid)?.inc(by);
+        self.cts.get(ct).ok_or(PtlError::ArgInvalid)?;
+        self.bump_ct(ct, by);
         Ok(())
     }
 
-    fn post(&mut self, eq: Option<u32>, e: Event) {
+    /// Every counting-event change goes through here, so triggered operations see it.
+    pub(super) fn bump_ct(&mut self, ct: u32, by: CtEvent) {
+        if let Some(c) = self.cts.get_mut(ct) {
+            c.inc(by);
+            self.fire_triggered(ct);
+        }
+    }
+
+    /// Stores a counting event's value without firing triggers (the trigger loop's own write).
+    pub(super) fn ct_store(&mut self, ct: u32, v: CtEvent) {
+        if let Some(c) = self.cts.get_mut(ct) {
+            *c = v;
+        }
+    }
+
+    pub(super) fn eq_ref(&self, eq: u32) -> Option<&EventQueue> {
+        self.eqs.get(eq)
+    }
+
+    pub(super) fn post(&mut self, eq: Option<u32>, e: Event) {
         if let Some(q) = eq.and_then(|h| self.eqs.get_mut(h)) {
             q.push(e);
         }
@@ -432,15 +464,19 @@ impl PortalsNi {
         let (opts, user_ptr, ct) = (l.entry.options, l.user_ptr, l.entry.ct);
         let eq = self.table[idx as usize].as_ref().and_then(|p| p.eq);
         if kind != EventKind::Search && opts & me::EVENT_CT_OVERFLOW != 0 {
-            if let Some(c) = ct.and_then(|c| self.cts.get_mut(c)) {
-                c.inc(CtEvent {
-                    success: if opts & me::EVENT_CT_BYTES != 0 {
-                        u.mlength
-                    } else {
-                        1
+            if let Some(c) = ct {
+                let n = if opts & me::EVENT_CT_BYTES != 0 {
+                    u.mlength
+                } else {
+                    1
+                };
+                self.bump_ct(
+                    c,
+                    CtEvent {
+                        success: n,
+                        failure: 0,
                     },
-                    failure: 0,
-                });
+                );
             }
         }
         let silent = kind != EventKind::Search
@@ -630,13 +666,14 @@ impl PortalsNi {
         let e = &l.entry;
         let (opts, ct, user_ptr) = (e.options, e.ct, l.user_ptr);
         let fail = |this: &mut Self, f: NiFail| {
-            if let Some(c) = ct.and_then(|c| this.cts.get_mut(c)) {
-                if opts & me::EVENT_CT_COMM != 0 {
-                    c.inc(CtEvent {
+            if let Some(c) = ct.filter(|_| opts & me::EVENT_CT_COMM != 0) {
+                this.bump_ct(
+                    c,
+                    CtEvent {
                         success: 0,
                         failure: 1,
-                    });
-                }
+                    },
+                );
             }
             Response::fail(f)
         };
@@ -701,17 +738,19 @@ impl PortalsNi {
         if overflow {
             l.pending_headers += 1;
         }
-        if let Some(c) = ct.and_then(|c| self.cts.get_mut(c)) {
-            if opts & me::EVENT_CT_COMM != 0 {
-                c.inc(CtEvent {
-                    success: if opts & me::EVENT_CT_BYTES != 0 {
-                        mlength
-                    } else {
-                        1
-                    },
+        if let Some(c) = ct.filter(|_| opts & me::EVENT_CT_COMM != 0) {
+            let n = if opts & me::EVENT_CT_BYTES != 0 {
+                mlength
+            } else {
+                1
+            };
+            self.bump_ct(
+                c,
+                CtEvent {
+                    success: n,
                     failure: 0,
-                });
-            }
+                },
+            );
         }
         if opts & (me::EVENT_COMM_DISABLE | me::EVENT_SUCCESS_DISABLE) == 0 {
             let kind = match req.kind {

@@ -1,0 +1,373 @@
+//! Initiator side of a Portals interface: memory descriptors (MDs), operations in flight, and
+//! the events that complete them (SEND, ACK, REPLY) with their counting events.
+//!
+//! SEND means the payload has left the MD (the NIC copied it), so the buffer may be reused. A
+//! put's ACK follows `ack_req`: ACK posts a full event, CT_ACK and OC_ACK only count, NO_ACK
+//! neither — and none comes when the target entry has PTL_ME_ACK_DISABLE. Gets, fetching
+//! atomics and swaps complete with REPLY once the data is in the MD. Failures arrive in the
+//! ACK/REPLY event's `ni_fail` and as failure counts.
+
+use super::atomic::{AtomicOp, Datatype};
+use super::events::CtEvent;
+use super::matching::ReqKind;
+use super::ni::{PortalsNi, Response};
+use super::types::{Event, EventKind, NiFail, ProcessId, PtlError};
+use crate::nic::memory::Region;
+
+/// Memory descriptor options (`ptl_md_t.options`).
+pub mod md {
+    pub const EVENT_SUCCESS_DISABLE: u32 = 1 << 5;
+    pub const EVENT_SEND_DISABLE: u32 = 1 << 6;
+    pub const EVENT_CT_SEND: u32 = 1 << 7;
+    pub const EVENT_CT_REPLY: u32 = 1 << 8;
+    pub const EVENT_CT_ACK: u32 = 1 << 9;
+    pub const EVENT_CT_BYTES: u32 = 1 << 10;
+    pub const UNORDERED: u32 = 1 << 11;
+    pub const VOLATILE: u32 = 1 << 12;
+    pub const IOVEC: u32 = 1;
+    pub const ALL: u32 = EVENT_SUCCESS_DISABLE
+        | EVENT_SEND_DISABLE
+        | EVENT_CT_SEND
+        | EVENT_CT_REPLY
+        | EVENT_CT_ACK
+        | EVENT_CT_BYTES
+        | UNORDERED
+        | VOLATILE
+        | IOVEC;
+}
+
+/// Acknowledgement requests of a put (`ptl_ack_req_t`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AckReq {
+    Ack,
+    CtAck,
+    OcAck,
+    NoAck,
+}
+
+/// A memory descriptor: segments of a registered region seen as one contiguous buffer.
+pub struct Md {
+    pub region: Region,
+    pub segments: Vec<(u64, u64)>,
+    pub length: u64,
+    pub options: u32,
+    pub eq: Option<u32>,
+    pub ct: Option<u32>,
+    pub pending: usize,
+}
+
+impl Md {
+    /// Copies `len` bytes at MD offset `off` out (gather).
+    fn gather(&self, mut off: u64, len: u64, out: &mut Vec<u8>) {
+        let mut left = len;
+        for &(start, slen) in &self.segments {
+            if left == 0 {
+                break;
+            }
+            if off >= slen {
+                off -= slen;
+                continue;
+            }
+            let n = (slen - off).min(left);
+            out.extend_from_slice(self.region.bytes(start + off, n as usize));
+            left -= n;
+            off = 0;
+        }
+    }
+
+    /// Copies `data` in at MD offset `off` (scatter).
+    fn scatter(&self, mut off: u64, mut data: &[u8]) {
+        for &(start, slen) in &self.segments {
+            if data.is_empty() {
+                break;
+            }
+            if off >= slen {
+                off -= slen;
+                continue;
+            }
+            let n = ((slen - off) as usize).min(data.len());
+            self.region.write(start + off, &data[..n]);
+            data = &data[n..];
+            off = 0;
+        }
+    }
+}
+
+/// An operation to start (PtlPut, PtlGet, PtlAtomic, PtlFetchAtomic, PtlSwap). For gets,
+/// fetching atomics and swaps, `get_md`/`get_offset` say where the reply lands; `md`/`offset`
+/// name the payload (puts, atomics, swaps).
+#[derive(Debug, Clone)]
+pub struct OpSpec {
+    pub kind: ReqKind,
+    pub md: u32,
+    pub offset: u64,
+    pub length: u64,
+    pub get_md: Option<u32>,
+    pub get_offset: u64,
+    pub ack_req: AckReq,
+    pub target: ProcessId,
+    pub pt_index: u32,
+    pub match_bits: u64,
+    pub remote_offset: u64,
+    pub user_ptr: u64,
+    pub hdr_data: u64,
+    pub operand: Vec<u8>,
+}
+
+/// An operation in flight.
+pub struct Outgoing {
+    pub spec: OpSpec,
+}
+
+impl PortalsNi {
+    /// PtlMDBind: `segments` are (offset, length) pieces of `region` (one piece unless IOVEC).
+    pub fn md_bind(
+        &mut self,
+        region: Region,
+        segments: Vec<(u64, u64)>,
+        options: u32,
+        eq: Option<u32>,
+        ct: Option<u32>,
+    ) -> Result<u32, PtlError> {
+        if options & !md::ALL != 0
+            || segments.is_empty()
+            || (options & md::IOVEC == 0 && segments.len() != 1)
+        {
+            return Err(PtlError::ArgInvalid);
+        }
+        if segments.len() > self.limits.max_iovecs {
+            return Err(PtlError::ArgInvalid);
+        }
+        for &(s, l) in &segments {
+            if s.checked_add(l).is_none_or(|e| e > region.len() as u64) {
+                return Err(PtlError::ArgInvalid);
+            }
+        }
+        if eq.is_some_and(|q| self.eq_ref(q).is_none())
+            || ct.is_some_and(|c| self.ct_get(c).is_err())
+        {
+            return Err(PtlError::ArgInvalid);
+        }
+        if self.mds.live >= self.limits.max_mds {
+            return Err(PtlError::NoSpace);
+        }
+        let length = segments.iter().map(|s| s.1).sum();
+        Ok(self.mds.insert(Md {
+            region,
+            segments,
+            length,
+            options,
+            eq,
+            ct,
+            pending: 0,
+        }))
+    }
+
+    /// PtlMDRelease: refused while operations on the MD are in flight.
+    pub fn md_release(&mut self, h: u32) -> Result<(), PtlError> {
+        let m = self.mds.get(h).ok_or(PtlError::ArgInvalid)?;
+        if m.pending > 0 {
+            return Err(PtlError::InUse);
+        }
+        self.mds.remove(h);
+        Ok(())
+    }
+
+    /// Starts an operation: checks it, copies the payload out of the MD (returned for the
+    /// wire), posts SEND. Returns the operation's id for [`PortalsNi::complete`].
+    pub fn start(&mut self, spec: OpSpec) -> Result<(u32, Vec<u8>), PtlError> {
+        let needs_reply = !matches!(spec.kind, ReqKind::Put | ReqKind::Atomic(..));
+        let sends = !matches!(spec.kind, ReqKind::Get);
+        if spec.length > self.limits.max_msg_size {
+            return Err(PtlError::ArgInvalid);
+        }
+        if let ReqKind::Atomic(op, dt) | ReqKind::FetchAtomic(op, dt) | ReqKind::Swap(op, dt) =
+            spec.kind
+        {
+            check_atomic(&self.limits, spec.kind, op, dt, spec.length, &spec.operand)?;
+        }
+        let pay = self.mds.get(spec.md).ok_or(PtlError::ArgInvalid)?;
+        if spec
+            .offset
+            .checked_add(if sends { spec.length } else { 0 })
+            .is_none_or(|e| e > pay.length)
+        {
+            return Err(PtlError::ArgInvalid);
+        }
+        if needs_reply {
+            let g = spec
+                .get_md
+                .and_then(|g| self.mds.get(g))
+                .ok_or(PtlError::ArgInvalid)?;
+            if spec
+                .get_offset
+                .checked_add(spec.length)
+                .is_none_or(|e| e > g.length)
+            {
+                return Err(PtlError::ArgInvalid);
+            }
+        }
+        let mut payload = Vec::new();
+        if sends {
+            pay.gather(spec.offset, spec.length, &mut payload);
+        }
+        let (eq, ct, opts) = (pay.eq, pay.ct, pay.options);
+        self.mds.get_mut(spec.md).expect("checked").pending += 1;
+        if needs_reply {
+            self.mds
+                .get_mut(spec.get_md.expect("checked"))
+                .expect("checked")
+                .pending += 1;
+        }
+        if sends {
+            if opts & (md::EVENT_SEND_DISABLE | md::EVENT_SUCCESS_DISABLE) == 0 {
+                let e = self.initiator_event(EventKind::Send, &spec, spec.length, NiFail::Ok);
+                self.post(eq, e);
+            }
+            if opts & md::EVENT_CT_SEND != 0 {
+                if let Some(c) = ct {
+                    self.bump_ct(c, success(opts, spec.length));
+                }
+            }
+        }
+        let id = self.outgoing.insert(Outgoing { spec });
+        Ok((id, payload))
+    }
+
+    /// Completes operation `id` with the target's response: ACK or REPLY, counting events,
+    /// reply data into the MD. A late or unknown id is ignored.
+    pub fn complete(&mut self, id: u32, resp: &Response) {
+        let Some(o) = self.outgoing.remove(id) else {
+            return;
+        };
+        let s = o.spec;
+        let reply = !matches!(s.kind, ReqKind::Put | ReqKind::Atomic(..));
+        if let Some(m) = self.mds.get_mut(s.md) {
+            m.pending = m.pending.saturating_sub(1);
+        }
+        let (kind, mdh, ctopt) = if reply {
+            (
+                EventKind::Reply,
+                s.get_md.expect("start checked"),
+                md::EVENT_CT_REPLY,
+            )
+        } else {
+            (EventKind::Ack, s.md, md::EVENT_CT_ACK)
+        };
+        let Some(m) = self.mds.get_mut(mdh) else {
+            return;
+        };
+        if reply {
+            m.pending = m.pending.saturating_sub(1);
+            if resp.ni_fail == NiFail::Ok {
+                let n = resp.data.len().min(s.length as usize);
+                m.scatter(s.get_offset, &resp.data[..n]);
+            }
+        }
+        let (eq, ct, opts) = (m.eq, m.ct, m.options);
+        // Puts: what the ack request and the target entry allow.
+        let (full, counted) = if reply {
+            (true, true)
+        } else if !resp.ack && resp.ni_fail == NiFail::Ok {
+            (false, false)
+        } else {
+            match s.ack_req {
+                AckReq::Ack => (true, true),
+                AckReq::CtAck | AckReq::OcAck => (false, true),
+                AckReq::NoAck => (false, false),
+            }
+        };
+        let failed = resp.ni_fail != NiFail::Ok;
+        if full && (failed || opts & md::EVENT_SUCCESS_DISABLE == 0) {
+            let e = self.initiator_event(kind, &s, resp.mlength, resp.ni_fail);
+            self.post(
+                eq,
+                Event {
+                    remote_offset: resp.offset,
+                    ..e
+                },
+            );
+        }
+        if counted && opts & ctopt != 0 {
+            if let Some(c) = ct {
+                let by = if failed {
+                    CtEvent {
+                        success: 0,
+                        failure: 1,
+                    }
+                } else {
+                    success(opts, resp.mlength)
+                };
+                self.bump_ct(c, by);
+            }
+        }
+    }
+
+    /// Operations in flight.
+    pub fn outgoing_len(&self) -> usize {
+        self.outgoing.live
+    }
+
+    fn initiator_event(&self, kind: EventKind, s: &OpSpec, mlength: u64, ni_fail: NiFail) -> Event {
+        let atomic = match s.kind {
+            ReqKind::Atomic(o, d) | ReqKind::FetchAtomic(o, d) | ReqKind::Swap(o, d) => {
+                Some((o, d))
+            }
+            _ => None,
+        };
+        Event {
+            kind,
+            initiator: s.target,
+            pt_index: s.pt_index,
+            uid: 0,
+            match_bits: s.match_bits,
+            rlength: s.length,
+            mlength,
+            remote_offset: s.remote_offset,
+            start: s.offset,
+            user_ptr: s.user_ptr,
+            hdr_data: s.hdr_data,
+            ni_fail,
+            atomic,
+        }
+    }
+}
+
+fn success(opts: u32, bytes: u64) -> CtEvent {
+    CtEvent {
+        success: if opts & md::EVENT_CT_BYTES != 0 {
+            bytes
+        } else {
+            1
+        },
+        failure: 0,
+    }
+}
+
+/// The initiator-side checks of an atomic: defined op, whole elements, within the size limits,
+/// an operand for conditional and masked swaps, one element for those.
+fn check_atomic(
+    l: &super::events::Limits,
+    kind: ReqKind,
+    op: AtomicOp,
+    dt: Datatype,
+    length: u64,
+    operand: &[u8],
+) -> Result<(), PtlError> {
+    let w = dt.size() as u64;
+    let fetch = !matches!(kind, ReqKind::Atomic(..));
+    let max = if fetch {
+        l.max_fetch_atomic_size
+    } else {
+        l.max_atomic_size
+    };
+    let swap_family = matches!(kind, ReqKind::Swap(..));
+    if !op.supports(dt) || op.is_swap() != swap_family || !length.is_multiple_of(w) || length > max
+    {
+        return Err(PtlError::ArgInvalid);
+    }
+    if swap_family && op != AtomicOp::Swap && (length != w || (operand.len() as u64) < w) {
+        return Err(PtlError::ArgInvalid);
+    }
+    Ok(())
+}
