@@ -50,6 +50,12 @@ pub struct HostStats {
 enum OutItem {
     Reply(Reply),
     Stream(Stream),
+    /// A Portals request this daemon cannot serve yet, answered with a failure so that its
+    /// initiator does not wait for ever.
+    PtlFail {
+        h: OpHeader,
+        ni_fail: u8,
+    },
 }
 
 /// Bulk data streamed from a region as fragments: a BTE put or a get reply.
@@ -630,6 +636,15 @@ impl HostNic {
 
     fn on_op(&mut self, now: u64, peer: u16, op: &OpRef<'_>) {
         match op {
+            OpRef::PtlReq { h, last, .. } => {
+                // The Portals engine is not attached to the daemon yet (issue 3 in progress).
+                if *last {
+                    let h = crate::nic::gemini::target::reply_header(h);
+                    let ni_fail = crate::nic::portals::NiFail::Undeliverable as u8;
+                    self.out[peer as usize].push_back(OutItem::PtlFail { h, ni_fail });
+                }
+            }
+            OpRef::PtlResp { .. } => {}
             OpRef::Put { .. }
             | OpRef::Get { .. }
             | OpRef::Amo { .. }
@@ -693,6 +708,24 @@ impl HostNic {
         let p = peer as usize;
         while let Some(item) = self.out[p].front_mut() {
             match item {
+                OutItem::PtlFail { h, ni_fail } => {
+                    let op = OpRef::PtlResp {
+                        h: *h,
+                        ni_fail: *ni_fail,
+                        ack: true,
+                        mlength: 0,
+                        offset: 0,
+                        frag_off: 0,
+                        last: true,
+                        data: &[],
+                    };
+                    match self.transport.push_op(peer, &op) {
+                        Err(PushError::Full(_)) => return,
+                        _ => {
+                            self.out[p].pop_front();
+                        }
+                    }
+                }
                 OutItem::Reply(r) => match self.transport.push_op(peer, &r.as_op()) {
                     Err(PushError::Full(_)) => return,
                     _ => {

@@ -23,6 +23,8 @@ pub enum OpKind {
     Amo = 5,
     AmoReply = 6,
     AmoScatter = 7,
+    PtlReq = 8,
+    PtlResp = 9,
 }
 
 impl OpKind {
@@ -35,6 +37,8 @@ impl OpKind {
             5 => Self::Amo,
             6 => Self::AmoReply,
             7 => Self::AmoScatter,
+            8 => Self::PtlReq,
+            9 => Self::PtlResp,
             _ => return Err(WireError::UnknownOp(v)),
         })
     }
@@ -48,6 +52,8 @@ impl OpKind {
             Self::Amo => 32,
             Self::AmoReply => 16,
             Self::AmoScatter => 8,
+            Self::PtlReq => 48,
+            Self::PtlResp => 32,
         }
     }
 }
@@ -193,6 +199,45 @@ pub enum OpRef<'a> {
         last: bool,
         pairs: &'a [u8],
     },
+    /// One fragment of a Portals message (put, get, atomic, fetch-atomic, swap). The header
+    /// fields repeat on every fragment; the target reassembles by request id and matches once,
+    /// on the last fragment. `data` follows `operand` in the op.
+    PtlReq {
+        h: OpHeader,
+        m: PtlHeader,
+        last: bool,
+        operand: &'a [u8],
+        data: &'a [u8],
+    },
+    /// One fragment of the target's answer: failure type, acknowledgement permission, matched
+    /// length, offset used, and reply data at `frag_off`.
+    PtlResp {
+        h: OpHeader,
+        ni_fail: u8,
+        ack: bool,
+        mlength: u64,
+        offset: u64,
+        frag_off: u64,
+        last: bool,
+        data: &'a [u8],
+    },
+}
+
+/// The Portals message header carried by every [`OpRef::PtlReq`] fragment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PtlHeader {
+    /// Which of the target process's interfaces.
+    pub ni: u8,
+    /// 0 put, 1 get, 2 atomic, 3 fetch-atomic, 4 swap.
+    pub kind: u8,
+    pub atomic_op: u8,
+    pub datatype: u8,
+    pub pt_index: u32,
+    pub match_bits: u64,
+    pub remote_offset: u64,
+    pub rlength: u64,
+    pub hdr_data: u64,
+    pub uid: u32,
 }
 
 impl<'a> OpRef<'a> {
@@ -204,7 +249,9 @@ impl<'a> OpRef<'a> {
             | OpRef::GetReply { h, .. }
             | OpRef::Amo { h, .. }
             | OpRef::AmoReply { h, .. }
-            | OpRef::AmoScatter { h, .. } => h,
+            | OpRef::AmoScatter { h, .. }
+            | OpRef::PtlReq { h, .. }
+            | OpRef::PtlResp { h, .. } => h,
         }
     }
 
@@ -217,11 +264,22 @@ impl<'a> OpRef<'a> {
             OpRef::Amo { .. } => OpKind::Amo,
             OpRef::AmoReply { .. } => OpKind::AmoReply,
             OpRef::AmoScatter { .. } => OpKind::AmoScatter,
+            OpRef::PtlReq { .. } => OpKind::PtlReq,
+            OpRef::PtlResp { .. } => OpKind::PtlResp,
+        }
+    }
+
+    /// Bytes after the fixed fields (for PtlReq: operand then data).
+    fn tail_len(&self) -> usize {
+        match self {
+            OpRef::PtlReq { operand, data, .. } => operand.len() + data.len(),
+            other => other.data().len(),
         }
     }
 
     fn data(&self) -> &'a [u8] {
         match self {
+            OpRef::PtlResp { data, .. } => data,
             OpRef::Put { data, .. } | OpRef::GetReply { data, .. } => data,
             OpRef::AmoScatter { pairs, .. } => pairs,
             _ => &[],
@@ -230,7 +288,7 @@ impl<'a> OpRef<'a> {
 
     /// Bytes this op takes on the wire.
     pub fn encoded_len(&self) -> usize {
-        Self::len_for(self.kind(), self.data().len())
+        Self::len_for(self.kind(), self.tail_len())
     }
 
     /// Bytes an op of `kind` with `data_len` data bytes takes on the wire.
@@ -253,6 +311,8 @@ impl<'a> OpRef<'a> {
             OpRef::Put { last: true, .. }
                 | OpRef::GetReply { last: true, .. }
                 | OpRef::AmoScatter { last: true, .. }
+                | OpRef::PtlReq { last: true, .. }
+                | OpRef::PtlResp { last: true, .. }
         );
         buf[0] = self.kind() as u8;
         let lazy = matches!(self, OpRef::Put { lazy_ack: true, .. });
@@ -335,6 +395,36 @@ impl<'a> OpRef<'a> {
                 f[4..8].copy_from_slice(&[op as u8, 0, 0, 0]);
                 f[8..].copy_from_slice(pairs);
             }
+            OpRef::PtlReq {
+                m, operand, data, ..
+            } => {
+                f[0..4].copy_from_slice(&[m.ni, m.kind, m.atomic_op, m.datatype]);
+                put32(f, 4, m.pt_index);
+                put64(f, 8, m.match_bits);
+                put64(f, 16, m.remote_offset);
+                put64(f, 24, m.rlength);
+                put64(f, 32, m.hdr_data);
+                put32(f, 40, m.uid);
+                f[44..46].copy_from_slice(&(operand.len() as u16).to_le_bytes());
+                f[46..48].copy_from_slice(&[0, 0]);
+                f[48..48 + operand.len()].copy_from_slice(operand);
+                f[48 + operand.len()..].copy_from_slice(data);
+            }
+            OpRef::PtlResp {
+                ni_fail,
+                ack,
+                mlength,
+                offset,
+                frag_off,
+                data,
+                ..
+            } => {
+                f[0..8].copy_from_slice(&[ni_fail, ack as u8, 0, 0, 0, 0, 0, 0]);
+                put64(f, 8, mlength);
+                put64(f, 16, offset);
+                put64(f, 24, frag_off);
+                f[32..].copy_from_slice(data);
+            }
         }
         len
     }
@@ -360,7 +450,10 @@ impl<'a> OpRef<'a> {
         };
         let f = &b[OP_HEADER_LEN..len];
         let data = &b[fixed_end..len];
-        let has_data = matches!(kind, OpKind::Put | OpKind::GetReply | OpKind::AmoScatter);
+        let has_data = matches!(
+            kind,
+            OpKind::Put | OpKind::GetReply | OpKind::AmoScatter | OpKind::PtlReq | OpKind::PtlResp
+        );
         if !has_data && !data.is_empty() {
             return Err(WireError::BadField("trailing bytes after a fixed-size op"));
         }
@@ -420,6 +513,43 @@ impl<'a> OpRef<'a> {
                     pairs: data,
                 }
             }
+            OpKind::PtlReq => {
+                let olen = u16::from_le_bytes([f[44], f[45]]) as usize;
+                if olen > data.len() || olen > 32 || f[1] > 4 {
+                    return Err(WireError::BadField(
+                        "Portals request: bad kind or operand length",
+                    ));
+                }
+                let m = PtlHeader {
+                    ni: f[0],
+                    kind: f[1],
+                    atomic_op: f[2],
+                    datatype: f[3],
+                    pt_index: get_u32(f, 4),
+                    match_bits: get_u64(f, 8),
+                    remote_offset: get_u64(f, 16),
+                    rlength: get_u64(f, 24),
+                    hdr_data: get_u64(f, 32),
+                    uid: get_u32(f, 40),
+                };
+                OpRef::PtlReq {
+                    h,
+                    m,
+                    last,
+                    operand: &data[..olen],
+                    data: &data[olen..],
+                }
+            }
+            OpKind::PtlResp => OpRef::PtlResp {
+                h,
+                ni_fail: f[0],
+                ack: f[1] != 0,
+                mlength: get_u64(f, 8),
+                offset: get_u64(f, 16),
+                frag_off: get_u64(f, 24),
+                last,
+                data,
+            },
         };
         Ok((op, len))
     }
@@ -519,6 +649,34 @@ mod tests {
                 last: true,
                 pairs: &[7; 32],
             },
+            OpRef::PtlReq {
+                h,
+                m: PtlHeader {
+                    ni: 1,
+                    kind: 4,
+                    atomic_op: 11,
+                    datatype: 7,
+                    pt_index: 3,
+                    match_bits: 9,
+                    remote_offset: 8,
+                    rlength: 8,
+                    hdr_data: 6,
+                    uid: 5,
+                },
+                last: true,
+                operand: &[1; 8],
+                data,
+            },
+            OpRef::PtlResp {
+                h,
+                ni_fail: 2,
+                ack: true,
+                mlength: 11,
+                offset: 4,
+                frag_off: 0,
+                last: false,
+                data,
+            },
         ]
     }
 
@@ -537,9 +695,9 @@ mod tests {
 
     proptest! {
         #[test]
-        fn mutated_bodies_never_panic(flip in 0usize..400, val in any::<u8>(), cut in 0usize..400) {
+        fn mutated_bodies_never_panic(flip in 0usize..2048, val in any::<u8>(), cut in 0usize..2048) {
             let data = [1u8; 17];
-            let mut buf = vec![0u8; 400];
+            let mut buf = vec![0u8; 2048];
             let mut at = 0;
             for op in samples(&data) { at += op.encode(&mut buf[at..]); }
             buf[flip % at] = val;

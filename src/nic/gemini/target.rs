@@ -189,9 +189,12 @@ pub fn serve(eps: &Endpoints, op: &OpRef<'_>) -> TargetAction {
                 TargetAction::None
             }
         }
-        OpRef::PutAck { .. } | OpRef::GetReply { .. } | OpRef::AmoReply { .. } => {
-            TargetAction::None
-        }
+        // Replies belong to the initiator; Portals ops to the Portals engine.
+        OpRef::PutAck { .. }
+        | OpRef::GetReply { .. }
+        | OpRef::AmoReply { .. }
+        | OpRef::PtlReq { .. }
+        | OpRef::PtlResp { .. } => TargetAction::None,
     }
 }
 
