@@ -13,6 +13,7 @@ pub mod matching;
 pub mod ni;
 pub mod triggered;
 pub mod types;
+pub mod wire;
 
 pub use events::{CtEvent, EventQueue, Limits};
 pub use initiator::{AckReq, OpSpec};

@@ -1,0 +1,277 @@
+//! Portals messages on the wire: requests and responses cut into ops that fit a datagram, and
+//! put back together. The transport delivers the ops of a peer in order, exactly once, so a
+//! message is whole when its last fragment arrives, and messages between a pair of NIs are
+//! matched in the order they were sent whatever the network reorders, drops or duplicates.
+
+use std::collections::HashMap;
+
+use super::atomic::{AtomicOp, Datatype};
+use super::matching::ReqKind;
+use super::ni::{Request, Response};
+use super::types::{NiFail, ProcessId};
+use crate::wire::{OpHeader, OpKind, OpRef, PtlHeader};
+
+/// The wire code of a request kind and its atomic op and datatype.
+pub fn encode_kind(k: ReqKind) -> (u8, u8, u8) {
+    match k {
+        ReqKind::Put => (0, 0, 0),
+        ReqKind::Get => (1, 0, 0),
+        ReqKind::Atomic(o, d) => (2, o as u8, d as u8),
+        ReqKind::FetchAtomic(o, d) => (3, o as u8, d as u8),
+        ReqKind::Swap(o, d) => (4, o as u8, d as u8),
+    }
+}
+
+/// The request kind of a wire header, or `OpViolation` for an unknown op or datatype.
+pub fn decode_kind(m: &PtlHeader) -> Result<ReqKind, NiFail> {
+    let atomic = || {
+        let o = AtomicOp::from_u8(m.atomic_op).ok_or(NiFail::OpViolation)?;
+        let d = Datatype::from_u8(m.datatype).ok_or(NiFail::OpViolation)?;
+        Ok((o, d))
+    };
+    Ok(match m.kind {
+        0 => ReqKind::Put,
+        1 => ReqKind::Get,
+        2 => atomic().map(|(o, d)| ReqKind::Atomic(o, d))?,
+        3 => atomic().map(|(o, d)| ReqKind::FetchAtomic(o, d))?,
+        4 => atomic().map(|(o, d)| ReqKind::Swap(o, d))?,
+        _ => return Err(NiFail::OpViolation),
+    })
+}
+
+/// The ops carrying a request: every fragment repeats the header; the operand rides on each.
+pub fn request_ops<'a>(
+    h: OpHeader,
+    m: PtlHeader,
+    operand: &'a [u8],
+    payload: &'a [u8],
+    body: usize,
+) -> Vec<OpRef<'a>> {
+    let max = OpRef::max_data(OpKind::PtlReq, body)
+        .saturating_sub(operand.len())
+        .max(1);
+    let mut ops = Vec::with_capacity(payload.len() / max + 1);
+    let mut chunks = payload.chunks(max).peekable();
+    if chunks.peek().is_none() {
+        return vec![OpRef::PtlReq {
+            h,
+            m,
+            last: true,
+            operand,
+            data: &[],
+        }];
+    }
+    while let Some(c) = chunks.next() {
+        ops.push(OpRef::PtlReq {
+            h,
+            m,
+            last: chunks.peek().is_none(),
+            operand,
+            data: c,
+        });
+    }
+    ops
+}
+
+/// The ops carrying a response (reply data cut at `frag_off` boundaries).
+pub fn response_ops(h: OpHeader, r: &Response, body: usize) -> Vec<OpRef<'_>> {
+    let max = OpRef::max_data(OpKind::PtlResp, body).max(1);
+    let base = |frag_off, last, data| OpRef::PtlResp {
+        h,
+        ni_fail: r.ni_fail as u8,
+        ack: r.ack,
+        mlength: r.mlength,
+        offset: r.offset,
+        frag_off,
+        last,
+        data,
+    };
+    if r.data.is_empty() {
+        return vec![base(0, true, &[])];
+    }
+    let n = r.data.len().div_ceil(max);
+    r.data
+        .chunks(max)
+        .enumerate()
+        .map(|(i, c)| base((i * max) as u64, i + 1 == n, c))
+        .collect()
+}
+
+/// A request put back together: borrowed from the datagram when it came in one piece.
+pub enum Whole<'a> {
+    Borrowed {
+        h: OpHeader,
+        m: PtlHeader,
+        operand: &'a [u8],
+        data: &'a [u8],
+    },
+    Owned {
+        h: OpHeader,
+        m: PtlHeader,
+        operand: Vec<u8>,
+        data: Vec<u8>,
+    },
+}
+
+impl Whole<'_> {
+    pub fn parts(&self) -> (OpHeader, PtlHeader, &[u8], &[u8]) {
+        match self {
+            Whole::Borrowed {
+                h,
+                m,
+                operand,
+                data,
+            } => (*h, *m, operand, data),
+            Whole::Owned {
+                h,
+                m,
+                operand,
+                data,
+            } => (*h, *m, operand, data),
+        }
+    }
+
+    /// The engine's view of the message.
+    pub fn request(&self, initiator: ProcessId) -> Result<Request<'_>, NiFail> {
+        let (_, m, operand, data) = self.parts();
+        Ok(Request {
+            kind: decode_kind(&m)?,
+            initiator,
+            uid: m.uid,
+            pt_index: m.pt_index,
+            match_bits: m.match_bits,
+            remote_offset: m.remote_offset,
+            rlength: m.rlength,
+            hdr_data: m.hdr_data,
+            data,
+            operand,
+        })
+    }
+}
+
+/// Reassembly of requests (at targets) and responses (at initiators), bounded in bytes.
+/// A request whose last fragment has not arrived yet.
+struct Partial {
+    h: OpHeader,
+    m: PtlHeader,
+    operand: Vec<u8>,
+    data: Vec<u8>,
+}
+
+#[derive(Default)]
+pub struct Reassembly {
+    requests: HashMap<(u16, u64), Partial>,
+    responses: HashMap<(u16, u64), Response>,
+    bytes: usize,
+}
+
+/// Most bytes held in partial messages; beyond it a message fails (DROPPED) instead of growing.
+pub const MAX_PARTIAL_BYTES: usize = 256 << 20;
+
+impl Reassembly {
+    /// Feeds a request fragment from `peer`: the whole request once its last fragment is in,
+    /// or `Err(Dropped)` if the partial data would pass the bound.
+    pub fn request<'a>(
+        &mut self,
+        peer: u16,
+        op: &OpRef<'a>,
+    ) -> Option<Result<Whole<'a>, (OpHeader, NiFail)>> {
+        let OpRef::PtlReq {
+            h,
+            m,
+            last,
+            operand,
+            data,
+        } = *op
+        else {
+            return None;
+        };
+        let key = (peer, h.req);
+        if last && !self.requests.contains_key(&key) {
+            return Some(Ok(Whole::Borrowed {
+                h,
+                m,
+                operand,
+                data,
+            }));
+        }
+        let e = self.requests.entry(key).or_insert_with(|| Partial {
+            h,
+            m,
+            operand: operand.to_vec(),
+            data: Vec::new(),
+        });
+        if self.bytes + data.len() > MAX_PARTIAL_BYTES {
+            let p = self.requests.remove(&key).expect("present");
+            self.bytes -= p.data.len();
+            return Some(Err((p.h, NiFail::Dropped)));
+        }
+        e.data.extend_from_slice(data);
+        self.bytes += data.len();
+        if !last {
+            return None;
+        }
+        let Partial {
+            h,
+            m,
+            operand,
+            data,
+        } = self.requests.remove(&key).expect("present");
+        self.bytes -= data.len();
+        Some(Ok(Whole::Owned {
+            h,
+            m,
+            operand,
+            data,
+        }))
+    }
+
+    /// Feeds a response fragment from `peer`: the whole response once its last fragment is in.
+    pub fn response(&mut self, peer: u16, op: &OpRef<'_>) -> Option<(u64, Response)> {
+        let OpRef::PtlResp {
+            h,
+            ni_fail,
+            ack,
+            mlength,
+            offset,
+            frag_off,
+            last,
+            data,
+        } = *op
+        else {
+            return None;
+        };
+        let key = (peer, h.req);
+        let r = self.responses.entry(key).or_insert_with(|| Response {
+            ni_fail: ni_fail_from(ni_fail),
+            mlength,
+            offset,
+            ack,
+            data: Vec::new(),
+        });
+        // Fragments arrive in order; a fragment that does not continue the data is ignored.
+        if frag_off as usize == r.data.len() && self.bytes + data.len() <= MAX_PARTIAL_BYTES {
+            r.data.extend_from_slice(data);
+            self.bytes += data.len();
+        }
+        if !last {
+            return None;
+        }
+        let r = self.responses.remove(&key).expect("present");
+        self.bytes -= r.data.len();
+        Some((h.req, r))
+    }
+}
+
+pub fn ni_fail_from(v: u8) -> NiFail {
+    match v {
+        0 => NiFail::Ok,
+        1 => NiFail::Undeliverable,
+        2 => NiFail::PtDisabled,
+        3 => NiFail::Dropped,
+        4 => NiFail::PermViolation,
+        5 => NiFail::OpViolation,
+        6 => NiFail::Segv,
+        _ => NiFail::NoMatch,
+    }
+}
