@@ -5,6 +5,7 @@
 pub mod attach;
 pub mod control;
 pub mod mapping;
+pub mod ptl_call;
 
 pub use control::{Command, CommandKind, Control, ControlError, CqEntry, CMD_IMPLICIT};
 pub use mapping::Mapping;

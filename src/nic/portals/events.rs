@@ -12,25 +12,34 @@ pub struct EventQueue {
     cap: usize,
     events: VecDeque<Event>,
     dropped: bool,
+    /// Events already handed to the process and not yet consumed by it (the daemon mirrors
+    /// the queue into shared memory); they take room too.
+    external: usize,
 }
 
 impl EventQueue {
     pub fn new(cap: usize) -> EventQueue {
-        EventQueue {
-            cap,
-            events: VecDeque::with_capacity(cap.min(4096)),
-            dropped: false,
-        }
+                EventQueue { cap, events: VecDeque::with_capacity(cap.min(4096)), dropped: false, external: 0 }
     }
 
     /// Room for `n` more events.
-    pub fn has_room(&self, n: usize) -> bool {
-        self.events.len() + n <= self.cap
+        pub fn has_room(&self, n: usize) -> bool {
+        self.events.len() + self.external + n <= self.cap
+    }
+
+    /// Records how many events the process holds unconsumed (see `external`).
+    pub fn set_external(&mut self, n: usize) {
+        self.external = n;
+    }
+
+    /// Takes the next event for the process, with the dropped flag.
+    pub fn take(&mut self) -> Option<(Event, bool)> {
+        self.get().ok()
     }
 
     /// Posts an event; a full queue drops it (and says so on the next read).
-    pub fn push(&mut self, e: Event) -> bool {
-        if self.events.len() >= self.cap {
+        pub fn push(&mut self, e: Event) -> bool {
+        if self.events.len() + self.external >= self.cap {
             self.dropped = true;
             return false;
         }

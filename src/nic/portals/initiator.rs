@@ -303,9 +303,18 @@ impl PortalsNi {
         }
     }
 
-    /// Operations in flight.
+        /// Operations in flight.
     pub fn outgoing_len(&self) -> usize {
         self.outgoing.live
+    }
+
+    /// Fails every operation in flight whose spec `pred` selects (its target died), as if the
+    /// target had answered `ni_fail`.
+    pub fn fail_outgoing(&mut self, pred: impl Fn(&OpSpec) -> bool, ni_fail: NiFail) {
+        let ids: Vec<u32> = self.outgoing.handles().filter(|&h| self.outgoing.get(h).is_some_and(|o| pred(&o.spec))).collect();
+        for id in ids {
+            self.complete(id, &Response { ni_fail, ack: true, ..Default::default() });
+        }
     }
 
     fn initiator_event(&self, kind: EventKind, s: &OpSpec, mlength: u64, ni_fail: NiFail) -> Event {

@@ -1,0 +1,300 @@
+//! Portals calls as the client hands them to its NIC through the command ring.
+//!
+//! A call rides in a `CommandKind::Portals` command's inline bytes: a code, then fixed
+//! little-endian fields. The daemon decodes from its private copy and refuses anything short,
+//! long or unknown with a typed error (the client is then disconnected, as for any garbage).
+
+use crate::wire::{get_u32, get_u64};
+
+/// Memory as the client names it: a registered region, an offset, a length.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Buf {
+    pub region: u32,
+    pub offset: u64,
+    pub length: u64,
+}
+
+/// A match list entry or list entry as sent to the NIC.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct MeArgs {
+    pub buf: Buf,
+    pub ct: Option<u32>,
+    pub uid: u32,
+    pub options: u32,
+    /// (0 logical rank | 1 physical nid/pid, a, b)
+    pub match_id: (u8, u32, u32),
+    pub match_bits: u64,
+    pub ignore_bits: u64,
+    pub min_free: u64,
+}
+
+/// A data movement (or a triggered one, with `trigger = Some((ct, threshold))`).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct OpArgs {
+    /// 0 put, 1 get, 2 atomic, 3 fetch-atomic, 4 swap (as on the wire).
+    pub kind: u8,
+    pub atomic_op: u8,
+    pub datatype: u8,
+    /// 0 ACK, 1 CT_ACK, 2 OC_ACK, 3 NO_ACK.
+    pub ack_req: u8,
+    pub md: u32,
+    pub offset: u64,
+    pub length: u64,
+    pub get_md: Option<u32>,
+    pub get_offset: u64,
+    pub target_rank: u32,
+    pub target_host: u16,
+    pub pt_index: u32,
+    pub match_bits: u64,
+    pub remote_offset: u64,
+    pub user_ptr: u64,
+    pub hdr_data: u64,
+    pub operand: Vec<u8>,
+    pub trigger: Option<(u32, u64)>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PtlCall {
+    NiInit { ni: u8, matching: bool },
+    EqAlloc { ni: u8, count: u32, ring: Buf },
+    EqFree { ni: u8, eq: u32 },
+    CtAlloc { ni: u8, slot: Buf },
+    CtFree { ni: u8, ct: u32 },
+    CtSet { ni: u8, ct: u32, success: u64, failure: u64 },
+    CtInc { ni: u8, ct: u32, success: u64, failure: u64 },
+    CtCancelTriggered { ni: u8, ct: u32 },
+    /// A triggered CTInc/CTSet: when `ct` reaches `threshold`, do it to `target`.
+    CtTriggered { ni: u8, ct: u32, threshold: u64, target: u32, set: bool, success: u64, failure: u64 },
+    PtAlloc { ni: u8, options: u32, eq: Option<u32>, index: Option<u32> },
+    PtFree { ni: u8, index: u32 },
+    PtEnable { ni: u8, index: u32, enable: bool },
+    Append { ni: u8, pt: u32, overflow: bool, user_ptr: u64, me: MeArgs },
+    Unlink { ni: u8, handle: u32 },
+    Search { ni: u8, pt: u32, delete: bool, user_ptr: u64, me: MeArgs },
+    MdBind { ni: u8, region: u32, segments: Vec<(u64, u64)>, options: u32, eq: Option<u32>, ct: Option<u32> },
+    MdRelease { ni: u8, md: u32 },
+    Op { ni: u8, op: OpArgs },
+}
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[error("malformed Portals call")]
+pub struct BadCall;
+
+/// `u32::MAX` stands for "none" in optional handles.
+const NONE: u32 = u32::MAX;
+
+struct W(Vec<u8>);
+
+impl W {
+    fn u8(&mut self, v: u8) -> &mut Self {
+        self.0.push(v);
+        self
+    }
+    fn u16(&mut self, v: u16) -> &mut Self {
+        self.0.extend_from_slice(&v.to_le_bytes());
+        self
+    }
+    fn u32(&mut self, v: u32) -> &mut Self {
+        self.0.extend_from_slice(&v.to_le_bytes());
+        self
+    }
+    fn u64(&mut self, v: u64) -> &mut Self {
+        self.0.extend_from_slice(&v.to_le_bytes());
+        self
+    }
+    fn opt(&mut self, v: Option<u32>) -> &mut Self {
+        self.u32(v.unwrap_or(NONE))
+    }
+    fn buf(&mut self, b: &Buf) -> &mut Self {
+        self.u32(b.region).u64(b.offset).u64(b.length)
+    }
+    fn me(&mut self, m: &MeArgs) -> &mut Self {
+        self.buf(&m.buf).opt(m.ct).u32(m.uid).u32(m.options);
+        self.u8(m.match_id.0).u32(m.match_id.1).u32(m.match_id.2);
+        self.u64(m.match_bits).u64(m.ignore_bits).u64(m.min_free)
+    }
+}
+
+struct R<'a>(&'a [u8]);
+
+impl<'a> R<'a> {
+    fn take(&mut self, n: usize) -> Result<&'a [u8], BadCall> {
+        if self.0.len() < n {
+            return Err(BadCall);
+        }
+        let (a, b) = self.0.split_at(n);
+        self.0 = b;
+        Ok(a)
+    }
+    fn u8(&mut self) -> Result<u8, BadCall> {
+        Ok(self.take(1)?[0])
+    }
+    fn u16(&mut self) -> Result<u16, BadCall> {
+        let b = self.take(2)?;
+        Ok(u16::from_le_bytes([b[0], b[1]]))
+    }
+    fn u32(&mut self) -> Result<u32, BadCall> {
+        Ok(get_u32(self.take(4)?, 0))
+    }
+    fn u64(&mut self) -> Result<u64, BadCall> {
+        Ok(get_u64(self.take(8)?, 0))
+    }
+    fn opt(&mut self) -> Result<Option<u32>, BadCall> {
+        Ok(Some(self.u32()?).filter(|&v| v != NONE))
+    }
+    fn buf(&mut self) -> Result<Buf, BadCall> {
+        Ok(Buf { region: self.u32()?, offset: self.u64()?, length: self.u64()? })
+    }
+    fn me(&mut self) -> Result<MeArgs, BadCall> {
+        Ok(MeArgs {
+            buf: self.buf()?,
+            ct: self.opt()?,
+            uid: self.u32()?,
+            options: self.u32()?,
+            match_id: (self.u8()?, self.u32()?, self.u32()?),
+            match_bits: self.u64()?,
+            ignore_bits: self.u64()?,
+            min_free: self.u64()?,
+        })
+    }
+}
+
+impl PtlCall {
+    pub fn encode(&self) -> Vec<u8> {
+        let mut w = W(Vec::with_capacity(128));
+        match self {
+            PtlCall::NiInit { ni, matching } => w.u8(1).u8(*ni).u8(*matching as u8),
+            PtlCall::EqAlloc { ni, count, ring } => w.u8(2).u8(*ni).u32(*count).buf(ring),
+            PtlCall::EqFree { ni, eq } => w.u8(3).u8(*ni).u32(*eq),
+            PtlCall::CtAlloc { ni, slot } => w.u8(4).u8(*ni).buf(slot),
+            PtlCall::CtFree { ni, ct } => w.u8(5).u8(*ni).u32(*ct),
+            PtlCall::CtSet { ni, ct, success, failure } => w.u8(6).u8(*ni).u32(*ct).u64(*success).u64(*failure),
+            PtlCall::CtInc { ni, ct, success, failure } => w.u8(7).u8(*ni).u32(*ct).u64(*success).u64(*failure),
+            PtlCall::CtCancelTriggered { ni, ct } => w.u8(8).u8(*ni).u32(*ct),
+            PtlCall::CtTriggered { ni, ct, threshold, target, set, success, failure } => {
+                w.u8(9).u8(*ni).u32(*ct).u64(*threshold).u32(*target).u8(*set as u8).u64(*success).u64(*failure)
+            }
+            PtlCall::PtAlloc { ni, options, eq, index } => w.u8(10).u8(*ni).u32(*options).opt(*eq).opt(*index),
+            PtlCall::PtFree { ni, index } => w.u8(11).u8(*ni).u32(*index),
+            PtlCall::PtEnable { ni, index, enable } => w.u8(12).u8(*ni).u32(*index).u8(*enable as u8),
+            PtlCall::Append { ni, pt, overflow, user_ptr, me } => w.u8(13).u8(*ni).u32(*pt).u8(*overflow as u8).u64(*user_ptr).me(me),
+            PtlCall::Unlink { ni, handle } => w.u8(14).u8(*ni).u32(*handle),
+            PtlCall::Search { ni, pt, delete, user_ptr, me } => w.u8(15).u8(*ni).u32(*pt).u8(*delete as u8).u64(*user_ptr).me(me),
+            PtlCall::MdBind { ni, region, segments, options, eq, ct } => {
+                w.u8(16).u8(*ni).u32(*region).u32(*options).opt(*eq).opt(*ct).u32(segments.len() as u32);
+                for (s, l) in segments {
+                    w.u64(*s).u64(*l);
+                }
+                &mut w
+            }
+            PtlCall::MdRelease { ni, md } => w.u8(17).u8(*ni).u32(*md),
+            PtlCall::Op { ni, op } => {
+                w.u8(18).u8(*ni).u8(op.kind).u8(op.atomic_op).u8(op.datatype).u8(op.ack_req);
+                w.u32(op.md).u64(op.offset).u64(op.length).opt(op.get_md).u64(op.get_offset);
+                w.u32(op.target_rank).u16(op.target_host).u32(op.pt_index).u64(op.match_bits);
+                w.u64(op.remote_offset).u64(op.user_ptr).u64(op.hdr_data);
+                let (ct, th) = op.trigger.map_or((NONE, 0), |(c, t)| (c, t));
+                w.u32(ct).u64(th).u8(op.operand.len() as u8);
+                w.0.extend_from_slice(&op.operand);
+                &mut w
+            }
+        };
+        w.0
+    }
+
+    pub fn decode(b: &[u8]) -> Result<PtlCall, BadCall> {
+        let mut r = R(b);
+        let code = r.u8()?;
+        let ni = r.u8()?;
+        let call = match code {
+            1 => PtlCall::NiInit { ni, matching: r.u8()? != 0 },
+            2 => PtlCall::EqAlloc { ni, count: r.u32()?, ring: r.buf()? },
+            3 => PtlCall::EqFree { ni, eq: r.u32()? },
+            4 => PtlCall::CtAlloc { ni, slot: r.buf()? },
+            5 => PtlCall::CtFree { ni, ct: r.u32()? },
+            6 => PtlCall::CtSet { ni, ct: r.u32()?, success: r.u64()?, failure: r.u64()? },
+            7 => PtlCall::CtInc { ni, ct: r.u32()?, success: r.u64()?, failure: r.u64()? },
+            8 => PtlCall::CtCancelTriggered { ni, ct: r.u32()? },
+            9 => PtlCall::CtTriggered {
+                ni,
+                ct: r.u32()?,
+                threshold: r.u64()?,
+                target: r.u32()?,
+                set: r.u8()? != 0,
+                success: r.u64()?,
+                failure: r.u64()?,
+            },
+            10 => PtlCall::PtAlloc { ni, options: r.u32()?, eq: r.opt()?, index: r.opt()? },
+            11 => PtlCall::PtFree { ni, index: r.u32()? },
+            12 => PtlCall::PtEnable { ni, index: r.u32()?, enable: r.u8()? != 0 },
+            13 => PtlCall::Append { ni, pt: r.u32()?, overflow: r.u8()? != 0, user_ptr: r.u64()?, me: r.me()? },
+            14 => PtlCall::Unlink { ni, handle: r.u32()? },
+            15 => PtlCall::Search { ni, pt: r.u32()?, delete: r.u8()? != 0, user_ptr: r.u64()?, me: r.me()? },
+            16 => {
+                let (region, options, eq, ct, n) = (r.u32()?, r.u32()?, r.opt()?, r.opt()?, r.u32()?);
+                if n as usize > r.0.len() / 16 {
+                    return Err(BadCall);
+                }
+                let segments = (0..n).map(|_| Ok((r.u64()?, r.u64()?))).collect::<Result<Vec<_>, _>>()?;
+                PtlCall::MdBind { ni, region, segments, options, eq, ct }
+            }
+            17 => PtlCall::MdRelease { ni, md: r.u32()? },
+            18 => {
+                let mut op = OpArgs { kind: r.u8()?, atomic_op: r.u8()?, datatype: r.u8()?, ack_req: r.u8()?, ..Default::default() };
+                op.md = r.u32()?;
+                op.offset = r.u64()?;
+                op.length = r.u64()?;
+                op.get_md = r.opt()?;
+                op.get_offset = r.u64()?;
+                op.target_rank = r.u32()?;
+                op.target_host = r.u16()?;
+                op.pt_index = r.u32()?;
+                op.match_bits = r.u64()?;
+                op.remote_offset = r.u64()?;
+                op.user_ptr = r.u64()?;
+                op.hdr_data = r.u64()?;
+                let (ct, th) = (r.u32()?, r.u64()?);
+                op.trigger = (ct != NONE).then_some((ct, th));
+                let n = r.u8()? as usize;
+                op.operand = r.take(n)?.to_vec();
+                PtlCall::Op { ni, op }
+            }
+            _ => return Err(BadCall),
+        };
+        if !r.0.is_empty() {
+            return Err(BadCall);
+        }
+        Ok(call)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn calls_round_trip() {
+        let me = MeArgs { buf: Buf { region: 3, offset: 8, length: 64 }, ct: Some(2), uid: 7, options: 9, match_id: (1, 4, 5), match_bits: 6, ignore_bits: 7, min_free: 8 };
+        let op = OpArgs { kind: 4, atomic_op: 11, datatype: 7, ack_req: 1, md: 1, offset: 2, length: 8, get_md: Some(3), get_offset: 4, target_rank: 5, target_host: 1, pt_index: 6, match_bits: 7, remote_offset: 8, user_ptr: 9, hdr_data: 10, operand: vec![1; 8], trigger: Some((4, 100)) };
+        for c in [
+            PtlCall::NiInit { ni: 1, matching: true },
+            PtlCall::EqAlloc { ni: 0, count: 64, ring: Buf { region: 2, offset: 0, length: 4096 } },
+            PtlCall::CtTriggered { ni: 0, ct: 1, threshold: 5, target: 2, set: true, success: 3, failure: 0 },
+            PtlCall::PtAlloc { ni: 0, options: 1, eq: None, index: Some(4) },
+            PtlCall::Append { ni: 0, pt: 4, overflow: true, user_ptr: 99, me },
+            PtlCall::Search { ni: 0, pt: 4, delete: false, user_ptr: 9, me },
+            PtlCall::MdBind { ni: 0, region: 1, segments: vec![(0, 8), (16, 8)], options: 1, eq: Some(1), ct: None },
+            PtlCall::Op { ni: 0, op },
+        ] {
+            assert_eq!(PtlCall::decode(&c.encode()), Ok(c));
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn garbage_never_panics(b in proptest::collection::vec(any::<u8>(), 0..200)) {
+            let _ = PtlCall::decode(&b);
+        }
+    }
+}
