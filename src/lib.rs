@@ -9,6 +9,7 @@ pub mod gni;
 pub mod job;
 pub mod logging;
 pub mod nic;
+pub mod portals;
 pub mod shm;
 pub mod transport;
 pub mod wire;

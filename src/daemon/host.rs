@@ -40,6 +40,8 @@ pub struct HostStats {
     pub served_amo: u64,
     pub local_ops: u64,
     pub bad_commands: u64,
+    pub cmd_portals: u64,
+    pub served_portals: u64,
     pub malformed_ops: u64,
     pub clients_attached: u64,
     pub clients_detached: u64,
@@ -47,19 +49,15 @@ pub struct HostStats {
 }
 
 /// An outbound item waiting for room in the transport (kept in order per peer).
-enum OutItem {
+pub(super) enum OutItem {
     Reply(Reply),
     Stream(Stream),
-    /// A Portals request this daemon cannot serve yet, answered with a failure so that its
-    /// initiator does not wait for ever.
-    PtlFail {
-        h: OpHeader,
-        ni_fail: u8,
-    },
+    /// An op owned in encoded form (Portals requests and responses that found no room).
+    Encoded(Vec<u8>),
 }
 
 /// Bulk data streamed from a region as fragments: a BTE put or a get reply.
-struct Stream {
+pub(super) struct Stream {
     kind: StreamKind,
     h: OpHeader,
     src: Region,
@@ -69,7 +67,7 @@ struct Stream {
     started: bool,
 }
 
-enum StreamKind {
+pub(super) enum StreamKind {
     Put {
         region: u32,
         dst_off: u64,
@@ -79,7 +77,7 @@ enum StreamKind {
 }
 
 /// Did a command go through, or must the ring wait for room?
-enum Flow {
+pub(super) enum Flow {
     Done,
     Backpressure,
 }
@@ -87,18 +85,23 @@ enum Flow {
 pub struct HostNic {
     pub index: u16,
     pub name: String,
-    nhosts: u16,
+    pub(super) nhosts: u16,
     pub transport: Transport,
     pub driver: Driver,
     pub listener: OwnedFd,
     socket_path: PathBuf,
-    endpoints: Endpoints,
+    pub(super) endpoints: Endpoints,
     initiator: Initiator,
     pub sessions: Vec<Option<Session>>,
     next_gen: u64,
     jobs: HashMap<u32, (u64, usize)>,
-    out: Vec<VecDeque<OutItem>>,
+    pub(super) out: Vec<VecDeque<OutItem>>,
     completions: Vec<Completion>,
+    /// Completions with a raw status (Portals return codes).
+    pub(super) raw_completions: Vec<(u64, CqEntry)>,
+    /// Portals interfaces of the attached processes, by (job, rank).
+    pub(super) portals: HashMap<(u32, u32), super::portals::PortalsProc>,
+    pub(super) ptl_asm: crate::nic::portals::wire::Reassembly,
     rx: Vec<u8>,
     cmd_buf: Vec<u8>,
     uid: u32,
@@ -177,6 +180,9 @@ impl HostNic {
             jobs: HashMap::new(),
             out: (0..nhosts).map(|_| VecDeque::new()).collect(),
             completions: Vec::new(),
+            raw_completions: Vec::new(),
+            portals: HashMap::new(),
+            ptl_asm: Default::default(),
             rx: vec![0; 65_536],
             cmd_buf: Vec::with_capacity(8192),
             uid: rustix::process::geteuid().as_raw(),
@@ -218,6 +224,7 @@ impl HostNic {
                     tracing::warn!(host = %self.name, peer = h, "peer {ev:?}: failing its pending operations");
                     self.initiator.fail_host(h, &mut self.completions);
                     self.out[h as usize].clear();
+                    self.ptl_peer_dead(h);
                 }
             }
         }
@@ -234,14 +241,32 @@ impl HostNic {
             busy = true;
         }
         self.driver.flush();
-        busy |= !self.completions.is_empty();
+        busy |= self.ptl_mirror();
+        busy |= !self.completions.is_empty() || !self.raw_completions.is_empty();
         self.post_completions();
         busy
     }
 
     fn post_completions(&mut self) {
         let mut broken = Vec::new();
-        for c in self.completions.drain(..) {
+        let raw = std::mem::take(&mut self.raw_completions);
+        let typed = self.completions.drain(..).map(|c| {
+            (
+                c.session,
+                CqEntry {
+                    client_req: c.client_req,
+                    status: c.status as u32,
+                    value: c.value,
+                },
+            )
+        });
+        for (session, entry) in typed.collect::<Vec<_>>().into_iter().chain(raw) {
+            let c = Completion {
+                session,
+                client_req: entry.client_req,
+                status: Status::Ok,
+                value: entry.value,
+            };
             let slot = (c.session & 0xffff_ffff) as usize;
             let Some(Some(s)) = self.sessions.get_mut(slot) else {
                 continue;
@@ -252,7 +277,7 @@ impl HostNic {
             if let Some(a) = s.attached.as_mut() {
                 if !a.post(CqEntry {
                     client_req: c.client_req,
-                    status: c.status as u32,
+                    status: entry.status,
                     value: c.value,
                 }) {
                     broken.push(slot);
@@ -338,6 +363,10 @@ impl HostNic {
             CommandKind::PutInline | CommandKind::PutFrom => self.stats.cmd_put += 1,
             CommandKind::Get => self.stats.cmd_get += 1,
             CommandKind::Amo | CommandKind::AmoScatter => self.stats.cmd_amo += 1,
+            CommandKind::Portals => {
+                self.stats.cmd_portals += 1;
+                return self.ptl_command(session, job, rank, c.client_req, inline);
+            }
         }
         if c.host >= self.nhosts {
             self.complete(session, c.client_req, Status::BadRequest, 0);
@@ -391,6 +420,8 @@ impl HostNic {
             kind,
         };
         match c.kind {
+            // Served before any host routing (see the top of `command`).
+            CommandKind::Portals => {}
             CommandKind::PutInline => {
                 let max = OpRef::max_data(OpKind::Put, self.transport.body_capacity());
                 let frags = inline.len().div_ceil(max).max(1);
@@ -532,6 +563,7 @@ impl HostNic {
             }
         }
         let action = match c.kind {
+            CommandKind::Portals => return (Status::BadRequest, 0),
             CommandKind::PutInline => serve(&self.endpoints, &put(h, c, inline)),
             CommandKind::PutFrom => match own(&self.endpoints) {
                 Ok(src) => serve(
@@ -636,15 +668,7 @@ impl HostNic {
 
     fn on_op(&mut self, now: u64, peer: u16, op: &OpRef<'_>) {
         match op {
-            OpRef::PtlReq { h, last, .. } => {
-                // The Portals engine is not attached to the daemon yet (issue 3 in progress).
-                if *last {
-                    let h = crate::nic::gemini::target::reply_header(h);
-                    let ni_fail = crate::nic::portals::NiFail::Undeliverable as u8;
-                    self.out[peer as usize].push_back(OutItem::PtlFail { h, ni_fail });
-                }
-            }
-            OpRef::PtlResp { .. } => {}
+            OpRef::PtlReq { .. } | OpRef::PtlResp { .. } => self.ptl_on_op(peer, op),
             OpRef::Put { .. }
             | OpRef::Get { .. }
             | OpRef::Amo { .. }
@@ -708,18 +732,12 @@ impl HostNic {
         let p = peer as usize;
         while let Some(item) = self.out[p].front_mut() {
             match item {
-                OutItem::PtlFail { h, ni_fail } => {
-                    let op = OpRef::PtlResp {
-                        h: *h,
-                        ni_fail: *ni_fail,
-                        ack: true,
-                        mlength: 0,
-                        offset: 0,
-                        frag_off: 0,
-                        last: true,
-                        data: &[],
+                OutItem::Encoded(b) => {
+                    let pushed = match OpRef::decode(b) {
+                        Ok((op, _)) => self.transport.push_op(peer, &op),
+                        Err(_) => Ok(()), // our own encoding: cannot happen; drop it
                     };
-                    match self.transport.push_op(peer, &op) {
+                    match pushed {
                         Err(PushError::Full(_)) => return,
                         _ => {
                             self.out[p].pop_front();
@@ -1010,6 +1028,7 @@ impl HostNic {
         };
         self.initiator.drop_session(s.id);
         if let Some(a) = s.attached {
+            self.portals.remove(&(a.job, a.rank));
             self.endpoints.remove(a.job, a.rank);
             if let Some(e) = self.jobs.get_mut(&a.job) {
                 e.1 -= 1;

@@ -6,9 +6,11 @@
 //! syscall to be woken.
 
 mod host;
+mod portals;
 mod session;
 
 pub use host::{HostNic, HostStats};
+pub use portals::MAX_NIS as PORTALS_MAX_NIS;
 pub use session::{CMD_RING_BYTES, CQ_ENTRIES};
 
 use std::io;

@@ -107,6 +107,11 @@ impl MemRegion {
     pub fn read_u64(&self, off: usize) -> u64 {
         self.word(off).load(Ordering::Acquire)
     }
+    /// This region as the NIC's memory model sees it (for rings shared with the NIC).
+    pub fn nic_region(&self) -> crate::nic::memory::Region {
+        crate::nic::memory::Region::new(self.map.clone(), Perms::READ_WRITE)
+    }
+
     fn contains(&self, p: *const u8, len: usize) -> Option<u64> {
         let base = self.map.as_ptr() as usize;
         let a = p as usize;
@@ -120,7 +125,8 @@ pub struct SyncId(u64);
 
 enum Slot {
     Pending,
-    Done(Status, u64),
+    /// The raw completion status (a Gemini `Status`, or a Portals return code) and value.
+    Done(u32, u64),
 }
 
 const SYS_LEN: usize = 4096;
@@ -254,6 +260,7 @@ impl Nic {
 
     fn on_completion(&mut self, req: u64, status: u32, value: u64) {
         self.outstanding -= 1;
+        let raw = status;
         let status = Status::from_u32(status);
         if req & IMPLICIT != 0 {
             self.implicit -= 1;
@@ -261,7 +268,7 @@ impl Nic {
                 self.implicit_error = Some(status);
             }
         } else if let Some(s) = self.explicit.get_mut(&req) {
-            *s = Slot::Done(status, value);
+            *s = Slot::Done(raw, value);
         }
     }
 
@@ -294,21 +301,47 @@ impl Nic {
     }
 
     fn finish(&mut self, req: u64) -> Result<u64, GniError> {
+        let (s, v) = self.finish_raw(req)?;
+        let s = Status::from_u32(s);
+        if s.is_ok() {
+            Ok(v)
+        } else {
+            Err(GniError::Remote(s))
+        }
+    }
+
+    /// Waits for `req` and returns its raw status and value.
+    fn finish_raw(&mut self, req: u64) -> Result<(u32, u64), GniError> {
         loop {
             match self.explicit.get(&req) {
                 Some(Slot::Done(s, v)) => {
-                    let (s, v) = (*s, *v);
+                    let r = (*s, *v);
                     self.explicit.remove(&req);
-                    return if s.is_ok() {
-                        Ok(v)
-                    } else {
-                        Err(GniError::Remote(s))
-                    };
+                    return Ok(r);
                 }
                 Some(Slot::Pending) => self.wait_one()?,
                 None => return Err(GniError::BadSyncId(req)),
             }
         }
+    }
+
+    /// Posts a command and waits for its completion; returns the raw status and value (for
+    /// APIs whose calls return codes of their own, such as Portals).
+    pub fn call_raw(&mut self, cmd: Command, inline: &[u8]) -> Result<(u32, u64), GniError> {
+        let req = self.post(cmd, inline, false)?;
+        self.finish_raw(req)
+    }
+
+    /// Posts a command that completes no entry (`client_req` 0): one-way, no credit held.
+    pub fn post_oneway(&mut self, mut cmd: Command, inline: &[u8]) -> Result<(), GniError> {
+        cmd.client_req = 0;
+        self.client.submit(&cmd, inline)?;
+        Ok(())
+    }
+
+    /// The host index rank `rank` lives on.
+    pub fn rank_host(&self, rank: u32) -> Result<u16, GniError> {
+        self.host_of(rank)
     }
 
     /// Waits for a non-blocking operation; returns the fetched value of a fetching AMO (else 0).
@@ -412,7 +445,7 @@ impl Nic {
             Some(req) => Ok(SyncId(req)),
             None => {
                 let req = self.new_req(false);
-                self.explicit.insert(req, Slot::Done(Status::Ok, 0));
+                self.explicit.insert(req, Slot::Done(Status::Ok as u32, 0));
                 Ok(SyncId(req))
             }
         }

@@ -59,6 +59,8 @@ pub enum CommandKind {
     /// Non-fetching AMOs on many words of one region: `len` inline bytes of 16-byte
     /// `(offset, operand)` pairs.
     AmoScatter = 5,
+    /// A Portals call (`shm::ptl_call`), `len` inline bytes. `client_req` 0: no completion.
+    Portals = 6,
 }
 
 /// A command descriptor as the client writes it. Decoded from a private copy, never in place.
@@ -112,6 +114,7 @@ impl Command {
             3 => CommandKind::Get,
             4 => CommandKind::Amo,
             5 => CommandKind::AmoScatter,
+            6 => CommandKind::Portals,
             k => return Err(ControlError::BadCommand(k)),
         };
         let c = Command {
@@ -142,7 +145,10 @@ impl Command {
             _ => {}
         }
         let rest = &b[COMMAND_LEN..];
-        let inline = if kind == CommandKind::PutInline || kind == CommandKind::AmoScatter {
+        let inline = if matches!(
+            kind,
+            CommandKind::PutInline | CommandKind::AmoScatter | CommandKind::Portals
+        ) {
             if c.len > rest.len() as u64 {
                 return Err(ControlError::BadInline(c.len));
             }

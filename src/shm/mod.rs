@@ -4,6 +4,7 @@
 
 pub mod attach;
 pub mod control;
+pub mod event_ring;
 pub mod mapping;
 pub mod ptl_call;
 

@@ -55,30 +55,147 @@ pub struct OpArgs {
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum PtlCall {
-    NiInit { ni: u8, matching: bool },
-    EqAlloc { ni: u8, count: u32, ring: Buf },
-    EqFree { ni: u8, eq: u32 },
-    CtAlloc { ni: u8, slot: Buf },
-    CtFree { ni: u8, ct: u32 },
-    CtSet { ni: u8, ct: u32, success: u64, failure: u64 },
-    CtInc { ni: u8, ct: u32, success: u64, failure: u64 },
-    CtCancelTriggered { ni: u8, ct: u32 },
+    NiInit {
+        ni: u8,
+        matching: bool,
+    },
+    EqAlloc {
+        ni: u8,
+        count: u32,
+        ring: Buf,
+    },
+    EqFree {
+        ni: u8,
+        eq: u32,
+    },
+    CtAlloc {
+        ni: u8,
+        slot: Buf,
+    },
+    CtFree {
+        ni: u8,
+        ct: u32,
+    },
+    CtSet {
+        ni: u8,
+        ct: u32,
+        success: u64,
+        failure: u64,
+    },
+    CtInc {
+        ni: u8,
+        ct: u32,
+        success: u64,
+        failure: u64,
+    },
+    CtCancelTriggered {
+        ni: u8,
+        ct: u32,
+    },
     /// A triggered CTInc/CTSet: when `ct` reaches `threshold`, do it to `target`.
-    CtTriggered { ni: u8, ct: u32, threshold: u64, target: u32, set: bool, success: u64, failure: u64 },
-    PtAlloc { ni: u8, options: u32, eq: Option<u32>, index: Option<u32> },
-    PtFree { ni: u8, index: u32 },
-    PtEnable { ni: u8, index: u32, enable: bool },
-    Append { ni: u8, pt: u32, overflow: bool, user_ptr: u64, me: MeArgs },
-    Unlink { ni: u8, handle: u32 },
-    Search { ni: u8, pt: u32, delete: bool, user_ptr: u64, me: MeArgs },
-    MdBind { ni: u8, region: u32, segments: Vec<(u64, u64)>, options: u32, eq: Option<u32>, ct: Option<u32> },
-    MdRelease { ni: u8, md: u32 },
-    Op { ni: u8, op: OpArgs },
+    CtTriggered {
+        ni: u8,
+        ct: u32,
+        threshold: u64,
+        target: u32,
+        set: bool,
+        success: u64,
+        failure: u64,
+    },
+    PtAlloc {
+        ni: u8,
+        options: u32,
+        eq: Option<u32>,
+        index: Option<u32>,
+    },
+    PtFree {
+        ni: u8,
+        index: u32,
+    },
+    PtEnable {
+        ni: u8,
+        index: u32,
+        enable: bool,
+    },
+    Append {
+        ni: u8,
+        pt: u32,
+        overflow: bool,
+        user_ptr: u64,
+        me: MeArgs,
+    },
+    Unlink {
+        ni: u8,
+        handle: u32,
+    },
+    Search {
+        ni: u8,
+        pt: u32,
+        delete: bool,
+        user_ptr: u64,
+        me: MeArgs,
+    },
+    MdBind {
+        ni: u8,
+        region: u32,
+        segments: Vec<(u64, u64)>,
+        options: u32,
+        eq: Option<u32>,
+        ct: Option<u32>,
+    },
+    MdRelease {
+        ni: u8,
+        md: u32,
+    },
+    Op {
+        ni: u8,
+        op: OpArgs,
+    },
 }
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 #[error("malformed Portals call")]
 pub struct BadCall;
+
+/// The completion status of a Portals call: 0 for PTL_OK, else 1000 + the error's code.
+pub fn status_of(r: &Result<u64, crate::nic::portals::PtlError>) -> u32 {
+    use crate::nic::portals::PtlError::*;
+    match r {
+        Ok(_) => 0,
+        Err(e) => {
+            1000 + match e {
+                ArgInvalid => 1,
+                NoSpace => 2,
+                PtInUse => 3,
+                PtFull => 4,
+                PtEqNeeded => 5,
+                ListTooLong => 6,
+                InUse => 7,
+                EqEmpty => 8,
+                EqDropped => 9,
+                CtNoneReached => 10,
+            }
+        }
+    }
+}
+
+/// The inverse of [`status_of`].
+pub fn result_of(status: u32, value: u64) -> Result<u64, crate::nic::portals::PtlError> {
+    use crate::nic::portals::PtlError::*;
+    Err(match status {
+        0 => return Ok(value),
+        1002 => NoSpace,
+        1003 => PtInUse,
+        1004 => PtFull,
+        1005 => PtEqNeeded,
+        1006 => ListTooLong,
+        1007 => InUse,
+        1008 => EqEmpty,
+        1009 => EqDropped,
+        1010 => CtNoneReached,
+        _ => ArgInvalid,
+    })
+}
 
 /// `u32::MAX` stands for "none" in optional handles.
 const NONE: u32 = u32::MAX;
@@ -143,7 +260,11 @@ impl<'a> R<'a> {
         Ok(Some(self.u32()?).filter(|&v| v != NONE))
     }
     fn buf(&mut self) -> Result<Buf, BadCall> {
-        Ok(Buf { region: self.u32()?, offset: self.u64()?, length: self.u64()? })
+        Ok(Buf {
+            region: self.u32()?,
+            offset: self.u64()?,
+            length: self.u64()?,
+        })
     }
     fn me(&mut self) -> Result<MeArgs, BadCall> {
         Ok(MeArgs {
@@ -168,20 +289,88 @@ impl PtlCall {
             PtlCall::EqFree { ni, eq } => w.u8(3).u8(*ni).u32(*eq),
             PtlCall::CtAlloc { ni, slot } => w.u8(4).u8(*ni).buf(slot),
             PtlCall::CtFree { ni, ct } => w.u8(5).u8(*ni).u32(*ct),
-            PtlCall::CtSet { ni, ct, success, failure } => w.u8(6).u8(*ni).u32(*ct).u64(*success).u64(*failure),
-            PtlCall::CtInc { ni, ct, success, failure } => w.u8(7).u8(*ni).u32(*ct).u64(*success).u64(*failure),
+            PtlCall::CtSet {
+                ni,
+                ct,
+                success,
+                failure,
+            } => w.u8(6).u8(*ni).u32(*ct).u64(*success).u64(*failure),
+            PtlCall::CtInc {
+                ni,
+                ct,
+                success,
+                failure,
+            } => w.u8(7).u8(*ni).u32(*ct).u64(*success).u64(*failure),
             PtlCall::CtCancelTriggered { ni, ct } => w.u8(8).u8(*ni).u32(*ct),
-            PtlCall::CtTriggered { ni, ct, threshold, target, set, success, failure } => {
-                w.u8(9).u8(*ni).u32(*ct).u64(*threshold).u32(*target).u8(*set as u8).u64(*success).u64(*failure)
-            }
-            PtlCall::PtAlloc { ni, options, eq, index } => w.u8(10).u8(*ni).u32(*options).opt(*eq).opt(*index),
+            PtlCall::CtTriggered {
+                ni,
+                ct,
+                threshold,
+                target,
+                set,
+                success,
+                failure,
+            } => w
+                .u8(9)
+                .u8(*ni)
+                .u32(*ct)
+                .u64(*threshold)
+                .u32(*target)
+                .u8(*set as u8)
+                .u64(*success)
+                .u64(*failure),
+            PtlCall::PtAlloc {
+                ni,
+                options,
+                eq,
+                index,
+            } => w.u8(10).u8(*ni).u32(*options).opt(*eq).opt(*index),
             PtlCall::PtFree { ni, index } => w.u8(11).u8(*ni).u32(*index),
-            PtlCall::PtEnable { ni, index, enable } => w.u8(12).u8(*ni).u32(*index).u8(*enable as u8),
-            PtlCall::Append { ni, pt, overflow, user_ptr, me } => w.u8(13).u8(*ni).u32(*pt).u8(*overflow as u8).u64(*user_ptr).me(me),
+            PtlCall::PtEnable { ni, index, enable } => {
+                w.u8(12).u8(*ni).u32(*index).u8(*enable as u8)
+            }
+            PtlCall::Append {
+                ni,
+                pt,
+                overflow,
+                user_ptr,
+                me,
+            } => w
+                .u8(13)
+                .u8(*ni)
+                .u32(*pt)
+                .u8(*overflow as u8)
+                .u64(*user_ptr)
+                .me(me),
             PtlCall::Unlink { ni, handle } => w.u8(14).u8(*ni).u32(*handle),
-            PtlCall::Search { ni, pt, delete, user_ptr, me } => w.u8(15).u8(*ni).u32(*pt).u8(*delete as u8).u64(*user_ptr).me(me),
-            PtlCall::MdBind { ni, region, segments, options, eq, ct } => {
-                w.u8(16).u8(*ni).u32(*region).u32(*options).opt(*eq).opt(*ct).u32(segments.len() as u32);
+            PtlCall::Search {
+                ni,
+                pt,
+                delete,
+                user_ptr,
+                me,
+            } => w
+                .u8(15)
+                .u8(*ni)
+                .u32(*pt)
+                .u8(*delete as u8)
+                .u64(*user_ptr)
+                .me(me),
+            PtlCall::MdBind {
+                ni,
+                region,
+                segments,
+                options,
+                eq,
+                ct,
+            } => {
+                w.u8(16)
+                    .u8(*ni)
+                    .u32(*region)
+                    .u32(*options)
+                    .opt(*eq)
+                    .opt(*ct)
+                    .u32(segments.len() as u32);
                 for (s, l) in segments {
                     w.u64(*s).u64(*l);
                 }
@@ -189,9 +378,21 @@ impl PtlCall {
             }
             PtlCall::MdRelease { ni, md } => w.u8(17).u8(*ni).u32(*md),
             PtlCall::Op { ni, op } => {
-                w.u8(18).u8(*ni).u8(op.kind).u8(op.atomic_op).u8(op.datatype).u8(op.ack_req);
-                w.u32(op.md).u64(op.offset).u64(op.length).opt(op.get_md).u64(op.get_offset);
-                w.u32(op.target_rank).u16(op.target_host).u32(op.pt_index).u64(op.match_bits);
+                w.u8(18)
+                    .u8(*ni)
+                    .u8(op.kind)
+                    .u8(op.atomic_op)
+                    .u8(op.datatype)
+                    .u8(op.ack_req);
+                w.u32(op.md)
+                    .u64(op.offset)
+                    .u64(op.length)
+                    .opt(op.get_md)
+                    .u64(op.get_offset);
+                w.u32(op.target_rank)
+                    .u16(op.target_host)
+                    .u32(op.pt_index)
+                    .u64(op.match_bits);
                 w.u64(op.remote_offset).u64(op.user_ptr).u64(op.hdr_data);
                 let (ct, th) = op.trigger.map_or((NONE, 0), |(c, t)| (c, t));
                 w.u32(ct).u64(th).u8(op.operand.len() as u8);
@@ -207,13 +408,30 @@ impl PtlCall {
         let code = r.u8()?;
         let ni = r.u8()?;
         let call = match code {
-            1 => PtlCall::NiInit { ni, matching: r.u8()? != 0 },
-            2 => PtlCall::EqAlloc { ni, count: r.u32()?, ring: r.buf()? },
+            1 => PtlCall::NiInit {
+                ni,
+                matching: r.u8()? != 0,
+            },
+            2 => PtlCall::EqAlloc {
+                ni,
+                count: r.u32()?,
+                ring: r.buf()?,
+            },
             3 => PtlCall::EqFree { ni, eq: r.u32()? },
             4 => PtlCall::CtAlloc { ni, slot: r.buf()? },
             5 => PtlCall::CtFree { ni, ct: r.u32()? },
-            6 => PtlCall::CtSet { ni, ct: r.u32()?, success: r.u64()?, failure: r.u64()? },
-            7 => PtlCall::CtInc { ni, ct: r.u32()?, success: r.u64()?, failure: r.u64()? },
+            6 => PtlCall::CtSet {
+                ni,
+                ct: r.u32()?,
+                success: r.u64()?,
+                failure: r.u64()?,
+            },
+            7 => PtlCall::CtInc {
+                ni,
+                ct: r.u32()?,
+                success: r.u64()?,
+                failure: r.u64()?,
+            },
             8 => PtlCall::CtCancelTriggered { ni, ct: r.u32()? },
             9 => PtlCall::CtTriggered {
                 ni,
@@ -224,23 +442,66 @@ impl PtlCall {
                 success: r.u64()?,
                 failure: r.u64()?,
             },
-            10 => PtlCall::PtAlloc { ni, options: r.u32()?, eq: r.opt()?, index: r.opt()? },
-            11 => PtlCall::PtFree { ni, index: r.u32()? },
-            12 => PtlCall::PtEnable { ni, index: r.u32()?, enable: r.u8()? != 0 },
-            13 => PtlCall::Append { ni, pt: r.u32()?, overflow: r.u8()? != 0, user_ptr: r.u64()?, me: r.me()? },
-            14 => PtlCall::Unlink { ni, handle: r.u32()? },
-            15 => PtlCall::Search { ni, pt: r.u32()?, delete: r.u8()? != 0, user_ptr: r.u64()?, me: r.me()? },
+            10 => PtlCall::PtAlloc {
+                ni,
+                options: r.u32()?,
+                eq: r.opt()?,
+                index: r.opt()?,
+            },
+            11 => PtlCall::PtFree {
+                ni,
+                index: r.u32()?,
+            },
+            12 => PtlCall::PtEnable {
+                ni,
+                index: r.u32()?,
+                enable: r.u8()? != 0,
+            },
+            13 => PtlCall::Append {
+                ni,
+                pt: r.u32()?,
+                overflow: r.u8()? != 0,
+                user_ptr: r.u64()?,
+                me: r.me()?,
+            },
+            14 => PtlCall::Unlink {
+                ni,
+                handle: r.u32()?,
+            },
+            15 => PtlCall::Search {
+                ni,
+                pt: r.u32()?,
+                delete: r.u8()? != 0,
+                user_ptr: r.u64()?,
+                me: r.me()?,
+            },
             16 => {
-                let (region, options, eq, ct, n) = (r.u32()?, r.u32()?, r.opt()?, r.opt()?, r.u32()?);
+                let (region, options, eq, ct, n) =
+                    (r.u32()?, r.u32()?, r.opt()?, r.opt()?, r.u32()?);
                 if n as usize > r.0.len() / 16 {
                     return Err(BadCall);
                 }
-                let segments = (0..n).map(|_| Ok((r.u64()?, r.u64()?))).collect::<Result<Vec<_>, _>>()?;
-                PtlCall::MdBind { ni, region, segments, options, eq, ct }
+                let segments = (0..n)
+                    .map(|_| Ok((r.u64()?, r.u64()?)))
+                    .collect::<Result<Vec<_>, _>>()?;
+                PtlCall::MdBind {
+                    ni,
+                    region,
+                    segments,
+                    options,
+                    eq,
+                    ct,
+                }
             }
             17 => PtlCall::MdRelease { ni, md: r.u32()? },
             18 => {
-                let mut op = OpArgs { kind: r.u8()?, atomic_op: r.u8()?, datatype: r.u8()?, ack_req: r.u8()?, ..Default::default() };
+                let mut op = OpArgs {
+                    kind: r.u8()?,
+                    atomic_op: r.u8()?,
+                    datatype: r.u8()?,
+                    ack_req: r.u8()?,
+                    ..Default::default()
+                };
                 op.md = r.u32()?;
                 op.offset = r.u64()?;
                 op.length = r.u64()?;
@@ -275,16 +536,91 @@ mod tests {
 
     #[test]
     fn calls_round_trip() {
-        let me = MeArgs { buf: Buf { region: 3, offset: 8, length: 64 }, ct: Some(2), uid: 7, options: 9, match_id: (1, 4, 5), match_bits: 6, ignore_bits: 7, min_free: 8 };
-        let op = OpArgs { kind: 4, atomic_op: 11, datatype: 7, ack_req: 1, md: 1, offset: 2, length: 8, get_md: Some(3), get_offset: 4, target_rank: 5, target_host: 1, pt_index: 6, match_bits: 7, remote_offset: 8, user_ptr: 9, hdr_data: 10, operand: vec![1; 8], trigger: Some((4, 100)) };
+        let me = MeArgs {
+            buf: Buf {
+                region: 3,
+                offset: 8,
+                length: 64,
+            },
+            ct: Some(2),
+            uid: 7,
+            options: 9,
+            match_id: (1, 4, 5),
+            match_bits: 6,
+            ignore_bits: 7,
+            min_free: 8,
+        };
+        let op = OpArgs {
+            kind: 4,
+            atomic_op: 11,
+            datatype: 7,
+            ack_req: 1,
+            md: 1,
+            offset: 2,
+            length: 8,
+            get_md: Some(3),
+            get_offset: 4,
+            target_rank: 5,
+            target_host: 1,
+            pt_index: 6,
+            match_bits: 7,
+            remote_offset: 8,
+            user_ptr: 9,
+            hdr_data: 10,
+            operand: vec![1; 8],
+            trigger: Some((4, 100)),
+        };
         for c in [
-            PtlCall::NiInit { ni: 1, matching: true },
-            PtlCall::EqAlloc { ni: 0, count: 64, ring: Buf { region: 2, offset: 0, length: 4096 } },
-            PtlCall::CtTriggered { ni: 0, ct: 1, threshold: 5, target: 2, set: true, success: 3, failure: 0 },
-            PtlCall::PtAlloc { ni: 0, options: 1, eq: None, index: Some(4) },
-            PtlCall::Append { ni: 0, pt: 4, overflow: true, user_ptr: 99, me },
-            PtlCall::Search { ni: 0, pt: 4, delete: false, user_ptr: 9, me },
-            PtlCall::MdBind { ni: 0, region: 1, segments: vec![(0, 8), (16, 8)], options: 1, eq: Some(1), ct: None },
+            PtlCall::NiInit {
+                ni: 1,
+                matching: true,
+            },
+            PtlCall::EqAlloc {
+                ni: 0,
+                count: 64,
+                ring: Buf {
+                    region: 2,
+                    offset: 0,
+                    length: 4096,
+                },
+            },
+            PtlCall::CtTriggered {
+                ni: 0,
+                ct: 1,
+                threshold: 5,
+                target: 2,
+                set: true,
+                success: 3,
+                failure: 0,
+            },
+            PtlCall::PtAlloc {
+                ni: 0,
+                options: 1,
+                eq: None,
+                index: Some(4),
+            },
+            PtlCall::Append {
+                ni: 0,
+                pt: 4,
+                overflow: true,
+                user_ptr: 99,
+                me,
+            },
+            PtlCall::Search {
+                ni: 0,
+                pt: 4,
+                delete: false,
+                user_ptr: 9,
+                me,
+            },
+            PtlCall::MdBind {
+                ni: 0,
+                region: 1,
+                segments: vec![(0, 8), (16, 8)],
+                options: 1,
+                eq: Some(1),
+                ct: None,
+            },
             PtlCall::Op { ni: 0, op },
         ] {
             assert_eq!(PtlCall::decode(&c.encode()), Ok(c));

@@ -19,11 +19,16 @@ pub struct EventQueue {
 
 impl EventQueue {
     pub fn new(cap: usize) -> EventQueue {
-                EventQueue { cap, events: VecDeque::with_capacity(cap.min(4096)), dropped: false, external: 0 }
+        EventQueue {
+            cap,
+            events: VecDeque::with_capacity(cap.min(4096)),
+            dropped: false,
+            external: 0,
+        }
     }
 
     /// Room for `n` more events.
-        pub fn has_room(&self, n: usize) -> bool {
+    pub fn has_room(&self, n: usize) -> bool {
         self.events.len() + self.external + n <= self.cap
     }
 
@@ -38,7 +43,7 @@ impl EventQueue {
     }
 
     /// Posts an event; a full queue drops it (and says so on the next read).
-        pub fn push(&mut self, e: Event) -> bool {
+    pub fn push(&mut self, e: Event) -> bool {
         if self.events.len() + self.external >= self.cap {
             self.dropped = true;
             return false;

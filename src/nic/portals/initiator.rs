@@ -303,7 +303,7 @@ impl PortalsNi {
         }
     }
 
-        /// Operations in flight.
+    /// Operations in flight.
     pub fn outgoing_len(&self) -> usize {
         self.outgoing.live
     }
@@ -311,9 +311,20 @@ impl PortalsNi {
     /// Fails every operation in flight whose spec `pred` selects (its target died), as if the
     /// target had answered `ni_fail`.
     pub fn fail_outgoing(&mut self, pred: impl Fn(&OpSpec) -> bool, ni_fail: NiFail) {
-        let ids: Vec<u32> = self.outgoing.handles().filter(|&h| self.outgoing.get(h).is_some_and(|o| pred(&o.spec))).collect();
+        let ids: Vec<u32> = self
+            .outgoing
+            .handles()
+            .filter(|&h| self.outgoing.get(h).is_some_and(|o| pred(&o.spec)))
+            .collect();
         for id in ids {
-            self.complete(id, &Response { ni_fail, ack: true, ..Default::default() });
+            self.complete(
+                id,
+                &Response {
+                    ni_fail,
+                    ack: true,
+                    ..Default::default()
+                },
+            );
         }
     }
 

@@ -126,9 +126,13 @@ impl<T> Slots<T> {
             .filter(|s| s.0 == g)
             .and_then(|s| s.1.as_mut())
     }
-        /// Handles of the live objects.
+    /// Handles of the live objects.
     pub(super) fn handles(&self) -> impl Iterator<Item = u32> + '_ {
-        self.items.iter().enumerate().filter(|(_, s)| s.1.is_some()).map(|(i, s)| (s.0 << 24) | i as u32)
+        self.items
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| s.1.is_some())
+            .map(|(i, s)| (s.0 << 24) | i as u32)
     }
 
     pub(super) fn remove(&mut self, h: u32) -> Option<T> {
@@ -153,7 +157,7 @@ pub struct PortalsNi {
     pub(super) outgoing: Slots<Outgoing>,
     pub(super) triggered: Vec<Triggered>,
     /// Triggered operations that fired, for the daemon to start.
-        pub(super) fired: VecDeque<OpSpec>,
+    pub(super) fired: VecDeque<OpSpec>,
     /// Counting events changed since the last [`PortalsNi::take_dirty_cts`].
     dirty_cts: Vec<u32>,
     unexpected_total: usize,
@@ -174,7 +178,7 @@ impl PortalsNi {
             mds: Slots::new(),
             outgoing: Slots::new(),
             triggered: Vec::new(),
-                        fired: VecDeque::new(),
+            fired: VecDeque::new(),
             dirty_cts: Vec::new(),
             unexpected_total: 0,
             dropped: 0,
@@ -227,7 +231,7 @@ impl PortalsNi {
     }
 
     pub fn ct_set(&mut self, ct: u32, v: CtEvent) -> Result<(), PtlError> {
-                *self.cts.get_mut(ct).ok_or(PtlError::ArgInvalid)? = v;
+        *self.cts.get_mut(ct).ok_or(PtlError::ArgInvalid)? = v;
         self.mark_ct(ct);
         self.fire_triggered(ct);
         Ok(())
@@ -240,7 +244,7 @@ impl PortalsNi {
     }
 
     /// Every counting-event change goes through here, so triggered operations see it.
-        pub(super) fn bump_ct(&mut self, ct: u32, by: CtEvent) {
+    pub(super) fn bump_ct(&mut self, ct: u32, by: CtEvent) {
         if let Some(c) = self.cts.get_mut(ct) {
             c.inc(by);
             self.mark_ct(ct);
@@ -269,7 +273,7 @@ impl PortalsNi {
     }
 
     /// Stores a counting event's value without firing triggers (the trigger loop's own write).
-        pub(super) fn ct_store(&mut self, ct: u32, v: CtEvent) {
+    pub(super) fn ct_store(&mut self, ct: u32, v: CtEvent) {
         if let Some(c) = self.cts.get_mut(ct) {
             *c = v;
             self.mark_ct(ct);

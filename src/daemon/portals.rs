@@ -1,0 +1,554 @@
+//! softnicd's Portals glue: the interfaces of each attached process, the calls they make
+//! through the command ring, Portals messages to and from peers, triggered operations, and the
+//! mirroring of event queues and counting events into the processes' memory.
+
+use std::collections::HashMap;
+
+use crate::nic::memory::Region;
+use crate::nic::portals::matching::ReqKind;
+use crate::nic::portals::triggered::TriggeredAction;
+use crate::nic::portals::wire::{decode_kind, encode_kind, request_ops, response_ops, Whole};
+use crate::nic::portals::{
+    AckReq, CtEvent, List, MatchEntry, NiFail, OpSpec, PortalsNi, ProcessId, PtlError, Response,
+    SearchOp,
+};
+use crate::shm::event_ring::{CtSlot, EventRing};
+use crate::shm::ptl_call::{status_of, MeArgs, OpArgs, PtlCall};
+use crate::shm::CqEntry;
+use crate::transport::PushError;
+use crate::wire::{OpHeader, OpRef, PtlHeader};
+
+use super::host::{Flow, HostNic, OutItem};
+
+/// Interfaces per process (PtlNIInit's `iface` × matching/non-matching: 4 is plenty).
+pub const MAX_NIS: usize = 4;
+
+/// One interface of a process at its NIC, with where its events and counts go.
+pub struct NiState {
+    pub ni: PortalsNi,
+    pub logical: bool,
+    eq_rings: HashMap<u32, EventRing>,
+    ct_slots: HashMap<u32, CtSlot>,
+}
+
+#[derive(Default)]
+pub struct PortalsProc {
+    nis: [Option<NiState>; MAX_NIS],
+}
+
+impl HostNic {
+    fn region_of(&self, job: u32, rank: u32, id: u32) -> Result<Region, PtlError> {
+        self.endpoints
+            .region(job, rank, id)
+            .cloned()
+            .map_err(|_| PtlError::ArgInvalid)
+    }
+
+    fn ni_state(&mut self, job: u32, rank: u32, ni: u8) -> Result<&mut NiState, PtlError> {
+        self.portals
+            .get_mut(&(job, rank))
+            .and_then(|p| p.nis.get_mut((ni & 0x7f) as usize))
+            .and_then(|n| n.as_mut())
+            .ok_or(PtlError::ArgInvalid)
+    }
+
+    fn match_entry(&self, job: u32, rank: u32, m: &MeArgs) -> Result<MatchEntry, PtlError> {
+        let region = self.region_of(job, rank, m.buf.region)?;
+        let match_id = match m.match_id {
+            (0, r, _) => ProcessId::Logical { rank: r },
+            (_, nid, pid) => ProcessId::Physical { nid, pid },
+        };
+        Ok(MatchEntry {
+            region,
+            start: m.buf.offset,
+            length: m.buf.length,
+            ct: m.ct,
+            uid: m.uid,
+            options: m.options,
+            match_id,
+            match_bits: m.match_bits,
+            ignore_bits: m.ignore_bits,
+            min_free: m.min_free,
+        })
+    }
+
+    /// Serves one Portals call of process (job, rank); `client_req` 0 asks for no completion.
+    pub(super) fn ptl_command(
+        &mut self,
+        session: u64,
+        job: u32,
+        rank: u32,
+        client_req: u64,
+        inline: &[u8],
+    ) -> Flow {
+        let r = match PtlCall::decode(inline) {
+            Ok(call) => self.ptl_call(job, rank, call),
+            Err(_) => Err(PtlError::ArgInvalid),
+        };
+        if client_req != 0 {
+            self.raw_completions.push((
+                session,
+                CqEntry {
+                    client_req,
+                    status: status_of(&r),
+                    value: *r.as_ref().unwrap_or(&0),
+                },
+            ));
+        }
+        Flow::Done
+    }
+
+    fn ptl_call(&mut self, job: u32, rank: u32, call: PtlCall) -> Result<u64, PtlError> {
+        let r = match call {
+            PtlCall::NiInit { ni, matching } => {
+                let p = self.portals.entry((job, rank)).or_default();
+                let slot = p
+                    .nis
+                    .get_mut((ni & 0x7f) as usize)
+                    .ok_or(PtlError::ArgInvalid)?;
+                if slot.is_none() {
+                    *slot = Some(NiState {
+                        ni: PortalsNi::new(matching, Default::default()),
+                        logical: ni & 0x80 == 0,
+                        eq_rings: HashMap::new(),
+                        ct_slots: HashMap::new(),
+                    });
+                }
+                return Ok(0);
+            }
+            PtlCall::EqAlloc { ni, count, ring } => {
+                let region = self.region_of(job, rank, ring.region)?;
+                let er =
+                    EventRing::new(region, ring.offset, ring.length).ok_or(PtlError::ArgInvalid)?;
+                if er.capacity() < count as usize {
+                    return Err(PtlError::ArgInvalid);
+                }
+                let s = self.ni_state(job, rank, ni)?;
+                let eq = s.ni.eq_alloc(count as usize)?;
+                s.eq_rings.insert(eq, er);
+                Ok(eq as u64)
+            }
+            PtlCall::EqFree { ni, eq } => {
+                let s = self.ni_state(job, rank, ni)?;
+                s.ni.eq_free(eq)?;
+                s.eq_rings.remove(&eq);
+                Ok(0)
+            }
+            PtlCall::CtAlloc { ni, slot } => {
+                let region = self.region_of(job, rank, slot.region)?;
+                let cs = CtSlot::new(region, slot.offset).ok_or(PtlError::ArgInvalid)?;
+                let s = self.ni_state(job, rank, ni)?;
+                let ct = s.ni.ct_alloc()?;
+                cs.store(CtEvent::default());
+                s.ct_slots.insert(ct, cs);
+                Ok(ct as u64)
+            }
+            PtlCall::CtFree { ni, ct } => {
+                let s = self.ni_state(job, rank, ni)?;
+                s.ni.ct_free(ct)?;
+                s.ct_slots.remove(&ct);
+                Ok(0)
+            }
+            PtlCall::CtSet {
+                ni,
+                ct,
+                success,
+                failure,
+            } => self
+                .ni_state(job, rank, ni)?
+                .ni
+                .ct_set(ct, CtEvent { success, failure })
+                .map(|_| 0),
+            PtlCall::CtInc {
+                ni,
+                ct,
+                success,
+                failure,
+            } => self
+                .ni_state(job, rank, ni)?
+                .ni
+                .ct_inc(ct, CtEvent { success, failure })
+                .map(|_| 0),
+            PtlCall::CtCancelTriggered { ni, ct } => self
+                .ni_state(job, rank, ni)?
+                .ni
+                .ct_cancel_triggered(ct)
+                .map(|_| 0),
+            PtlCall::CtTriggered {
+                ni,
+                ct,
+                threshold,
+                target,
+                set,
+                success,
+                failure,
+            } => {
+                let v = CtEvent { success, failure };
+                let a = if set {
+                    TriggeredAction::CtSet {
+                        ct: target,
+                        value: v,
+                    }
+                } else {
+                    TriggeredAction::CtInc { ct: target, by: v }
+                };
+                self.ni_state(job, rank, ni)?
+                    .ni
+                    .triggered(ct, threshold, a)
+                    .map(|_| 0)
+            }
+            PtlCall::PtAlloc {
+                ni,
+                options,
+                eq,
+                index,
+            } => self
+                .ni_state(job, rank, ni)?
+                .ni
+                .pt_alloc(options, eq, index)
+                .map(u64::from),
+            PtlCall::PtFree { ni, index } => {
+                self.ni_state(job, rank, ni)?.ni.pt_free(index).map(|_| 0)
+            }
+            PtlCall::PtEnable { ni, index, enable } => {
+                let n = &mut self.ni_state(job, rank, ni)?.ni;
+                if enable {
+                    n.pt_enable(index)
+                } else {
+                    n.pt_disable(index)
+                }
+                .map(|_| 0)
+            }
+            PtlCall::Append {
+                ni,
+                pt,
+                overflow,
+                user_ptr,
+                me,
+            } => {
+                let e = self.match_entry(job, rank, &me)?;
+                let list = if overflow {
+                    List::Overflow
+                } else {
+                    List::Priority
+                };
+                self.ni_state(job, rank, ni)?
+                    .ni
+                    .append(pt, e, list, user_ptr)
+                    .map(u64::from)
+            }
+            PtlCall::Unlink { ni, handle } => {
+                self.ni_state(job, rank, ni)?.ni.unlink(handle).map(|_| 0)
+            }
+            PtlCall::Search {
+                ni,
+                pt,
+                delete,
+                user_ptr,
+                me,
+            } => {
+                let e = self.match_entry(job, rank, &me)?;
+                let op = if delete {
+                    SearchOp::SearchDelete
+                } else {
+                    SearchOp::SearchOnly
+                };
+                self.ni_state(job, rank, ni)?
+                    .ni
+                    .search(pt, e, op, user_ptr)
+                    .map(|_| 0)
+            }
+            PtlCall::MdBind {
+                ni,
+                region,
+                segments,
+                options,
+                eq,
+                ct,
+            } => {
+                let r = self.region_of(job, rank, region)?;
+                self.ni_state(job, rank, ni)?
+                    .ni
+                    .md_bind(r, segments, options, eq, ct)
+                    .map(u64::from)
+            }
+            PtlCall::MdRelease { ni, md } => {
+                self.ni_state(job, rank, ni)?.ni.md_release(md).map(|_| 0)
+            }
+            PtlCall::Op { ni, op } => {
+                let spec = op_spec(&op)?;
+                match op.trigger {
+                    Some((ct, threshold)) => self
+                        .ni_state(job, rank, ni)?
+                        .ni
+                        .triggered(ct, threshold, TriggeredAction::Op(spec))
+                        .map(|_| 0),
+                    None => self.ptl_start(job, rank, ni, spec).map(|_| 0),
+                }
+            }
+        };
+        // Calls can release triggered operations (counting-event changes): start them.
+        for ni in 0..MAX_NIS as u8 {
+            self.ptl_run_fired(job, rank, ni);
+        }
+        r
+    }
+
+    /// Starts an operation of (job, rank)'s interface `ni`: to a local target directly, else as
+    /// Portals request ops to the target's host.
+    fn ptl_start(&mut self, job: u32, rank: u32, ni: u8, spec: OpSpec) -> Result<(), PtlError> {
+        let ProcessId::Physical {
+            nid: host,
+            pid: target_rank,
+        } = spec.target
+        else {
+            return Err(PtlError::ArgInvalid);
+        };
+        if host >= self.nhosts as u32 {
+            return Err(PtlError::ArgInvalid);
+        }
+        let host = host as u16;
+        let (kind, aop, dt) = encode_kind(spec.kind);
+        let m = PtlHeader {
+            ni,
+            kind,
+            atomic_op: aop,
+            datatype: dt,
+            pt_index: spec.pt_index,
+            match_bits: spec.match_bits,
+            remote_offset: spec.remote_offset,
+            rlength: spec.length,
+            hdr_data: spec.hdr_data,
+            uid: 0,
+        };
+        let operand = spec.operand.clone();
+        let (id, payload) = self.ni_state(job, rank, ni)?.ni.start(spec)?;
+        let h = OpHeader {
+            job,
+            src_rank: rank,
+            dst_rank: target_rank,
+            req: ((ni as u64) << 32) | id as u64,
+        };
+        if host == self.index {
+            let whole = Whole::Borrowed {
+                h,
+                m,
+                operand: &operand,
+                data: &payload,
+            };
+            let resp = self.ptl_deliver(host, &whole);
+            self.ptl_complete(job, rank, ni, id, &resp);
+            self.ptl_run_fired(job, target_rank, ni);
+        } else {
+            let body = self.transport.body_capacity();
+            for op in request_ops(h, m, &operand, &payload, body) {
+                self.send_owned(host, &op);
+            }
+        }
+        Ok(())
+    }
+
+    /// Serves a whole request at its target interface; the response for its initiator.
+    fn ptl_deliver(&mut self, from_host: u16, whole: &Whole<'_>) -> Response {
+        self.stats.served_portals += 1;
+        let (h, m, ..) = whole.parts();
+        let Ok(s) = self.ni_state(h.job, h.dst_rank, m.ni) else {
+            return Response {
+                ni_fail: NiFail::Undeliverable,
+                ack: true,
+                ..Default::default()
+            };
+        };
+        let initiator = if s.logical {
+            ProcessId::Logical { rank: h.src_rank }
+        } else {
+            ProcessId::Physical {
+                nid: from_host as u32,
+                pid: h.src_rank,
+            }
+        };
+        match whole.request(initiator) {
+            Ok(req) => s.ni.deliver(&req),
+            Err(f) => Response {
+                ni_fail: f,
+                ack: true,
+                ..Default::default()
+            },
+        }
+    }
+
+    fn ptl_complete(&mut self, job: u32, rank: u32, ni: u8, id: u32, resp: &Response) {
+        if let Ok(s) = self.ni_state(job, rank, ni) {
+            s.ni.complete(id, resp);
+        }
+        self.ptl_run_fired(job, rank, ni);
+    }
+
+    /// Starts the operations triggers released on (job, rank)'s interface `ni`.
+    fn ptl_run_fired(&mut self, job: u32, rank: u32, ni: u8) {
+        for _ in 0..1024 {
+            let Some(spec) = self
+                .ni_state(job, rank, ni)
+                .ok()
+                .and_then(|s| s.ni.take_fired())
+            else {
+                return;
+            };
+            if let Err(e) = self.ptl_start(job, rank, ni, spec) {
+                tracing::debug!(host = %self.name, "triggered operation could not start: {e}");
+            }
+        }
+    }
+
+    /// A Portals op from a peer.
+    pub(super) fn ptl_on_op(&mut self, peer: u16, op: &OpRef<'_>) {
+        match op {
+            OpRef::PtlReq { .. } => {
+                let mut asm = std::mem::take(&mut self.ptl_asm);
+                let got = asm.request(peer, op);
+                self.ptl_asm = asm;
+                let (h, resp) = match got {
+                    None => return,
+                    Some(Err((h, f))) => (
+                        h,
+                        Response {
+                            ni_fail: f,
+                            ack: true,
+                            ..Default::default()
+                        },
+                    ),
+                    Some(Ok(whole)) => {
+                        let h = whole.parts().0;
+                        let resp = self.ptl_deliver(peer, &whole);
+                        self.ptl_run_fired(h.job, h.dst_rank, whole.parts().1.ni);
+                        (h, resp)
+                    }
+                };
+                let back = OpHeader {
+                    job: h.job,
+                    src_rank: h.dst_rank,
+                    dst_rank: h.src_rank,
+                    req: h.req,
+                };
+                let body = self.transport.body_capacity();
+                for o in response_ops(back, &resp, body) {
+                    self.send_owned(peer, &o);
+                }
+            }
+            OpRef::PtlResp { h, .. } => {
+                if let Some((req, resp)) = self.ptl_asm.response(peer, op) {
+                    self.ptl_complete(h.job, h.dst_rank, (req >> 32) as u8, req as u32, &resp);
+                }
+            }
+            _ => {}
+        }
+    }
+
+    /// Queues an op for `peer`, in order behind anything already waiting for room.
+    fn send_owned(&mut self, peer: u16, op: &OpRef<'_>) {
+        if self.out[peer as usize].is_empty() {
+            match self.transport.push_op(peer, op) {
+                Ok(()) => return,
+                Err(PushError::Full(_)) => {}
+                Err(_) => return, // dead peer: its operations fail through ptl_peer_dead
+            }
+        }
+        let mut b = vec![0u8; op.encoded_len()];
+        op.encode(&mut b);
+        self.out[peer as usize].push_back(OutItem::Encoded(b));
+    }
+
+    /// Fails every Portals operation aimed at a dead (or restarted) host.
+    pub(super) fn ptl_peer_dead(&mut self, host: u16) {
+        for p in self.portals.values_mut() {
+            for s in p.nis.iter_mut().flatten() {
+                s.ni.fail_outgoing(|spec| matches!(spec.target, ProcessId::Physical { nid, .. } if nid == host as u32), NiFail::Undeliverable);
+            }
+        }
+    }
+
+    /// Moves events into the processes' event rings and counts into their slots; wakes
+    /// sleeping processes that got something. Returns whether anything moved.
+    pub(super) fn ptl_mirror(&mut self) -> bool {
+        let mut moved = false;
+        let mut woken = Vec::new();
+        let mut cts = Vec::new();
+        for (&(job, rank), p) in self.portals.iter_mut() {
+            let mut any = false;
+            for s in p.nis.iter_mut().flatten() {
+                for (&eq, ring) in s.eq_rings.iter_mut() {
+                    let Some(q) = s.ni.eq_mut(eq) else { continue };
+                    while ring
+                        .backlog()
+                        .is_some_and(|b| (b as usize) < ring.capacity())
+                    {
+                        let Some((e, dropped)) = q.take() else { break };
+                        ring.push(&e, dropped);
+                        any = true;
+                    }
+                    q.set_external(ring.backlog().unwrap_or(ring.capacity() as u64) as usize);
+                }
+                cts.clear();
+                s.ni.take_dirty_cts(&mut cts);
+                for (ct, v) in &cts {
+                    if let Some(slot) = s.ct_slots.get(ct) {
+                        slot.store(*v);
+                        any = true;
+                    }
+                }
+            }
+            if any {
+                moved = true;
+                woken.push((job, rank));
+            }
+        }
+        for (job, rank) in woken {
+            if let Ok(ep) = self.endpoints.get(job, rank) {
+                let slot = (ep.session & 0xffff_ffff) as usize;
+                if let Some(Some(s)) = self.sessions.get_mut(slot) {
+                    if let Some(a) = s.attached.as_mut() {
+                        a.rung = true;
+                    }
+                }
+            }
+        }
+        moved
+    }
+}
+
+/// The engine's operation from a call's arguments (target as physical host/rank).
+fn op_spec(op: &OpArgs) -> Result<OpSpec, PtlError> {
+    let m = PtlHeader {
+        kind: op.kind,
+        atomic_op: op.atomic_op,
+        datatype: op.datatype,
+        ..Default::default()
+    };
+    let kind: ReqKind = decode_kind(&m).map_err(|_| PtlError::ArgInvalid)?;
+    let ack_req = match op.ack_req {
+        0 => AckReq::Ack,
+        1 => AckReq::CtAck,
+        2 => AckReq::OcAck,
+        3 => AckReq::NoAck,
+        _ => return Err(PtlError::ArgInvalid),
+    };
+    Ok(OpSpec {
+        kind,
+        md: op.md,
+        offset: op.offset,
+        length: op.length,
+        get_md: op.get_md,
+        get_offset: op.get_offset,
+        ack_req,
+        target: ProcessId::Physical {
+            nid: op.target_host as u32,
+            pid: op.target_rank,
+        },
+        pt_index: op.pt_index,
+        match_bits: op.match_bits,
+        remote_offset: op.remote_offset,
+        user_ptr: op.user_ptr,
+        hdr_data: op.hdr_data,
+        operand: op.operand.clone(),
+    })
+}

@@ -1,0 +1,1077 @@
+//! The Portals 4 API over the soft NIC (`PtlNIInit`, `PtlMEAppend`, `PtlPut`, … in Rust form).
+//!
+//! Matching, data placement and events happen in the NIC (softnicd), as on an offloading NIC:
+//! calls go to it through the command ring; event queues and counting events are read straight
+//! from shared memory the NIC writes. Calls that return handles wait for the NIC's answer;
+//! data movement does not (it is checked here against this process's own MDs and limits, so
+//! the NIC's refusals are for misbehaving clients only).
+//!
+//! Process identifiers: logical NIs name ranks; physical NIs name `(nid, pid)` = (host index,
+//! rank), as `get_phys_id` reports.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use crate::gni::{GniError, MemRegion, Nic};
+use crate::nic::memory::Perms;
+use crate::shm::event_ring::{ring_bytes, CtSlot, EventRing};
+use crate::shm::ptl_call::{result_of, Buf, MeArgs, OpArgs, PtlCall};
+use crate::shm::{Command, CommandKind};
+
+pub use crate::nic::portals::atomic::{AtomicOp, Datatype};
+pub use crate::nic::portals::initiator::md as md_opt;
+pub use crate::nic::portals::types::{me as me_opt, pt as pt_opt, NID_ANY, PID_ANY, RANK_ANY};
+pub use crate::nic::portals::{
+    AckReq, CtEvent, Event, EventKind, Limits, List, NiFail, ProcessId, PtlError, SearchOp,
+};
+
+#[derive(Debug, thiserror::Error)]
+pub enum PortalsError {
+    #[error(transparent)]
+    Ptl(#[from] PtlError),
+    #[error(transparent)]
+    Nic(#[from] GniError),
+}
+
+/// An interface (`ptl_handle_ni_t`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NiHandle(u8);
+
+/// Memory a list entry or MD covers: `len` bytes at `offset` of a registered region.
+#[derive(Clone)]
+pub struct Buffer {
+    pub region: MemRegion,
+    pub offset: u64,
+    pub len: u64,
+}
+
+/// A match list entry (`ptl_me_t`); list entries of non-matching interfaces use the same with
+/// the matching fields ignored.
+#[derive(Clone)]
+pub struct Me {
+    pub buf: Buffer,
+    pub ct: Option<u32>,
+    /// `u32::MAX` lets any user in.
+    pub uid: u32,
+    pub options: u32,
+    pub match_id: ProcessId,
+    pub match_bits: u64,
+    pub ignore_bits: u64,
+    pub min_free: u64,
+}
+
+impl Me {
+    /// An entry over `buf` accepting puts and gets from anyone with exactly `match_bits`.
+    pub fn new(buf: Buffer, match_bits: u64) -> Me {
+        Me {
+            buf,
+            ct: None,
+            uid: u32::MAX,
+            options: me_opt::OP_PUT | me_opt::OP_GET,
+            match_id: ProcessId::Logical { rank: RANK_ANY },
+            match_bits,
+            ignore_bits: 0,
+            min_free: 0,
+        }
+    }
+}
+
+/// A memory descriptor (`ptl_md_t`): pieces of one region (one piece unless `md_opt::IOVEC`).
+#[derive(Clone)]
+pub struct Md {
+    pub region: MemRegion,
+    pub segments: Vec<(u64, u64)>,
+    pub options: u32,
+    pub eq: Option<u32>,
+    pub ct: Option<u32>,
+}
+
+/// Where an operation goes: process, portal index, match bits, offset.
+#[derive(Debug, Clone, Copy)]
+pub struct Target {
+    pub id: ProcessId,
+    pub pt_index: u32,
+    pub match_bits: u64,
+    pub remote_offset: u64,
+}
+
+struct NiInfo {
+    matching: bool,
+    logical: bool,
+    limits: Limits,
+    eqs: HashMap<u32, (EventRing, MemRegion)>,
+    cts: HashMap<u32, CtSlot>,
+    ct_mem: MemRegion,
+    free_ct_slots: Vec<u64>,
+    mds: HashMap<u32, (u64, u32)>,
+}
+
+const CT_SLOTS: usize = 4096;
+
+/// A process's Portals library.
+pub struct Portals {
+    nic: Nic,
+    nis: Vec<Option<NiInfo>>,
+}
+
+impl Portals {
+    /// Attaches to this rank's NIC (collective, as `Nic::init`).
+    pub fn init() -> Result<Portals, PortalsError> {
+        Ok(Self::from_nic(Nic::init()?))
+    }
+
+    pub fn from_nic(nic: Nic) -> Portals {
+        Portals {
+            nic,
+            nis: (0..crate::daemon::PORTALS_MAX_NIS).map(|_| None).collect(),
+        }
+    }
+
+    /// The underlying NIC (registration, rank, size, barrier).
+    pub fn nic(&mut self) -> &mut Nic {
+        &mut self.nic
+    }
+
+    fn cmd(&self) -> Command {
+        Command {
+            kind: CommandKind::Portals,
+            host: self.nic.client().host,
+            ..Default::default()
+        }
+    }
+
+    fn call(&mut self, c: &PtlCall) -> Result<u64, PortalsError> {
+        let b = c.encode();
+        let cmd = Command {
+            len: b.len() as u64,
+            ..self.cmd()
+        };
+        let (status, value) = self.nic.call_raw(cmd, &b)?;
+        Ok(result_of(status, value)?)
+    }
+
+    fn oneway(&mut self, c: &PtlCall) -> Result<(), PortalsError> {
+        let b = c.encode();
+        let cmd = Command {
+            len: b.len() as u64,
+            ..self.cmd()
+        };
+        Ok(self.nic.post_oneway(cmd, &b)?)
+    }
+
+    fn info(&self, ni: NiHandle) -> Result<&NiInfo, PtlError> {
+        self.nis
+            .get(ni.0 as usize & 0x7f)
+            .and_then(|n| n.as_ref())
+            .ok_or(PtlError::ArgInvalid)
+    }
+
+    fn info_mut(&mut self, ni: NiHandle) -> Result<&mut NiInfo, PtlError> {
+        self.nis
+            .get_mut(ni.0 as usize & 0x7f)
+            .and_then(|n| n.as_mut())
+            .ok_or(PtlError::ArgInvalid)
+    }
+
+    // ------------------------------------------------------------------ interfaces
+
+    /// PtlNIInit: a matching or non-matching, logical or physical interface; the actual limits.
+    pub fn ni_init(
+        &mut self,
+        matching: bool,
+        logical: bool,
+    ) -> Result<(NiHandle, Limits), PortalsError> {
+        let idx = (if matching { 0 } else { 1 }) + if logical { 0 } else { 2 };
+        let wire_ni = idx as u8 | if logical { 0 } else { 0x80 };
+        if self.nis[idx].is_none() {
+            self.call(&PtlCall::NiInit {
+                ni: wire_ni,
+                matching,
+            })?;
+            let ct_mem = self.nic.mem_register(CT_SLOTS * 16, Perms(0))?;
+            self.nis[idx] = Some(NiInfo {
+                matching,
+                logical,
+                limits: Limits::default(),
+                eqs: HashMap::new(),
+                cts: HashMap::new(),
+                ct_mem,
+                free_ct_slots: (0..CT_SLOTS as u64).rev().collect(),
+                mds: HashMap::new(),
+            });
+        }
+        let h = NiHandle(idx as u8);
+        Ok((h, self.info(h)?.limits))
+    }
+
+    /// PtlGetId: this process as its interface addresses it.
+    pub fn get_id(&self, ni: NiHandle) -> Result<ProcessId, PtlError> {
+        Ok(if self.info(ni)?.logical {
+            ProcessId::Logical {
+                rank: self.nic.rank(),
+            }
+        } else {
+            self.get_phys_id()
+        })
+    }
+
+    /// PtlGetPhysId.
+    pub fn get_phys_id(&self) -> ProcessId {
+        ProcessId::Physical {
+            nid: self.nic.client().host as u32,
+            pid: self.nic.rank(),
+        }
+    }
+
+    /// PtlGetUid.
+    pub fn get_uid(&self) -> u32 {
+        rustix::process::geteuid().as_raw()
+    }
+
+    /// PtlGetMap: rank → physical identifier, as the launcher placed the job.
+    pub fn get_map(&self) -> Vec<ProcessId> {
+        let job = self.nic.job();
+        job.rank_hosts
+            .iter()
+            .enumerate()
+            .map(|(r, &h)| ProcessId::Physical {
+                nid: h as u32,
+                pid: r as u32,
+            })
+            .collect()
+    }
+
+    /// PtlSetMap: accepted when it agrees with where the job's processes are (the launcher
+    /// decided); any other mapping is PTL_ARG_INVALID.
+    pub fn set_map(&mut self, map: &[ProcessId]) -> Result<(), PtlError> {
+        if map == self.get_map().as_slice() {
+            Ok(())
+        } else {
+            Err(PtlError::ArgInvalid)
+        }
+    }
+
+    /// (host, rank) of a process identifier as the interface names it.
+    fn locate(&self, logical: bool, id: ProcessId) -> Result<(u16, u32), PtlError> {
+        match (logical, id) {
+            (true, ProcessId::Logical { rank }) => Ok((
+                self.nic.rank_host(rank).map_err(|_| PtlError::ArgInvalid)?,
+                rank,
+            )),
+            (false, ProcessId::Physical { nid, pid }) => {
+                let host = self.nic.rank_host(pid).map_err(|_| PtlError::ArgInvalid)?;
+                if host as u32 != nid {
+                    return Err(PtlError::ArgInvalid);
+                }
+                Ok((host, pid))
+            }
+            _ => Err(PtlError::ArgInvalid),
+        }
+    }
+
+    fn wire_ni(&self, ni: NiHandle) -> Result<u8, PtlError> {
+        let i = self.info(ni)?;
+        Ok(ni.0 | if i.logical { 0 } else { 0x80 })
+    }
+
+    // ------------------------------------------------------------------ event queues
+
+    /// PtlEQAlloc.
+    pub fn eq_alloc(&mut self, ni: NiHandle, count: usize) -> Result<u32, PortalsError> {
+        let wni = self.wire_ni(ni)?;
+        if count == 0 || count > 1 << 20 {
+            return Err(PtlError::ArgInvalid.into());
+        }
+        let len = ring_bytes(count);
+        let mem = self.nic.mem_register(len, Perms(0))?;
+        let ring = EventRing::new(region_of(&mem), 0, len as u64).ok_or(PtlError::ArgInvalid)?;
+        let eq = self.call(&PtlCall::EqAlloc {
+            ni: wni,
+            count: count as u32,
+            ring: Buf {
+                region: mem.handle.0,
+                offset: 0,
+                length: len as u64,
+            },
+        })? as u32;
+        self.info_mut(ni)?.eqs.insert(eq, (ring, mem));
+        Ok(eq)
+    }
+
+    /// PtlEQFree.
+    pub fn eq_free(&mut self, ni: NiHandle, eq: u32) -> Result<(), PortalsError> {
+        let wni = self.wire_ni(ni)?;
+        self.call(&PtlCall::EqFree { ni: wni, eq })?;
+        if let Some((_, mem)) = self.info_mut(ni)?.eqs.remove(&eq) {
+            self.nic.mem_deregister(&mem)?;
+        }
+        Ok(())
+    }
+
+    /// PtlEQGet: the next event and whether events were dropped before it (PTL_EQ_DROPPED).
+    pub fn eq_get(&mut self, ni: NiHandle, eq: u32) -> Result<(Event, bool), PtlError> {
+        let (ring, _) = self
+            .info_mut(ni)?
+            .eqs
+            .get_mut(&eq)
+            .ok_or(PtlError::ArgInvalid)?;
+        ring.pop().ok_or(PtlError::EqEmpty)
+    }
+
+    /// PtlEQWait.
+    pub fn eq_wait(&mut self, ni: NiHandle, eq: u32) -> Result<(Event, bool), PortalsError> {
+        self.eq_poll(ni, &[eq], None).map(|(e, d, _)| (e, d))
+    }
+
+    /// PtlEQPoll: the first event of any of `eqs` (and which), waiting up to `timeout`
+    /// (`None`: for ever); PTL_EQ_EMPTY when the time runs out.
+    pub fn eq_poll(
+        &mut self,
+        ni: NiHandle,
+        eqs: &[u32],
+        timeout: Option<Duration>,
+    ) -> Result<(Event, bool, usize), PortalsError> {
+        let start = Instant::now();
+        let mut spins = 0u32;
+        loop {
+            for (i, &eq) in eqs.iter().enumerate() {
+                match self.eq_get(ni, eq) {
+                    Ok((e, d)) => return Ok((e, d, i)),
+                    Err(PtlError::EqEmpty) => {}
+                    Err(e) => return Err(e.into()),
+                }
+            }
+            if timeout.is_some_and(|t| start.elapsed() >= t) {
+                return Err(PtlError::EqEmpty.into());
+            }
+            self.idle(&mut spins, start)?;
+        }
+    }
+
+    /// Adaptive waiting: spin, yield, then sleep on the NIC's doorbell.
+    fn idle(&mut self, spins: &mut u32, start: Instant) -> Result<(), PortalsError> {
+        *spins += 1;
+        self.nic.progress();
+        if *spins < 256 {
+            std::hint::spin_loop();
+        } else if start.elapsed() < Duration::from_micros(500) {
+            std::thread::yield_now();
+        } else {
+            self.nic
+                .client()
+                .sleep_until_news(Duration::from_millis(2))
+                .map_err(GniError::from)?;
+        }
+        Ok(())
+    }
+
+    // ------------------------------------------------------------------ counting events
+
+    /// PtlCTAlloc.
+    pub fn ct_alloc(&mut self, ni: NiHandle) -> Result<u32, PortalsError> {
+        let wni = self.wire_ni(ni)?;
+        let info = self.info_mut(ni)?;
+        let slot = info.free_ct_slots.pop().ok_or(PtlError::NoSpace)?;
+        let mem = info.ct_mem.clone();
+        let r = self.call(&PtlCall::CtAlloc {
+            ni: wni,
+            slot: Buf {
+                region: mem.handle.0,
+                offset: slot * 16,
+                length: 16,
+            },
+        });
+        let info = self.info_mut(ni)?;
+        match r {
+            Ok(ct) => {
+                let cs = CtSlot::new(region_of(&mem), slot * 16).ok_or(PtlError::ArgInvalid)?;
+                info.cts.insert(ct as u32, cs);
+                Ok(ct as u32)
+            }
+            Err(e) => {
+                info.free_ct_slots.push(slot);
+                Err(e)
+            }
+        }
+    }
+
+    /// PtlCTFree.
+    pub fn ct_free(&mut self, ni: NiHandle, ct: u32) -> Result<(), PortalsError> {
+        let wni = self.wire_ni(ni)?;
+        self.call(&PtlCall::CtFree { ni: wni, ct })?;
+        let info = self.info_mut(ni)?;
+        if info.cts.remove(&ct).is_some() {
+            // Slots are not recycled by handle; the NIC stops writing a freed CT's slot.
+        }
+        Ok(())
+    }
+
+    /// PtlCTGet.
+    pub fn ct_get(&self, ni: NiHandle, ct: u32) -> Result<CtEvent, PtlError> {
+        Ok(self
+            .info(ni)?
+            .cts
+            .get(&ct)
+            .ok_or(PtlError::ArgInvalid)?
+            .load())
+    }
+
+    /// PtlCTWait: until the success count reaches `test` or a failure is counted.
+    pub fn ct_wait(&mut self, ni: NiHandle, ct: u32, test: u64) -> Result<CtEvent, PortalsError> {
+        self.ct_poll(ni, &[ct], &[test], None).map(|(v, _)| v)
+    }
+
+    /// PtlCTPoll over several counting events; PTL_CT_NONE_REACHED on timeout.
+    pub fn ct_poll(
+        &mut self,
+        ni: NiHandle,
+        cts: &[u32],
+        tests: &[u64],
+        timeout: Option<Duration>,
+    ) -> Result<(CtEvent, usize), PortalsError> {
+        if cts.len() != tests.len() || cts.is_empty() {
+            return Err(PtlError::ArgInvalid.into());
+        }
+        let start = Instant::now();
+        let mut spins = 0u32;
+        loop {
+            for (i, (&ct, &t)) in cts.iter().zip(tests).enumerate() {
+                let v = self.ct_get(ni, ct)?;
+                if v.reached(t) {
+                    return Ok((v, i));
+                }
+            }
+            if timeout.is_some_and(|t| start.elapsed() >= t) {
+                return Err(PtlError::CtNoneReached.into());
+            }
+            self.idle(&mut spins, start)?;
+        }
+    }
+
+    /// PtlCTSet.
+    pub fn ct_set(&mut self, ni: NiHandle, ct: u32, v: CtEvent) -> Result<(), PortalsError> {
+        let wni = self.wire_ni(ni)?;
+        self.call(&PtlCall::CtSet {
+            ni: wni,
+            ct,
+            success: v.success,
+            failure: v.failure,
+        })
+        .map(|_| ())
+    }
+
+    /// PtlCTInc.
+    pub fn ct_inc(&mut self, ni: NiHandle, ct: u32, by: CtEvent) -> Result<(), PortalsError> {
+        let wni = self.wire_ni(ni)?;
+        self.call(&PtlCall::CtInc {
+            ni: wni,
+            ct,
+            success: by.success,
+            failure: by.failure,
+        })
+        .map(|_| ())
+    }
+
+    /// PtlCTCancelTriggered.
+    pub fn ct_cancel_triggered(&mut self, ni: NiHandle, ct: u32) -> Result<(), PortalsError> {
+        let wni = self.wire_ni(ni)?;
+        self.call(&PtlCall::CtCancelTriggered { ni: wni, ct })
+            .map(|_| ())
+    }
+
+    /// PtlTriggeredCTInc / PtlTriggeredCTSet.
+    pub fn triggered_ct(
+        &mut self,
+        ni: NiHandle,
+        ct: u32,
+        threshold: u64,
+        target: u32,
+        set: bool,
+        v: CtEvent,
+    ) -> Result<(), PortalsError> {
+        let wni = self.wire_ni(ni)?;
+        self.call(&PtlCall::CtTriggered {
+            ni: wni,
+            ct,
+            threshold,
+            target,
+            set,
+            success: v.success,
+            failure: v.failure,
+        })
+        .map(|_| ())
+    }
+
+    // ------------------------------------------------------------------ portal table
+
+    /// PtlPTAlloc (`index: None` is PTL_PT_ANY).
+    pub fn pt_alloc(
+        &mut self,
+        ni: NiHandle,
+        options: u32,
+        eq: Option<u32>,
+        index: Option<u32>,
+    ) -> Result<u32, PortalsError> {
+        let wni = self.wire_ni(ni)?;
+        self.call(&PtlCall::PtAlloc {
+            ni: wni,
+            options,
+            eq,
+            index,
+        })
+        .map(|v| v as u32)
+    }
+
+    pub fn pt_free(&mut self, ni: NiHandle, index: u32) -> Result<(), PortalsError> {
+        let wni = self.wire_ni(ni)?;
+        self.call(&PtlCall::PtFree { ni: wni, index }).map(|_| ())
+    }
+
+    pub fn pt_enable(&mut self, ni: NiHandle, index: u32) -> Result<(), PortalsError> {
+        let wni = self.wire_ni(ni)?;
+        self.call(&PtlCall::PtEnable {
+            ni: wni,
+            index,
+            enable: true,
+        })
+        .map(|_| ())
+    }
+
+    pub fn pt_disable(&mut self, ni: NiHandle, index: u32) -> Result<(), PortalsError> {
+        let wni = self.wire_ni(ni)?;
+        self.call(&PtlCall::PtEnable {
+            ni: wni,
+            index,
+            enable: false,
+        })
+        .map(|_| ())
+    }
+
+    // ------------------------------------------------------------------ list entries
+
+    fn me_args(&self, logical: bool, me: &Me) -> Result<MeArgs, PtlError> {
+        let match_id = match (logical, me.match_id) {
+            (true, ProcessId::Logical { rank }) => (0, rank, 0),
+            (false, ProcessId::Physical { nid, pid }) => (1, nid, pid),
+            _ => return Err(PtlError::ArgInvalid),
+        };
+        Ok(MeArgs {
+            buf: Buf {
+                region: me.buf.region.handle.0,
+                offset: me.buf.offset,
+                length: me.buf.len,
+            },
+            ct: me.ct,
+            uid: me.uid,
+            options: me.options,
+            match_id,
+            match_bits: me.match_bits,
+            ignore_bits: me.ignore_bits,
+            min_free: me.min_free,
+        })
+    }
+
+    /// PtlMEAppend (PtlLEAppend on a non-matching interface).
+    pub fn me_append(
+        &mut self,
+        ni: NiHandle,
+        pt: u32,
+        me: &Me,
+        list: List,
+        user_ptr: u64,
+    ) -> Result<u32, PortalsError> {
+        let wni = self.wire_ni(ni)?;
+        let args = self.me_args(self.info(ni)?.logical, me)?;
+        self.call(&PtlCall::Append {
+            ni: wni,
+            pt,
+            overflow: list == List::Overflow,
+            user_ptr,
+            me: args,
+        })
+        .map(|h| h as u32)
+    }
+
+    /// PtlMEUnlink / PtlLEUnlink.
+    pub fn me_unlink(&mut self, ni: NiHandle, handle: u32) -> Result<(), PortalsError> {
+        let wni = self.wire_ni(ni)?;
+        self.call(&PtlCall::Unlink { ni: wni, handle }).map(|_| ())
+    }
+
+    /// PtlMESearch: results arrive as events (PTL_EVENT_SEARCH or *_OVERFLOW).
+    pub fn me_search(
+        &mut self,
+        ni: NiHandle,
+        pt: u32,
+        me: &Me,
+        op: SearchOp,
+        user_ptr: u64,
+    ) -> Result<(), PortalsError> {
+        let wni = self.wire_ni(ni)?;
+        let args = self.me_args(self.info(ni)?.logical, me)?;
+        self.call(&PtlCall::Search {
+            ni: wni,
+            pt,
+            delete: op == SearchOp::SearchDelete,
+            user_ptr,
+            me: args,
+        })
+        .map(|_| ())
+    }
+
+    // ------------------------------------------------------------------ memory descriptors
+
+    /// PtlMDBind.
+    pub fn md_bind(&mut self, ni: NiHandle, md: &Md) -> Result<u32, PortalsError> {
+        let wni = self.wire_ni(ni)?;
+        let len: u64 = md.segments.iter().map(|s| s.1).sum();
+        let h = self.call(&PtlCall::MdBind {
+            ni: wni,
+            region: md.region.handle.0,
+            segments: md.segments.clone(),
+            options: md.options,
+            eq: md.eq,
+            ct: md.ct,
+        })? as u32;
+        self.info_mut(ni)?.mds.insert(h, (len, md.options));
+        Ok(h)
+    }
+
+    /// PtlMDRelease.
+    pub fn md_release(&mut self, ni: NiHandle, md: u32) -> Result<(), PortalsError> {
+        let wni = self.wire_ni(ni)?;
+        self.call(&PtlCall::MdRelease { ni: wni, md })?;
+        self.info_mut(ni)?.mds.remove(&md);
+        Ok(())
+    }
+
+    // ------------------------------------------------------------------ data movement
+
+    #[allow(clippy::too_many_arguments)]
+    fn op(
+        &mut self,
+        ni: NiHandle,
+        kind: u8,
+        aop: Option<(AtomicOp, Datatype)>,
+        md: u32,
+        offset: u64,
+        length: u64,
+        get: Option<(u32, u64)>,
+        ack_req: AckReq,
+        t: Target,
+        user_ptr: u64,
+        hdr_data: u64,
+        operand: &[u8],
+        trigger: Option<(u32, u64)>,
+    ) -> Result<(), PortalsError> {
+        let wni = self.wire_ni(ni)?;
+        let info = self.info(ni)?;
+        let (host, rank) = self.locate(info.logical, t.id)?;
+        let sends = kind != 1;
+        let (mdlen, _) = *info.mds.get(&md).ok_or(PtlError::ArgInvalid)?;
+        if length > info.limits.max_msg_size
+            || (sends && offset.checked_add(length).is_none_or(|e| e > mdlen))
+        {
+            return Err(PtlError::ArgInvalid.into());
+        }
+        if let Some((g, go)) = get {
+            let (glen, _) = *info.mds.get(&g).ok_or(PtlError::ArgInvalid)?;
+            if go.checked_add(length).is_none_or(|e| e > glen) {
+                return Err(PtlError::ArgInvalid.into());
+            }
+        }
+        if let Some((o, d)) = aop {
+            let w = d.size() as u64;
+            if !o.supports(d) || o.is_swap() != (kind == 4) || !length.is_multiple_of(w) {
+                return Err(PtlError::ArgInvalid.into());
+            }
+            if kind == 4 && o != AtomicOp::Swap && (length != w || (operand.len() as u64) < w) {
+                return Err(PtlError::ArgInvalid.into());
+            }
+        }
+        let (atomic_op, datatype) = aop.map_or((0, 0), |(o, d)| (o as u8, d as u8));
+        let op = OpArgs {
+            kind,
+            atomic_op,
+            datatype,
+            ack_req: match ack_req {
+                AckReq::Ack => 0,
+                AckReq::CtAck => 1,
+                AckReq::OcAck => 2,
+                AckReq::NoAck => 3,
+            },
+            md,
+            offset,
+            length,
+            get_md: get.map(|g| g.0),
+            get_offset: get.map_or(0, |g| g.1),
+            target_rank: rank,
+            target_host: host,
+            pt_index: t.pt_index,
+            match_bits: t.match_bits,
+            remote_offset: t.remote_offset,
+            user_ptr,
+            hdr_data,
+            operand: operand.to_vec(),
+            trigger,
+        };
+        let call = PtlCall::Op { ni: wni, op };
+        if trigger.is_some() {
+            self.call(&call).map(|_| ())
+        } else {
+            self.oneway(&call)
+        }
+    }
+
+    /// PtlPut.
+    #[allow(clippy::too_many_arguments)]
+    pub fn put(
+        &mut self,
+        ni: NiHandle,
+        md: u32,
+        offset: u64,
+        length: u64,
+        ack_req: AckReq,
+        t: Target,
+        user_ptr: u64,
+        hdr_data: u64,
+    ) -> Result<(), PortalsError> {
+        self.op(
+            ni,
+            0,
+            None,
+            md,
+            offset,
+            length,
+            None,
+            ack_req,
+            t,
+            user_ptr,
+            hdr_data,
+            &[],
+            None,
+        )
+    }
+
+    /// PtlGet: the reply lands in `md` at `offset`.
+    pub fn get(
+        &mut self,
+        ni: NiHandle,
+        md: u32,
+        offset: u64,
+        length: u64,
+        t: Target,
+        user_ptr: u64,
+    ) -> Result<(), PortalsError> {
+        self.op(
+            ni,
+            1,
+            None,
+            md,
+            offset,
+            length,
+            Some((md, offset)),
+            AckReq::NoAck,
+            t,
+            user_ptr,
+            0,
+            &[],
+            None,
+        )
+    }
+
+    /// PtlAtomic, split at max_atomic_size into several operations when longer.
+    #[allow(clippy::too_many_arguments)]
+    pub fn atomic(
+        &mut self,
+        ni: NiHandle,
+        md: u32,
+        offset: u64,
+        length: u64,
+        ack_req: AckReq,
+        t: Target,
+        user_ptr: u64,
+        hdr_data: u64,
+        op: AtomicOp,
+        dt: Datatype,
+    ) -> Result<(), PortalsError> {
+        let max = self.info(ni)?.limits.max_atomic_size / dt.size() as u64 * dt.size() as u64;
+        let mut done = 0;
+        loop {
+            let n = (length - done).min(max.max(dt.size() as u64));
+            let t2 = Target {
+                remote_offset: t.remote_offset + done,
+                ..t
+            };
+            self.op(
+                ni,
+                2,
+                Some((op, dt)),
+                md,
+                offset + done,
+                n,
+                None,
+                ack_req,
+                t2,
+                user_ptr,
+                hdr_data,
+                &[],
+                None,
+            )?;
+            done += n;
+            if done >= length {
+                return Ok(());
+            }
+        }
+    }
+
+    /// PtlFetchAtomic: old values land in `get_md` at `get_offset`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn fetch_atomic(
+        &mut self,
+        ni: NiHandle,
+        get_md: u32,
+        get_offset: u64,
+        put_md: u32,
+        put_offset: u64,
+        length: u64,
+        t: Target,
+        user_ptr: u64,
+        hdr_data: u64,
+        op: AtomicOp,
+        dt: Datatype,
+    ) -> Result<(), PortalsError> {
+        self.op(
+            ni,
+            3,
+            Some((op, dt)),
+            put_md,
+            put_offset,
+            length,
+            Some((get_md, get_offset)),
+            AckReq::NoAck,
+            t,
+            user_ptr,
+            hdr_data,
+            &[],
+            None,
+        )
+    }
+
+    /// PtlSwap (SWAP, CSWAP*, MSWAP): `operand` is the comparand or mask.
+    #[allow(clippy::too_many_arguments)]
+    pub fn swap(
+        &mut self,
+        ni: NiHandle,
+        get_md: u32,
+        get_offset: u64,
+        put_md: u32,
+        put_offset: u64,
+        length: u64,
+        t: Target,
+        user_ptr: u64,
+        hdr_data: u64,
+        operand: &[u8],
+        op: AtomicOp,
+        dt: Datatype,
+    ) -> Result<(), PortalsError> {
+        self.op(
+            ni,
+            4,
+            Some((op, dt)),
+            put_md,
+            put_offset,
+            length,
+            Some((get_md, get_offset)),
+            AckReq::NoAck,
+            t,
+            user_ptr,
+            hdr_data,
+            operand,
+            None,
+        )
+    }
+
+    /// PtlAtomicSync: atomics issued before it are ordered before operations after it. The NIC
+    /// applies them in issue order per target, so this has nothing to wait for.
+    pub fn atomic_sync(&mut self) -> Result<(), PortalsError> {
+        Ok(())
+    }
+
+    /// PtlTriggeredPut: issued by the NIC once `ct` reaches `threshold`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn triggered_put(
+        &mut self,
+        ni: NiHandle,
+        md: u32,
+        offset: u64,
+        length: u64,
+        ack_req: AckReq,
+        t: Target,
+        user_ptr: u64,
+        hdr_data: u64,
+        ct: u32,
+        threshold: u64,
+    ) -> Result<(), PortalsError> {
+        self.op(
+            ni,
+            0,
+            None,
+            md,
+            offset,
+            length,
+            None,
+            ack_req,
+            t,
+            user_ptr,
+            hdr_data,
+            &[],
+            Some((ct, threshold)),
+        )
+    }
+
+    /// PtlTriggeredGet.
+    #[allow(clippy::too_many_arguments)]
+    pub fn triggered_get(
+        &mut self,
+        ni: NiHandle,
+        md: u32,
+        offset: u64,
+        length: u64,
+        t: Target,
+        user_ptr: u64,
+        ct: u32,
+        threshold: u64,
+    ) -> Result<(), PortalsError> {
+        self.op(
+            ni,
+            1,
+            None,
+            md,
+            offset,
+            length,
+            Some((md, offset)),
+            AckReq::NoAck,
+            t,
+            user_ptr,
+            0,
+            &[],
+            Some((ct, threshold)),
+        )
+    }
+
+    /// PtlTriggeredAtomic.
+    #[allow(clippy::too_many_arguments)]
+    pub fn triggered_atomic(
+        &mut self,
+        ni: NiHandle,
+        md: u32,
+        offset: u64,
+        length: u64,
+        ack_req: AckReq,
+        t: Target,
+        user_ptr: u64,
+        hdr_data: u64,
+        op: AtomicOp,
+        dt: Datatype,
+        ct: u32,
+        threshold: u64,
+    ) -> Result<(), PortalsError> {
+        self.op(
+            ni,
+            2,
+            Some((op, dt)),
+            md,
+            offset,
+            length,
+            None,
+            ack_req,
+            t,
+            user_ptr,
+            hdr_data,
+            &[],
+            Some((ct, threshold)),
+        )
+    }
+
+    /// PtlTriggeredFetchAtomic.
+    #[allow(clippy::too_many_arguments)]
+    pub fn triggered_fetch_atomic(
+        &mut self,
+        ni: NiHandle,
+        get_md: u32,
+        get_offset: u64,
+        put_md: u32,
+        put_offset: u64,
+        length: u64,
+        t: Target,
+        user_ptr: u64,
+        hdr_data: u64,
+        op: AtomicOp,
+        dt: Datatype,
+        ct: u32,
+        threshold: u64,
+    ) -> Result<(), PortalsError> {
+        self.op(
+            ni,
+            3,
+            Some((op, dt)),
+            put_md,
+            put_offset,
+            length,
+            Some((get_md, get_offset)),
+            AckReq::NoAck,
+            t,
+            user_ptr,
+            hdr_data,
+            &[],
+            Some((ct, threshold)),
+        )
+    }
+
+    /// PtlTriggeredSwap.
+    #[allow(clippy::too_many_arguments)]
+    pub fn triggered_swap(
+        &mut self,
+        ni: NiHandle,
+        get_md: u32,
+        get_offset: u64,
+        put_md: u32,
+        put_offset: u64,
+        length: u64,
+        t: Target,
+        user_ptr: u64,
+        hdr_data: u64,
+        operand: &[u8],
+        op: AtomicOp,
+        dt: Datatype,
+        ct: u32,
+        threshold: u64,
+    ) -> Result<(), PortalsError> {
+        self.op(
+            ni,
+            4,
+            Some((op, dt)),
+            put_md,
+            put_offset,
+            length,
+            Some((get_md, get_offset)),
+            AckReq::NoAck,
+            t,
+            user_ptr,
+            hdr_data,
+            operand,
+            Some((ct, threshold)),
+        )
+    }
+
+    /// Whether interface `ni` matches (PTL_NI_MATCHING).
+    pub fn is_matching(&self, ni: NiHandle) -> Result<bool, PtlError> {
+        Ok(self.info(ni)?.matching)
+    }
+}
+
+/// The NIC-memory view of a registered region, for reading rings this process shares.
+fn region_of(m: &MemRegion) -> crate::nic::memory::Region {
+    m.nic_region()
+}

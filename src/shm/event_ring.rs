@@ -1,0 +1,255 @@
+//! Portals event queues and counting events in the process's memory.
+//!
+//! An event ring lives in a region the process registered: a producer index (written by the
+//! daemon) and a consumer index (written by the process) on separate cache lines, then
+//! fixed-size event records. Each side keeps its own index privately and validates the other's.
+//! A counting event is a 16-byte slot (success, failure) the daemon stores after each change.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use crate::nic::memory::Region;
+use crate::nic::portals::atomic::{AtomicOp, Datatype};
+use crate::nic::portals::wire::ni_fail_from;
+use crate::nic::portals::{CtEvent, Event, EventKind, ProcessId};
+use crate::wire::{get_u32, get_u64};
+
+const HEAD: u64 = 0; // consumer (process)
+const TAIL: u64 = 64; // producer (daemon)
+const FIRST: u64 = 128;
+pub const EVENT_LEN: u64 = 96;
+
+/// Bytes an event ring of `count` events takes.
+pub fn ring_bytes(count: usize) -> usize {
+    (FIRST + EVENT_LEN * count as u64) as usize
+}
+
+const KINDS: [EventKind; 16] = [
+    EventKind::Get,
+    EventKind::GetOverflow,
+    EventKind::Put,
+    EventKind::PutOverflow,
+    EventKind::Atomic,
+    EventKind::AtomicOverflow,
+    EventKind::FetchAtomic,
+    EventKind::FetchAtomicOverflow,
+    EventKind::Reply,
+    EventKind::Send,
+    EventKind::Ack,
+    EventKind::PtDisabled,
+    EventKind::Link,
+    EventKind::AutoUnlink,
+    EventKind::AutoFree,
+    EventKind::Search,
+];
+
+fn encode(e: &Event, dropped: bool, b: &mut [u8; EVENT_LEN as usize]) {
+    b.fill(0);
+    b[0] = KINDS.iter().position(|k| *k == e.kind).unwrap_or(0) as u8;
+    b[1] = e.ni_fail as u8;
+    if let Some((o, d)) = e.atomic {
+        b[2] = 1;
+        b[3] = o as u8;
+        b[4] = d as u8;
+    }
+    b[5] = dropped as u8;
+    let (t, x, y) = match e.initiator {
+        ProcessId::Logical { rank } => (0u8, rank, 0),
+        ProcessId::Physical { nid, pid } => (1, nid, pid),
+    };
+    b[6] = t;
+    b[8..12].copy_from_slice(&x.to_le_bytes());
+    b[12..16].copy_from_slice(&y.to_le_bytes());
+    b[16..20].copy_from_slice(&e.pt_index.to_le_bytes());
+    b[20..24].copy_from_slice(&e.uid.to_le_bytes());
+    for (i, v) in [
+        e.match_bits,
+        e.rlength,
+        e.mlength,
+        e.remote_offset,
+        e.start,
+        e.user_ptr,
+        e.hdr_data,
+    ]
+    .iter()
+    .enumerate()
+    {
+        b[24 + i * 8..32 + i * 8].copy_from_slice(&v.to_le_bytes());
+    }
+}
+
+fn decode(b: &[u8]) -> (Event, bool) {
+    let atomic = (b[2] == 1)
+        .then(|| AtomicOp::from_u8(b[3]).zip(Datatype::from_u8(b[4])))
+        .flatten();
+    let initiator = if b[6] == 0 {
+        ProcessId::Logical {
+            rank: get_u32(b, 8),
+        }
+    } else {
+        ProcessId::Physical {
+            nid: get_u32(b, 8),
+            pid: get_u32(b, 12),
+        }
+    };
+    let e = Event {
+        kind: KINDS[(b[0] as usize).min(15)],
+        initiator,
+        pt_index: get_u32(b, 16),
+        uid: get_u32(b, 20),
+        match_bits: get_u64(b, 24),
+        rlength: get_u64(b, 32),
+        mlength: get_u64(b, 40),
+        remote_offset: get_u64(b, 48),
+        start: get_u64(b, 56),
+        user_ptr: get_u64(b, 64),
+        hdr_data: get_u64(b, 72),
+        ni_fail: ni_fail_from(b[1]),
+        atomic,
+    };
+    (e, b[5] != 0)
+}
+
+/// One side's view of an event ring at `base` (of `cap` events) in `region`.
+pub struct EventRing {
+    region: Region,
+    base: u64,
+    cap: u64,
+    /// This side's own index (the producer's tail or the consumer's head).
+    mine: u64,
+}
+
+impl EventRing {
+    /// Checks that `len` bytes at `base` hold a ring of at least one event, 8-aligned.
+    pub fn new(region: Region, base: u64, len: u64) -> Option<EventRing> {
+        if base % 64 != 0 || len < FIRST + EVENT_LEN || region.check_local(base, len).is_err() {
+            return None;
+        }
+        Some(EventRing {
+            region,
+            base,
+            cap: (len - FIRST) / EVENT_LEN,
+            mine: 0,
+        })
+    }
+
+    pub fn capacity(&self) -> usize {
+        self.cap as usize
+    }
+
+    fn index(&self, at: u64) -> &AtomicU64 {
+        self.region
+            .atomic(self.base + at, crate::nic::memory::Perms(0))
+            .expect("aligned, in bounds")
+    }
+
+    // ---- producer (daemon) ----
+
+    /// Events written and not yet consumed, or `None` if the consumer's index is nonsense.
+    pub fn backlog(&self) -> Option<u64> {
+        let head = self.index(HEAD).load(Ordering::Acquire);
+        let used = self.mine.wrapping_sub(head);
+        (used <= self.cap).then_some(used)
+    }
+
+    /// Appends an event; `false` when the ring is full (or its consumer index is corrupt).
+    pub fn push(&mut self, e: &Event, dropped: bool) -> bool {
+        match self.backlog() {
+            Some(used) if used < self.cap => {}
+            _ => return false,
+        }
+        let mut b = [0u8; EVENT_LEN as usize];
+        encode(e, dropped, &mut b);
+        let at = self.base + FIRST + (self.mine % self.cap) * EVENT_LEN;
+        self.region.write(at, &b);
+        self.mine += 1;
+        self.index(TAIL).store(self.mine, Ordering::Release);
+        true
+    }
+
+    // ---- consumer (process) ----
+
+    /// The next event and whether events were dropped before it (PTL_EQ_DROPPED).
+    pub fn pop(&mut self) -> Option<(Event, bool)> {
+        let tail = self.index(TAIL).load(Ordering::Acquire);
+        if tail == self.mine || tail.wrapping_sub(self.mine) > self.cap {
+            return None;
+        }
+        let at = self.base + FIRST + (self.mine % self.cap) * EVENT_LEN;
+        let r = decode(self.region.bytes(at, EVENT_LEN as usize));
+        self.mine += 1;
+        self.index(HEAD).store(self.mine, Ordering::Release);
+        Some(r)
+    }
+
+    pub fn pending(&self) -> bool {
+        self.index(TAIL).load(Ordering::Acquire) != self.mine
+    }
+}
+
+/// A counting event's slot: (success, failure) as two 8-byte words.
+pub struct CtSlot {
+    region: Region,
+    at: u64,
+}
+
+impl CtSlot {
+    pub fn new(region: Region, at: u64) -> Option<CtSlot> {
+        (at % 8 == 0 && region.check_local(at, 16).is_ok()).then_some(CtSlot { region, at })
+    }
+
+    fn word(&self, i: u64) -> &AtomicU64 {
+        self.region
+            .atomic(self.at + i * 8, crate::nic::memory::Perms(0))
+            .expect("checked")
+    }
+
+    pub fn store(&self, v: CtEvent) {
+        self.word(1).store(v.failure, Ordering::Release);
+        self.word(0).store(v.success, Ordering::Release);
+    }
+
+    pub fn load(&self) -> CtEvent {
+        CtEvent {
+            success: self.word(0).load(Ordering::Acquire),
+            failure: self.word(1).load(Ordering::Acquire),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::nic::memory::{HeapBacking, Perms};
+    use crate::nic::portals::NiFail;
+
+    #[test]
+    fn events_flow_and_fill() {
+        let r = Region::new(HeapBacking::new(4096), Perms(0));
+        let mut p = EventRing::new(r.clone(), 64, ring_bytes(3) as u64).unwrap();
+        let mut c = EventRing::new(r, 64, ring_bytes(3) as u64).unwrap();
+        let mut e = Event::bare(EventKind::Put, 4, 77, NiFail::PtDisabled);
+        e.initiator = ProcessId::Physical { nid: 2, pid: 9 };
+        e.atomic = Some((AtomicOp::Sum, Datatype::Double));
+        e.mlength = 12;
+        for i in 0..3 {
+            assert!(p.push(&Event { user_ptr: i, ..e }, i == 1));
+        }
+        assert!(!p.push(&e, false), "full");
+        assert_eq!(c.pop(), Some((Event { user_ptr: 0, ..e }, false)));
+        assert_eq!(c.pop(), Some((Event { user_ptr: 1, ..e }, true)));
+        assert!(p.push(&e, false));
+        assert_eq!(p.backlog(), Some(2));
+    }
+
+    #[test]
+    fn corrupt_consumer_index_is_refused() {
+        let r = Region::new(HeapBacking::new(4096), Perms(0));
+        let mut p = EventRing::new(r.clone(), 0, 1024).unwrap();
+        r.atomic(0, Perms(0))
+            .unwrap()
+            .store(1 << 40, Ordering::SeqCst);
+        assert!(!p.push(&Event::bare(EventKind::Link, 0, 0, NiFail::Ok), false));
+        assert!(EventRing::new(r.clone(), 3, 1024).is_none());
+        assert!(EventRing::new(r, 0, 8192).is_none());
+    }
+}
