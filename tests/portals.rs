@@ -129,3 +129,664 @@ fn put_is_matched_by_the_target_nic_and_acknowledged() {
     }
     s.p.nic().barrier().unwrap();
 }
+
+fn my_rank(s: &Setup) -> u32 {
+    s.p.get_map();
+    match s.p.get_id(s.ni).unwrap() {
+        ProcessId::Logical { rank } => rank,
+        ProcessId::Physical { pid, .. } => pid,
+    }
+}
+
+fn whole(mem: &softnic::gni::MemRegion) -> Buffer {
+    Buffer {
+        region: mem.clone(),
+        offset: 0,
+        len: mem.len() as u64,
+    }
+}
+
+fn md_all(s: &mut Setup, mem: &softnic::gni::MemRegion, options: u32, ct: Option<u32>) -> u32 {
+    s.p.md_bind(
+        s.ni,
+        &Md {
+            region: mem.clone(),
+            segments: vec![(0, mem.len() as u64)],
+            options,
+            eq: Some(s.eq),
+            ct,
+        },
+    )
+    .unwrap()
+}
+
+// ---------------------------------------------------------------- data movement (get, atomics)
+
+#[test]
+fn get_fetch_atomic_and_swap() {
+    if !in_job() {
+        return launch_ok("get_fetch_atomic_and_swap", 2, 2, &[]);
+    }
+    let mut s = setup();
+    let me = my_rank(&s);
+    let mem = s.p.nic().mem_register(4096, Perms::READ_WRITE).unwrap();
+    let pt = s.p.pt_alloc(s.ni, 0, Some(s.eq), None).unwrap();
+    if me == 1 {
+        mem.bytes()[..8].copy_from_slice(&100u64.to_le_bytes());
+        mem.bytes()[64..72].copy_from_slice(b"get me!!");
+        s.p.me_append(s.ni, pt, &Me::new(whole(&mem), 1), List::Priority, 0)
+            .unwrap();
+    }
+    s.p.nic().barrier().unwrap();
+    if me == 0 {
+        let md = md_all(&mut s, &mem, 0, None);
+        s.p.get(s.ni, md, 512, 8, target(1, pt, 1, 64), 1).unwrap();
+        assert_eq!(wait_kind(&mut s, EventKind::Reply).mlength, 8);
+        assert_eq!(&mem.bytes()[512..520], b"get me!!");
+        mem.bytes()[0..8].copy_from_slice(&5u64.to_le_bytes());
+        s.p.fetch_atomic(
+            s.ni,
+            md,
+            1024,
+            md,
+            0,
+            8,
+            target(1, pt, 1, 0),
+            2,
+            0,
+            AtomicOp::Sum,
+            Datatype::Uint64,
+        )
+        .unwrap();
+        let r = wait_kind(&mut s, EventKind::Reply);
+        assert_eq!((r.user_ptr, r.ni_fail), (2, NiFail::Ok));
+        assert_eq!(
+            u64::from_le_bytes(mem.bytes()[1024..1032].try_into().unwrap()),
+            100
+        );
+        // CSWAP: 105 → 7.
+        mem.bytes()[8..16].copy_from_slice(&7u64.to_le_bytes());
+        s.p.swap(
+            s.ni,
+            md,
+            2048,
+            md,
+            8,
+            8,
+            target(1, pt, 1, 0),
+            3,
+            0,
+            &105u64.to_le_bytes(),
+            AtomicOp::Cswap,
+            Datatype::Uint64,
+        )
+        .unwrap();
+        wait_kind(&mut s, EventKind::Reply);
+        assert_eq!(
+            u64::from_le_bytes(mem.bytes()[2048..2056].try_into().unwrap()),
+            105
+        );
+        // A long atomic is split at max_atomic_size and all of it lands.
+        for i in 0..128u64 {
+            mem.bytes()[(i * 8) as usize..(i * 8 + 8) as usize]
+                .copy_from_slice(&1u64.to_le_bytes());
+        }
+        s.p.atomic(
+            s.ni,
+            md,
+            0,
+            1024,
+            AckReq::Ack,
+            target(1, pt, 1, 1024),
+            4,
+            0,
+            AtomicOp::Sum,
+            Datatype::Int64,
+        )
+        .unwrap();
+        wait_kind(&mut s, EventKind::Ack);
+        wait_kind(&mut s, EventKind::Ack);
+    }
+    s.p.nic().barrier().unwrap();
+    if me == 1 {
+        assert_eq!(u64::from_le_bytes(mem.bytes()[0..8].try_into().unwrap()), 7);
+        for i in 0..128usize {
+            assert_eq!(
+                u64::from_le_bytes(mem.bytes()[1024 + i * 8..1032 + i * 8].try_into().unwrap()),
+                1,
+                "element {i}"
+            );
+        }
+    }
+    s.p.nic().barrier().unwrap();
+}
+
+// ---------------------------------------------------------------- overflow, unexpected, search
+
+#[test]
+fn unexpected_messages_overflow_and_search() {
+    if !in_job() {
+        return launch_ok("unexpected_messages_overflow_and_search", 2, 2, &[]);
+    }
+    let mut s = setup();
+    let me = my_rank(&s);
+    let mem = s.p.nic().mem_register(8192, Perms::READ_WRITE).unwrap();
+    let pt = s.p.pt_alloc(s.ni, 0, Some(s.eq), None).unwrap();
+    if me == 1 {
+        let mut ovf = Me::new(whole(&mem), 0);
+        ovf.ignore_bits = u64::MAX;
+        ovf.options |= me_opt::MANAGE_LOCAL;
+        s.p.me_append(s.ni, pt, &ovf, List::Overflow, 50).unwrap();
+    }
+    s.p.nic().barrier().unwrap();
+    if me == 0 {
+        let src = s.p.nic().mem_register(64, Perms::READ_WRITE).unwrap();
+        src.bytes()[..5].copy_from_slice(b"early");
+        let md = md_all(&mut s, &src, 0, None);
+        s.p.put(s.ni, md, 0, 5, AckReq::Ack, target(1, pt, 77, 0), 0, 0)
+            .unwrap();
+        s.p.put(s.ni, md, 0, 5, AckReq::Ack, target(1, pt, 78, 0), 0, 0)
+            .unwrap();
+        wait_kind(&mut s, EventKind::Ack);
+        wait_kind(&mut s, EventKind::Ack);
+    }
+    s.p.nic().barrier().unwrap();
+    if me == 1 {
+        // Both landed in the overflow entry (PUT events for it).
+        assert_eq!(wait_kind(&mut s, EventKind::Put).user_ptr, 50);
+        // Probe for 78 without consuming it, then consume it.
+        let probe = Me::new(
+            Buffer {
+                region: mem.clone(),
+                offset: 0,
+                len: 0,
+            },
+            78,
+        );
+        s.p.me_search(s.ni, pt, &probe, SearchOp::SearchOnly, 1)
+            .unwrap();
+        let e = wait_kind(&mut s, EventKind::Search);
+        assert_eq!((e.ni_fail, e.rlength, e.user_ptr), (NiFail::Ok, 5, 1));
+        s.p.me_search(s.ni, pt, &probe, SearchOp::SearchDelete, 2)
+            .unwrap();
+        assert_eq!(wait_kind(&mut s, EventKind::PutOverflow).match_bits, 78);
+        s.p.me_search(s.ni, pt, &probe, SearchOp::SearchOnly, 3)
+            .unwrap();
+        assert_eq!(
+            wait_kind(&mut s, EventKind::Search).ni_fail,
+            NiFail::NoMatch
+        );
+        // A late append for 77 finds it in the unexpected list: PUT_OVERFLOW, data in the
+        // overflow buffer where the event says.
+        let mut recv = Me::new(
+            Buffer {
+                region: mem.clone(),
+                offset: 4096,
+                len: 64,
+            },
+            77,
+        );
+        recv.options |= me_opt::USE_ONCE;
+        s.p.me_append(s.ni, pt, &recv, List::Priority, 9).unwrap();
+        let e = wait_kind(&mut s, EventKind::PutOverflow);
+        assert_eq!((e.user_ptr, e.mlength), (9, 5));
+        assert_eq!(
+            &mem.bytes()[e.start as usize..e.start as usize + 5],
+            b"early"
+        );
+    }
+    s.p.nic().barrier().unwrap();
+}
+
+// ---------------------------------------------------------------- counting events, triggers
+
+#[test]
+fn counting_event_completion_and_triggered_put_at_the_target_nic() {
+    if !in_job() {
+        return launch_ok(
+            "counting_event_completion_and_triggered_put_at_the_target_nic",
+            2,
+            2,
+            &[],
+        );
+    }
+    let mut s = setup();
+    let me = my_rank(&s);
+    let mem = s.p.nic().mem_register(4096, Perms::READ_WRITE).unwrap();
+    let pt = s.p.pt_alloc(s.ni, 0, Some(s.eq), Some(2)).unwrap();
+    let ct = s.p.ct_alloc(s.ni).unwrap();
+    // Each rank: an ME counting arrivals.
+    let mut e = Me::new(whole(&mem), 3);
+    e.ct = Some(ct);
+    e.options |= me_opt::EVENT_CT_COMM | me_opt::EVENT_COMM_DISABLE | me_opt::EVENT_LINK_DISABLE;
+    s.p.me_append(s.ni, pt, &e, List::Priority, 0).unwrap();
+    if me == 1 {
+        // Rank 1's NIC answers the 10th arrival by itself with a put back to rank 0.
+        mem.bytes()[2048..2052].copy_from_slice(b"pong");
+        let md = md_all(&mut s, &mem, md_opt::EVENT_SEND_DISABLE, None);
+        s.p.triggered_put(
+            s.ni,
+            md,
+            2048,
+            4,
+            AckReq::NoAck,
+            target(0, pt, 3, 3000),
+            0,
+            0,
+            ct,
+            10,
+        )
+        .unwrap();
+    }
+    s.p.nic().barrier().unwrap();
+    if me == 0 {
+        let ack_ct = s.p.ct_alloc(s.ni).unwrap();
+        let md =
+            s.p.md_bind(
+                s.ni,
+                &Md {
+                    region: mem.clone(),
+                    segments: vec![(0, 64)],
+                    options: md_opt::EVENT_CT_ACK | md_opt::EVENT_SEND_DISABLE,
+                    eq: None,
+                    ct: Some(ack_ct),
+                },
+            )
+            .unwrap();
+        for i in 0..10u64 {
+            s.p.put(s.ni, md, 0, 8, AckReq::CtAck, target(1, pt, 3, i * 8), 0, 0)
+                .unwrap();
+        }
+        let v = s.p.ct_wait(s.ni, ack_ct, 10).unwrap();
+        assert_eq!(
+            v,
+            CtEvent {
+                success: 10,
+                failure: 0
+            },
+            "CT-only completion"
+        );
+        // The triggered put arrives without rank 1 doing anything.
+        assert_eq!(s.p.ct_wait(s.ni, ct, 1).unwrap().success, 1);
+        assert_eq!(&mem.bytes()[3000..3004], b"pong");
+        assert!(
+            matches!(s.p.eq_get(s.ni, s.eq), Err(PtlError::EqEmpty)),
+            "no full events were asked for"
+        );
+    }
+    s.p.nic().barrier().unwrap();
+}
+
+// ---------------------------------------------------------------- flow control, EQ overflow
+
+#[test]
+fn flow_control_disables_the_entry_and_recovers() {
+    if !in_job() {
+        return launch_ok("flow_control_disables_the_entry_and_recovers", 2, 2, &[]);
+    }
+    let mut s = setup();
+    let me = my_rank(&s);
+    let mem = s.p.nic().mem_register(4096, Perms::READ_WRITE).unwrap();
+    let pt =
+        s.p.pt_alloc(s.ni, pt_opt::FLOWCTRL, Some(s.eq), Some(7))
+            .unwrap();
+    s.p.nic().barrier().unwrap();
+    let md = md_all(&mut s, &mem, 0, None);
+    if me == 0 {
+        s.p.put(s.ni, md, 0, 8, AckReq::Ack, target(1, pt, 1, 0), 0, 0)
+            .unwrap();
+        assert_eq!(
+            wait_kind(&mut s, EventKind::Ack).ni_fail,
+            NiFail::PtDisabled
+        );
+    }
+    s.p.nic().barrier().unwrap();
+    if me == 1 {
+        assert_eq!(
+            wait_kind(&mut s, EventKind::PtDisabled).ni_fail,
+            NiFail::PtDisabled
+        );
+        // Recovery: post resources, re-enable.
+        s.p.me_append(s.ni, pt, &Me::new(whole(&mem), 1), List::Priority, 0)
+            .unwrap();
+        s.p.pt_enable(s.ni, pt).unwrap();
+    }
+    s.p.nic().barrier().unwrap();
+    if me == 0 {
+        s.p.put(s.ni, md, 0, 8, AckReq::Ack, target(1, pt, 1, 0), 0, 0)
+            .unwrap();
+        assert_eq!(wait_kind(&mut s, EventKind::Ack).ni_fail, NiFail::Ok);
+    }
+    s.p.nic().barrier().unwrap();
+}
+
+#[test]
+fn event_queue_overflow_is_reported() {
+    if !in_job() {
+        return launch_ok("event_queue_overflow_is_reported", 2, 2, &[]);
+    }
+    let mut p = Portals::init().unwrap();
+    let (ni, _) = p.ni_init(true, true).unwrap();
+    let me = p.nic().rank();
+    let small = p.eq_alloc(ni, 4).unwrap();
+    let mem = p.nic().mem_register(4096, Perms::READ_WRITE).unwrap();
+    let pt = p.pt_alloc(ni, 0, Some(small), None).unwrap();
+    if me == 1 {
+        let mut e = Me::new(whole(&mem), 0);
+        e.ignore_bits = u64::MAX;
+        e.options |= me_opt::EVENT_LINK_DISABLE;
+        p.me_append(ni, pt, &e, List::Priority, 0).unwrap();
+    }
+    p.nic().barrier().unwrap();
+    if me == 0 {
+        let eq = p.eq_alloc(ni, 64).unwrap();
+        let md = p
+            .md_bind(
+                ni,
+                &Md {
+                    region: mem.clone(),
+                    segments: vec![(0, 64)],
+                    options: 0,
+                    eq: Some(eq),
+                    ct: None,
+                },
+            )
+            .unwrap();
+        for _ in 0..12 {
+            p.put(ni, md, 0, 8, AckReq::Ack, target(1, pt, 0, 0), 0, 0)
+                .unwrap();
+        }
+        let mut acks = 0;
+        while acks < 12 {
+            if p.eq_wait(ni, eq).unwrap().0.kind == EventKind::Ack {
+                acks += 1;
+            }
+        }
+    }
+    p.nic().barrier().unwrap();
+    if me == 1 {
+        let mut dropped = false;
+        let mut n = 0;
+        while let Ok((_, d)) = p.eq_get(ni, small) {
+            dropped |= d;
+            n += 1;
+        }
+        assert!(n <= 4 && dropped, "{n} events, dropped {dropped}");
+    }
+    p.nic().barrier().unwrap();
+}
+
+// ---------------------------------------------------------------- addressing, self, bad input
+
+#[test]
+fn self_communication_on_one_host() {
+    if !in_job() {
+        return launch_ok("self_communication_on_one_host", 1, 1, &[]);
+    }
+    let mut s = setup();
+    let mem = s.p.nic().mem_register(4096, Perms::READ_WRITE).unwrap();
+    let pt = s.p.pt_alloc(s.ni, 0, Some(s.eq), None).unwrap();
+    s.p.me_append(
+        s.ni,
+        pt,
+        &Me::new(
+            Buffer {
+                region: mem.clone(),
+                offset: 1024,
+                len: 1024,
+            },
+            5,
+        ),
+        List::Priority,
+        0,
+    )
+    .unwrap();
+    mem.bytes()[..4].copy_from_slice(b"self");
+    let md = md_all(&mut s, &mem, 0, None);
+    s.p.put(s.ni, md, 0, 4, AckReq::Ack, target(0, pt, 5, 0), 0, 0)
+        .unwrap();
+    wait_kind(&mut s, EventKind::Ack);
+    assert_eq!(&mem.bytes()[1024..1028], b"self");
+    s.p.get(s.ni, md, 2048, 4, target(0, pt, 5, 0), 0).unwrap();
+    wait_kind(&mut s, EventKind::Reply);
+    assert_eq!(&mem.bytes()[2048..2052], b"self");
+}
+
+#[test]
+fn physical_addressing_and_match_id() {
+    if !in_job() {
+        return launch_ok("physical_addressing_and_match_id", 2, 2, &[]);
+    }
+    let mut p = Portals::init().unwrap();
+    let (ni, _) = p.ni_init(true, false).unwrap();
+    let map = p.get_map();
+    assert_eq!(p.set_map(&map), Ok(()));
+    assert_eq!(p.get_id(ni).unwrap(), p.get_phys_id());
+    let me = p.nic().rank();
+    let eq = p.eq_alloc(ni, 64).unwrap();
+    let mem = p.nic().mem_register(4096, Perms::READ_WRITE).unwrap();
+    let pt = p.pt_alloc(ni, 0, Some(eq), None).unwrap();
+    if me == 1 {
+        let mut e = Me::new(whole(&mem), 1);
+        e.match_id = map[0]; // only rank 0, physically named
+        p.me_append(ni, pt, &e, List::Priority, 0).unwrap();
+    }
+    p.nic().barrier().unwrap();
+    if me == 0 {
+        let md = p
+            .md_bind(
+                ni,
+                &Md {
+                    region: mem.clone(),
+                    segments: vec![(0, 64)],
+                    options: 0,
+                    eq: Some(eq),
+                    ct: None,
+                },
+            )
+            .unwrap();
+        let t = Target {
+            id: map[1],
+            pt_index: pt,
+            match_bits: 1,
+            remote_offset: 0,
+        };
+        p.put(ni, md, 0, 8, AckReq::Ack, t, 0, 0).unwrap();
+        loop {
+            let (e, _) = p.eq_wait(ni, eq).unwrap();
+            if e.kind == EventKind::Ack {
+                assert_eq!(e.ni_fail, NiFail::Ok);
+                break;
+            }
+        }
+        let bad = Target {
+            id: ProcessId::Physical { nid: 99, pid: 1 },
+            ..t
+        };
+        assert!(matches!(
+            p.put(ni, md, 0, 8, AckReq::Ack, bad, 0, 0),
+            Err(PortalsError::Ptl(PtlError::ArgInvalid))
+        ));
+    } else {
+        let (e, _) = loop {
+            let x = p.eq_wait(ni, eq).unwrap();
+            if x.0.kind == EventKind::Put {
+                break x;
+            }
+        };
+        assert_eq!(e.initiator, map[0]);
+    }
+    p.nic().barrier().unwrap();
+}
+
+#[test]
+fn bad_handles_and_arguments_get_return_codes() {
+    if !in_job() {
+        return launch_ok("bad_handles_and_arguments_get_return_codes", 1, 1, &[]);
+    }
+    let mut s = setup();
+    fn ptl<T>(r: Result<T, PortalsError>) -> Option<PtlError> {
+        match r {
+            Err(PortalsError::Ptl(e)) => Some(e),
+            _ => None,
+        }
+    }
+    let mem = s.p.nic().mem_register(4096, Perms::READ_WRITE).unwrap();
+    assert_eq!(
+        ptl(s.p.pt_alloc(s.ni, 0, Some(12345), None)),
+        Some(PtlError::ArgInvalid)
+    );
+    assert_eq!(
+        ptl(s.p.pt_alloc(s.ni, pt_opt::FLOWCTRL, None, None)),
+        Some(PtlError::PtEqNeeded)
+    );
+    let pt = s.p.pt_alloc(s.ni, 0, Some(s.eq), Some(3)).unwrap();
+    assert_eq!(
+        ptl(s.p.pt_alloc(s.ni, 0, Some(s.eq), Some(3))),
+        Some(PtlError::PtInUse)
+    );
+    let h =
+        s.p.me_append(s.ni, pt, &Me::new(whole(&mem), 0), List::Priority, 0)
+            .unwrap();
+    assert_eq!(ptl(s.p.pt_free(s.ni, pt)), Some(PtlError::PtInUse));
+    s.p.me_unlink(s.ni, h).unwrap();
+    assert_eq!(
+        ptl(s.p.me_unlink(s.ni, h)),
+        Some(PtlError::ArgInvalid),
+        "stale handle"
+    );
+    assert_eq!(
+        ptl(s
+            .p
+            .me_append(s.ni, 200, &Me::new(whole(&mem), 0), List::Priority, 0)),
+        Some(PtlError::ArgInvalid)
+    );
+    let big = Me::new(
+        Buffer {
+            region: mem.clone(),
+            offset: 4000,
+            len: 200,
+        },
+        0,
+    );
+    assert_eq!(
+        ptl(s.p.me_append(s.ni, pt, &big, List::Priority, 0)),
+        Some(PtlError::ArgInvalid),
+        "past the region"
+    );
+    let md = md_all(&mut s, &mem, 0, None);
+    assert_eq!(
+        ptl(s
+            .p
+            .put(s.ni, md, 4000, 200, AckReq::Ack, target(0, pt, 0, 0), 0, 0)),
+        Some(PtlError::ArgInvalid)
+    );
+    assert_eq!(
+        ptl(s
+            .p
+            .put(s.ni, 999, 0, 8, AckReq::Ack, target(0, pt, 0, 0), 0, 0)),
+        Some(PtlError::ArgInvalid)
+    );
+    assert_eq!(
+        ptl(s.p.atomic(
+            s.ni,
+            md,
+            0,
+            8,
+            AckReq::Ack,
+            target(0, pt, 0, 0),
+            0,
+            0,
+            AtomicOp::Bxor,
+            Datatype::Double
+        )),
+        Some(PtlError::ArgInvalid)
+    );
+    assert_eq!(s.p.ct_get(s.ni, 4242), Err(PtlError::ArgInvalid));
+    assert_eq!(s.p.eq_get(s.ni, 4242).err(), Some(PtlError::ArgInvalid));
+    while s.p.eq_get(s.ni, s.eq).is_ok() {}
+    let t = std::time::Instant::now();
+    let timeout = std::time::Duration::from_millis(20);
+    assert_eq!(
+        ptl(s.p.eq_poll(s.ni, &[s.eq], Some(timeout))),
+        Some(PtlError::EqEmpty)
+    );
+    assert!(t.elapsed() >= timeout);
+    s.p.pt_free(s.ni, pt).unwrap();
+    assert_eq!(ptl(s.p.pt_free(s.ni, pt)), Some(PtlError::ArgInvalid));
+}
+
+// ---------------------------------------------------------------- ordering under faults
+
+#[test]
+fn messages_are_matched_in_send_order_under_faults() {
+    if !in_job() {
+        return launch_ok(
+            "messages_are_matched_in_send_order_under_faults",
+            2,
+            2,
+            &[
+                "--fault-drop",
+                "0.1",
+                "--fault-duplicate",
+                "0.05",
+                "--fault-seed",
+                "3",
+            ],
+        );
+    }
+    let mut s = setup();
+    let me = my_rank(&s);
+    let mem = s.p.nic().mem_register(8 * 1000, Perms::READ_WRITE).unwrap();
+    let pt = s.p.pt_alloc(s.ni, 0, Some(s.eq), None).unwrap();
+    if me == 1 {
+        let mut e = Me::new(whole(&mem), 9);
+        e.options |= me_opt::MANAGE_LOCAL | me_opt::EVENT_COMM_DISABLE;
+        s.p.me_append(s.ni, pt, &e, List::Priority, 0).unwrap();
+    }
+    s.p.nic().barrier().unwrap();
+    if me == 0 {
+        for k in 0..1000u64 {
+            mem.bytes()[(k * 8) as usize..(k * 8 + 8) as usize].copy_from_slice(&k.to_le_bytes());
+        }
+        let ct = s.p.ct_alloc(s.ni).unwrap();
+        let md =
+            s.p.md_bind(
+                s.ni,
+                &Md {
+                    region: mem.clone(),
+                    segments: vec![(0, 8000)],
+                    options: md_opt::EVENT_CT_ACK | md_opt::EVENT_SEND_DISABLE,
+                    eq: None,
+                    ct: Some(ct),
+                },
+            )
+            .unwrap();
+        for k in 0..1000u64 {
+            s.p.put(s.ni, md, k * 8, 8, AckReq::CtAck, target(1, pt, 9, 0), 0, 0)
+                .unwrap();
+        }
+        assert_eq!(
+            s.p.ct_wait(s.ni, ct, 1000).unwrap(),
+            CtEvent {
+                success: 1000,
+                failure: 0
+            }
+        );
+    }
+    s.p.nic().barrier().unwrap();
+    if me == 1 {
+        for k in 0..1000u64 {
+            assert_eq!(
+                u64::from_le_bytes(
+                    mem.bytes()[(k * 8) as usize..(k * 8 + 8) as usize]
+                        .try_into()
+                        .unwrap()
+                ),
+                k,
+                "message {k} out of order"
+            );
+        }
+    }
+    s.p.nic().barrier().unwrap();
+}

@@ -121,7 +121,10 @@ pub struct EventRing {
 impl EventRing {
     /// Checks that `len` bytes at `base` hold a ring of at least one event, 8-aligned.
     pub fn new(region: Region, base: u64, len: u64) -> Option<EventRing> {
-        if !base.is_multiple_of(64) || len < FIRST + EVENT_LEN || region.check_local(base, len).is_err() {
+        if !base.is_multiple_of(64)
+            || len < FIRST + EVENT_LEN
+            || region.check_local(base, len).is_err()
+        {
             return None;
         }
         Some(EventRing {
@@ -194,7 +197,8 @@ pub struct CtSlot {
 
 impl CtSlot {
     pub fn new(region: Region, at: u64) -> Option<CtSlot> {
-        (at.is_multiple_of(8) && region.check_local(at, 16).is_ok()).then_some(CtSlot { region, at })
+        (at.is_multiple_of(8) && region.check_local(at, 16).is_ok())
+            .then_some(CtSlot { region, at })
     }
 
     fn word(&self, i: u64) -> &AtomicU64 {
