@@ -4,6 +4,7 @@
 //! every rank runs the benchmark and rank 0 reports.
 
 mod gni_bench;
+mod portals_bench;
 mod randomaccess;
 mod raw_udp;
 mod report;
@@ -36,7 +37,7 @@ enum Bench {
 struct Args {
     #[arg(value_enum)]
     bench: Bench,
-    /// raw-udp, gni, or all (default: all).
+    /// raw-udp, gni, portals, or all (default: all).
     #[arg(long)]
     conduit: Option<String>,
     /// gni, raw-udp or all (an alias of --conduit for APIs that are not GASNet conduits).
@@ -137,11 +138,13 @@ fn main() -> anyhow::Result<()> {
         .unwrap_or_else(|| "all".into());
     let want = |name: &str| sel == "all" || sel == name;
     anyhow::ensure!(
-        want("raw-udp") || want("gni"),
-        "unknown --conduit/--api {sel:?}: use raw-udp, gni or all"
+        want("raw-udp") || want("gni") || want("portals"),
+        "unknown --conduit/--api {sel:?}: use raw-udp, gni, portals or all"
     );
     let mut rows: Vec<Row> = Vec::new();
-    let mut nic = Nic::attach(job).context("attaching to the soft NIC")?;
+    let mut portals =
+        softnic::portals::Portals::from_nic(Nic::attach(job).context("attaching to the soft NIC")?);
+    let mut nic = portals.nic();
     let lat_sizes = args
         .sizes
         .clone()
@@ -208,6 +211,24 @@ fn main() -> anyhow::Result<()> {
             }
         }
     }
+    if (lat || bw) && want("portals") && ctx.size >= 2 {
+        let s = portals_bench::setup(&mut portals, max)?;
+        if lat {
+            for &sz in &lat_sizes {
+                rows.extend(portals_bench::put_pingpong(&ctx, &mut portals, &s, sz)?);
+            }
+            for &sz in &lat_sizes {
+                rows.extend(portals_bench::get_like(&ctx, &mut portals, &s, sz, false)?);
+            }
+            rows.extend(portals_bench::get_like(&ctx, &mut portals, &s, 8, true)?);
+        }
+        if bw {
+            for &sz in &bw_sizes {
+                rows.extend(portals_bench::put_bw(&ctx, &mut portals, &s, sz)?);
+            }
+        }
+    }
+    nic = portals.nic();
     if ra && want("gni") {
         for v in [
             randomaccess::Variant::NicAmo,

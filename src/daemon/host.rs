@@ -668,7 +668,7 @@ impl HostNic {
 
     fn on_op(&mut self, now: u64, peer: u16, op: &OpRef<'_>) {
         match op {
-            OpRef::PtlReq { .. } | OpRef::PtlResp { .. } => self.ptl_on_op(peer, op),
+            OpRef::PtlReq { .. } | OpRef::PtlResp { .. } => self.ptl_on_op(now, peer, op),
             OpRef::Put { .. }
             | OpRef::Get { .. }
             | OpRef::Amo { .. }

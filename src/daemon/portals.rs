@@ -20,6 +20,9 @@ use crate::wire::{OpHeader, OpRef, PtlHeader};
 
 use super::host::{Flow, HostNic, OutItem};
 
+/// How long a Portals acknowledgement may wait to share a datagram (ns).
+const ACK_LAZY_NS: u64 = 10_000;
+
 /// Interfaces per process (PtlNIInit's `iface` × matching/non-matching: 4 is plenty).
 pub const MAX_NIS: usize = 4;
 
@@ -342,7 +345,7 @@ impl HostNic {
         } else {
             let body = self.transport.body_capacity();
             for op in request_ops(h, m, &operand, &payload, body) {
-                self.send_owned(host, &op);
+                self.send_owned(host, &op, None);
             }
         }
         Ok(())
@@ -401,7 +404,7 @@ impl HostNic {
     }
 
     /// A Portals op from a peer.
-    pub(super) fn ptl_on_op(&mut self, peer: u16, op: &OpRef<'_>) {
+    pub(super) fn ptl_on_op(&mut self, now: u64, peer: u16, op: &OpRef<'_>) {
         match op {
             OpRef::PtlReq { .. } => {
                 let mut asm = std::mem::take(&mut self.ptl_asm);
@@ -431,8 +434,11 @@ impl HostNic {
                     req: h.req,
                 };
                 let body = self.transport.body_capacity();
+                // An acknowledgement without data may wait a little for company (the answer
+                // of a ping-pong carries it): one datagram less per message each way.
+                let lazy = resp.data.is_empty().then_some(now + ACK_LAZY_NS);
                 for o in response_ops(back, &resp, body) {
-                    self.send_owned(peer, &o);
+                    self.send_owned(peer, &o, lazy);
                 }
             }
             OpRef::PtlResp { h, .. } => {
@@ -445,9 +451,14 @@ impl HostNic {
     }
 
     /// Queues an op for `peer`, in order behind anything already waiting for room.
-    fn send_owned(&mut self, peer: u16, op: &OpRef<'_>) {
+    /// `lazy`: the op may wait until that deadline for other traffic to share a datagram.
+    fn send_owned(&mut self, peer: u16, op: &OpRef<'_>, lazy: Option<u64>) {
         if self.out[peer as usize].is_empty() {
-            match self.transport.push_op(peer, op) {
+            let pushed = match lazy {
+                Some(d) => self.transport.push_op_lazy_until(peer, op, d),
+                None => self.transport.push_op(peer, op),
+            };
+            match pushed {
                 Ok(()) => return,
                 Err(PushError::Full(_)) => {}
                 Err(_) => return, // dead peer: its operations fail through ptl_peer_dead

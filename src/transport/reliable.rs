@@ -115,7 +115,7 @@ struct Peer {
     /// The open datagram holds an op that must go out at the next flush.
     open_eager: bool,
     /// When the first lazy op entered the open datagram.
-    open_lazy_since: Option<u64>,
+    open_lazy_deadline: Option<u64>,
     queued: VecDeque<Vec<u8>>,
     inflight: VecDeque<InFlight>,
     highest_sacked: u64,
@@ -139,7 +139,7 @@ impl Peer {
             next_seq: 1,
             open: None,
             open_eager: false,
-            open_lazy_since: None,
+            open_lazy_deadline: None,
             queued: VecDeque::new(),
             inflight: VecDeque::new(),
             highest_sacked: 0,
@@ -306,7 +306,17 @@ impl Transport {
     /// along with the next eager op to `peer`, or leaves on its own after `lazy_delay`. This
     /// saves a datagram each way in request/response patterns.
     pub fn push_op_lazy(&mut self, peer: u16, op: &OpRef<'_>, now: u64) -> Result<(), PushError> {
-        self.push(peer, op, Some(now))
+        self.push(peer, op, Some(now + self.cfg.lazy_delay))
+    }
+
+    /// Like [`Transport::push_op_lazy`], leaving on its own at `deadline` at the latest.
+    pub fn push_op_lazy_until(
+        &mut self,
+        peer: u16,
+        op: &OpRef<'_>,
+        deadline: u64,
+    ) -> Result<(), PushError> {
+        self.push(peer, op, Some(deadline))
     }
 
     fn push(&mut self, peer: u16, op: &OpRef<'_>, lazy: Option<u64>) -> Result<(), PushError> {
@@ -329,8 +339,9 @@ impl Transport {
         let p = &mut self.peers[peer as usize];
         match lazy {
             None => p.open_eager = true,
-            Some(now) => {
-                p.open_lazy_since.get_or_insert(now);
+            Some(deadline) => {
+                p.open_lazy_deadline =
+                    Some(p.open_lazy_deadline.map_or(deadline, |d| d.min(deadline)));
             }
         }
         let b = p.open.as_mut().expect("just opened");
@@ -346,7 +357,7 @@ impl Transport {
             p.queued.push_back(b);
         }
         p.open_eager = false;
-        p.open_lazy_since = None;
+        p.open_lazy_deadline = None;
     }
 
     /// Seals partly filled datagrams that hold an eager op or a lazy op past its delay, so
@@ -355,10 +366,7 @@ impl Transport {
     pub fn flush(&mut self, now: u64) {
         for i in 0..self.peers.len() {
             let p = &self.peers[i];
-            if p.open_eager
-                || p.open_lazy_since
-                    .is_some_and(|t| now >= t + self.cfg.lazy_delay)
-            {
+            if p.open_eager || p.open_lazy_deadline.is_some_and(|d| now >= d) {
                 self.seal(i as u16);
             }
         }
@@ -590,8 +598,8 @@ impl Transport {
             if let Some(d) = p.ack_due {
                 at(d);
             }
-            if let Some(t) = p.open_lazy_since {
-                at(t + self.cfg.lazy_delay);
+            if let Some(d) = p.open_lazy_deadline {
+                at(d);
             }
             if p.dead {
                 continue;
