@@ -192,22 +192,22 @@ fn main() -> anyhow::Result<()> {
         }
     }
     if (lat || bw) && want("gni") && ctx.size >= 2 {
-        let b = gni_bench::Bufs::new(&mut nic, max)?;
+        let b = gni_bench::Bufs::new(nic, max)?;
         if lat {
             for &s in &lat_sizes {
-                rows.extend(gni_bench::put_pingpong(&ctx, &mut nic, &b, s)?);
+                rows.extend(gni_bench::put_pingpong(&ctx, nic, &b, s)?);
             }
             for &s in &lat_sizes {
-                rows.extend(gni_bench::put_blocking(&ctx, &mut nic, &b, s)?);
+                rows.extend(gni_bench::put_blocking(&ctx, nic, &b, s)?);
             }
             for &s in &lat_sizes {
-                rows.extend(gni_bench::get(&ctx, &mut nic, &b, s)?);
+                rows.extend(gni_bench::get(&ctx, nic, &b, s)?);
             }
-            rows.extend(gni_bench::afadd(&ctx, &mut nic, &b)?);
+            rows.extend(gni_bench::afadd(&ctx, nic, &b)?);
         }
         if bw {
             for &s in &bw_sizes {
-                rows.extend(gni_bench::put_bw(&ctx, &mut nic, &b, s)?);
+                rows.extend(gni_bench::put_bw(&ctx, nic, &b, s)?);
             }
         }
     }
@@ -236,7 +236,7 @@ fn main() -> anyhow::Result<()> {
         ] {
             rows.extend(randomaccess::run(
                 &ctx,
-                &mut nic,
+                nic,
                 args.table_log2,
                 !args.no_verify,
                 v,
