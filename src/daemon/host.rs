@@ -131,7 +131,7 @@ impl HostNic {
             peer_timeout: cfg.cluster.peer_timeout_ms * 1_000_000,
             ..Default::default()
         };
-        let transport = Transport::new(index, nhosts, key, tcfg, rand::random());
+        let mut transport = Transport::new(index, nhosts, key, tcfg, rand::random());
         let peers = cfg.hosts.iter().map(|h| h.addr).collect();
         let addr = cfg.hosts[index as usize].addr;
         let fault = cfg.fault.clone();
@@ -149,6 +149,12 @@ impl HostNic {
                 })?,
             ),
         };
+        if let Driver::Udp(d) = &driver {
+            // Never more in flight than the (peer's, like ours) receive buffer holds: a window
+            // that overflows it turns every burst into loss and recovery.
+            let fits = d.recv_buffer() / (2 * cfg.cluster.mtu);
+            transport.set_window(fits.clamp(16, cfg.cluster.window));
+        }
         let socket_path = cfg.socket_path(index);
         std::fs::create_dir_all(&cfg.cluster.runtime_dir)?;
         let _ = std::fs::remove_file(&socket_path);

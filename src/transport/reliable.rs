@@ -14,6 +14,9 @@ use std::collections::{BTreeMap, VecDeque};
 
 use crate::wire::{DatagramHeader, Key, OpRef, WireError, HEADER_LEN, TAG_LEN};
 
+/// Holes resent per partial ack during timeout recovery.
+const RECOVERY_BURST: usize = 8;
+
 /// Tunables; times in nanoseconds.
 #[derive(Debug, Clone)]
 pub struct TransportConfig {
@@ -119,6 +122,10 @@ struct Peer {
     queued: VecDeque<Vec<u8>>,
     inflight: VecDeque<InFlight>,
     highest_sacked: u64,
+    /// After a timeout: the first sequence number sent after it. Until acks pass it, each
+    /// partial ack resends the next holes at once (NewReno-style), so a run of losses longer
+    /// than the SACK bitmap is repaired in round trips, not in timeouts.
+    recovery: Option<u64>,
     recv_epoch: Option<u32>,
     recv_next: u64,
     reorder: BTreeMap<u64, Vec<u8>>,
@@ -143,6 +150,7 @@ impl Peer {
             queued: VecDeque::new(),
             inflight: VecDeque::new(),
             highest_sacked: 0,
+            recovery: None,
             recv_epoch: None,
             recv_next: 1,
             reorder: BTreeMap::new(),
@@ -241,6 +249,11 @@ impl Transport {
 
     pub fn config(&self) -> &TransportConfig {
         &self.cfg
+    }
+
+    /// Lowers (or restores) the window, e.g. to what the receive buffers hold.
+    pub fn set_window(&mut self, w: usize) {
+        self.cfg.window = w.max(1);
     }
 
     /// Body bytes one datagram can carry.
@@ -488,6 +501,23 @@ impl Transport {
         }
         if !freed.is_empty() {
             p.waiting_since = now;
+            if let Some(r) = p.recovery {
+                if ack >= r {
+                    p.recovery = None;
+                } else {
+                    let gap = p.srtt.unwrap_or(p.rto) / 2;
+                    for f in p
+                        .inflight
+                        .iter_mut()
+                        .filter(|f| !f.sacked && f.seq < r)
+                        .take(RECOVERY_BURST)
+                    {
+                        if now.saturating_sub(f.sent_at) >= gap {
+                            f.resend = true;
+                        }
+                    }
+                }
+            }
         }
         if sack != 0 {
             for f in p.inflight.iter_mut() {
@@ -562,6 +592,7 @@ impl Transport {
             }
             if backoff {
                 p.rto = (p.rto * 2).min(rto_max);
+                p.recovery = Some(p.next_seq);
             }
         }
     }
@@ -576,6 +607,7 @@ impl Transport {
         p.send_epoch = epoch;
         p.next_seq = 1;
         p.highest_sacked = 0;
+        p.recovery = None;
         let mut bufs: Vec<Vec<u8>> = p.queued.drain(..).collect();
         bufs.extend(p.inflight.drain(..).map(|f| f.buf));
         bufs.extend(p.open.take());

@@ -42,6 +42,39 @@ struct TxBatch {
     lens: Vec<usize>,
 }
 
+/// Socket buffers big enough for a full window: as root past `rmem_max`/`wmem_max`
+/// (SO_RCVBUFFORCE), else as large as the kernel allows.
+fn size_buffers(s: &Socket) {
+    const WANT: libc::c_int = 8 << 20;
+    for (force, plain) in [
+        (libc::SO_RCVBUFFORCE, libc::SO_RCVBUF),
+        (libc::SO_SNDBUFFORCE, libc::SO_SNDBUF),
+    ] {
+        // SAFETY: setsockopt with a valid socket and an int option value.
+        let forced = unsafe {
+            libc::setsockopt(
+                s.as_raw_fd(),
+                libc::SOL_SOCKET,
+                force,
+                &WANT as *const _ as *const libc::c_void,
+                std::mem::size_of::<libc::c_int>() as u32,
+            )
+        } == 0;
+        if !forced {
+            // SAFETY: as above; the kernel caps the value at its maximum.
+            unsafe {
+                libc::setsockopt(
+                    s.as_raw_fd(),
+                    libc::SOL_SOCKET,
+                    plain,
+                    &WANT as *const _ as *const libc::c_void,
+                    std::mem::size_of::<libc::c_int>() as u32,
+                );
+            }
+        }
+    }
+}
+
 pub struct UdpDriver {
     sock: mio::net::UdpSocket,
     senders: Vec<Option<std::net::UdpSocket>>,
@@ -65,11 +98,7 @@ impl UdpDriver {
         let s = Socket::new(Domain::for_address(addr), Type::DGRAM, Some(Protocol::UDP))?;
         s.set_reuse_address(true)?;
         // Room for a full window of datagrams in flight; the kernel caps it at rmem_max.
-        for size in [8 << 20, 4 << 20, 1 << 20] {
-            if s.set_recv_buffer_size(size).is_ok() && s.set_send_buffer_size(size).is_ok() {
-                break;
-            }
-        }
+        size_buffers(&s);
         s.set_nonblocking(true)?;
         s.bind(&addr.into())?;
         let senders = peers
@@ -107,6 +136,13 @@ impl UdpDriver {
             fault,
             stats: DriverStats::default(),
         })
+    }
+
+    /// Bytes the receive socket buffer holds (what the kernel granted).
+    pub fn recv_buffer(&self) -> usize {
+        socket2::SockRef::from(&self.sock)
+            .recv_buffer_size()
+            .unwrap_or(212_992)
     }
 
     pub fn socket(&mut self) -> &mut mio::net::UdpSocket {
