@@ -790,3 +790,380 @@ fn messages_are_matched_in_send_order_under_faults() {
     }
     s.p.nic().barrier().unwrap();
 }
+
+// ---------------------------------------------------------------- matching rules via the NIC
+
+#[test]
+fn matching_rules_through_the_nic() {
+    if !in_job() {
+        return launch_ok("matching_rules_through_the_nic", 2, 2, &[]);
+    }
+    let mut s = setup();
+    let me = my_rank(&s);
+    let mem = s.p.nic().mem_register(8192, Perms::READ_WRITE).unwrap();
+    let pt = s.p.pt_alloc(s.ni, 0, Some(s.eq), None).unwrap();
+    if me == 1 {
+        let b = |off, len| Buffer {
+            region: mem.clone(),
+            offset: off,
+            len,
+        };
+        // Ignore bits: low byte insignificant.
+        let mut e = Me::new(b(0, 64), 0x1200);
+        e.ignore_bits = 0xff;
+        s.p.me_append(s.ni, pt, &e, List::Priority, 1).unwrap();
+        // USE_ONCE, then a persistent entry behind it with the same bits.
+        let mut once = Me::new(b(64, 64), 0x2000);
+        once.options |= me_opt::USE_ONCE;
+        s.p.me_append(s.ni, pt, &once, List::Priority, 2).unwrap();
+        s.p.me_append(s.ni, pt, &Me::new(b(128, 64), 0x2000), List::Priority, 3)
+            .unwrap();
+        // Priority before overflow for the same bits.
+        let mut ovf = Me::new(b(4096, 1024), 0x3000);
+        ovf.options |= me_opt::MANAGE_LOCAL;
+        s.p.me_append(s.ni, pt, &ovf, List::Overflow, 4).unwrap();
+        s.p.me_append(s.ni, pt, &Me::new(b(192, 64), 0x3000), List::Priority, 5)
+            .unwrap();
+        // Locally managed with min_free: unlinks when less than 16 bytes remain of 48.
+        let mut ml = Me::new(b(256, 48), 0x4000);
+        ml.options |= me_opt::MANAGE_LOCAL;
+        ml.min_free = 16;
+        s.p.me_append(s.ni, pt, &ml, List::Priority, 6).unwrap();
+        // Truncation: 8 bytes of room.
+        s.p.me_append(s.ni, pt, &Me::new(b(512, 8), 0x5000), List::Priority, 7)
+            .unwrap();
+    }
+    s.p.nic().barrier().unwrap();
+    if me == 0 {
+        let md = md_all(&mut s, &mem, md_opt::EVENT_SEND_DISABLE, None);
+        let mut acks = Vec::new();
+        let mut put = |s: &mut Setup, bits: u64, len: u64| {
+            s.p.put(
+                s.ni,
+                md,
+                0,
+                len,
+                AckReq::Ack,
+                target(1, pt, bits, 0),
+                bits,
+                0,
+            )
+            .unwrap();
+            let e = wait_kind(s, EventKind::Ack);
+            acks.push((bits, e.ni_fail, e.mlength));
+        };
+        put(&mut s, 0x12ab, 8); // ignore bits: matches entry 1
+        put(&mut s, 0x13ab, 8); // dropped
+        put(&mut s, 0x2000, 8); // the use-once entry
+        put(&mut s, 0x2000, 8); // the persistent one behind it
+        put(&mut s, 0x3000, 8); // priority entry, not overflow
+        for _ in 0..3 {
+            put(&mut s, 0x4000, 12); // 12, 24, 36 used: 12 left < 16 → unlinked after the third
+        }
+        put(&mut s, 0x4000, 12); // nothing left to match
+        put(&mut s, 0x5000, 20); // truncated to 8
+        assert_eq!(
+            acks.iter().map(|a| (a.1, a.2)).collect::<Vec<_>>(),
+            [
+                (NiFail::Ok, 8),
+                (NiFail::Dropped, 0),
+                (NiFail::Ok, 8),
+                (NiFail::Ok, 8),
+                (NiFail::Ok, 8),
+                (NiFail::Ok, 12),
+                (NiFail::Ok, 12),
+                (NiFail::Ok, 12),
+                (NiFail::Dropped, 0),
+                (NiFail::Ok, 8),
+            ]
+        );
+    }
+    s.p.nic().barrier().unwrap();
+    if me == 1 {
+        let mut by_entry = Vec::new();
+        let mut unlinked = Vec::new();
+        while let Ok((e, _)) = s.p.eq_get(s.ni, s.eq) {
+            match e.kind {
+                EventKind::Put => by_entry.push((e.user_ptr, e.mlength, e.rlength)),
+                EventKind::AutoUnlink => unlinked.push(e.user_ptr),
+                _ => {}
+            }
+        }
+        assert_eq!(
+            by_entry,
+            [
+                (1, 8, 8),
+                (2, 8, 8),
+                (3, 8, 8),
+                (5, 8, 8),
+                (6, 12, 12),
+                (6, 12, 12),
+                (6, 12, 12),
+                (7, 8, 20)
+            ]
+        );
+        assert_eq!(unlinked, [2, 6]);
+    }
+    s.p.nic().barrier().unwrap();
+}
+
+#[test]
+fn event_sequences_for_each_ack_request() {
+    if !in_job() {
+        return launch_ok("event_sequences_for_each_ack_request", 2, 2, &[]);
+    }
+    let mut s = setup();
+    let me = my_rank(&s);
+    let mem = s.p.nic().mem_register(4096, Perms::READ_WRITE).unwrap();
+    let pt = s.p.pt_alloc(s.ni, 0, Some(s.eq), None).unwrap();
+    if me == 1 {
+        let mut e = Me::new(whole(&mem), 0);
+        e.ignore_bits = u64::MAX;
+        e.options |= me_opt::EVENT_COMM_DISABLE | me_opt::EVENT_LINK_DISABLE;
+        s.p.me_append(s.ni, pt, &e, List::Priority, 0).unwrap();
+    }
+    s.p.nic().barrier().unwrap();
+    if me == 0 {
+        for (ack, want, counted) in [
+            (AckReq::Ack, vec![EventKind::Send, EventKind::Ack], 1),
+            (AckReq::CtAck, vec![EventKind::Send], 1),
+            (AckReq::OcAck, vec![EventKind::Send], 1),
+            (AckReq::NoAck, vec![EventKind::Send], 0),
+        ] {
+            let ct = s.p.ct_alloc(s.ni).unwrap();
+            let md = md_all(&mut s, &mem, md_opt::EVENT_CT_ACK, Some(ct));
+            s.p.put(s.ni, md, 0, 16, ack, target(1, pt, 0, 0), 5, 0)
+                .unwrap();
+            // A get after the put on the same pair completes after it (ordering).
+            let gmd = md_all(&mut s, &mem, md_opt::EVENT_SEND_DISABLE, None);
+            s.p.get(s.ni, gmd, 1024, 8, target(1, pt, 0, 0), 6).unwrap();
+            let mut kinds = Vec::new();
+            loop {
+                let (e, _) = s.p.eq_wait(s.ni, s.eq).unwrap();
+                if e.kind == EventKind::Reply {
+                    break;
+                }
+                kinds.push(e.kind);
+            }
+            assert_eq!(kinds, want, "{ack:?}");
+            assert_eq!(s.p.ct_get(s.ni, ct).unwrap().success, counted, "{ack:?}");
+            s.p.md_release(s.ni, md).unwrap();
+            s.p.md_release(s.ni, gmd).unwrap();
+        }
+    }
+    s.p.nic().barrier().unwrap();
+}
+
+#[test]
+fn every_atomic_op_and_datatype_through_the_nic() {
+    if !in_job() {
+        return launch_ok("every_atomic_op_and_datatype_through_the_nic", 2, 2, &[]);
+    }
+    let mut s = setup();
+    let me = my_rank(&s);
+    let mem = s.p.nic().mem_register(1 << 16, Perms::READ_WRITE).unwrap();
+    let pt = s.p.pt_alloc(s.ni, 0, Some(s.eq), None).unwrap();
+    let ops = [
+        AtomicOp::Min,
+        AtomicOp::Max,
+        AtomicOp::Sum,
+        AtomicOp::Prod,
+        AtomicOp::Lor,
+        AtomicOp::Land,
+        AtomicOp::Bor,
+        AtomicOp::Band,
+        AtomicOp::Lxor,
+        AtomicOp::Bxor,
+        AtomicOp::Swap,
+        AtomicOp::Cswap,
+        AtomicOp::CswapNe,
+        AtomicOp::CswapLe,
+        AtomicOp::CswapLt,
+        AtomicOp::CswapGe,
+        AtomicOp::CswapGt,
+        AtomicOp::Mswap,
+    ];
+    let dts = [
+        Datatype::Int8,
+        Datatype::Uint8,
+        Datatype::Int16,
+        Datatype::Uint16,
+        Datatype::Int32,
+        Datatype::Uint32,
+        Datatype::Int64,
+        Datatype::Uint64,
+        Datatype::Float,
+        Datatype::Double,
+        Datatype::FloatComplex,
+        Datatype::DoubleComplex,
+    ];
+    // Each (op, datatype) case owns 32 bytes of rank 1's memory, pre-filled with a pattern.
+    let initial = |case: usize, i: usize| -> u8 { ((case * 7 + i * 3) % 5) as u8 };
+    let mut cases = Vec::new();
+    for op in ops {
+        for dt in dts {
+            if op.supports(dt) {
+                cases.push((op, dt));
+            }
+        }
+    }
+    if me == 1 {
+        for c in 0..cases.len() {
+            for i in 0..32 {
+                mem.bytes()[c * 32 + i] = initial(c, i);
+            }
+        }
+        let mut e = Me::new(whole(&mem), 0);
+        e.ignore_bits = u64::MAX;
+        e.options |= me_opt::EVENT_COMM_DISABLE;
+        s.p.me_append(s.ni, pt, &e, List::Priority, 0).unwrap();
+    }
+    s.p.nic().barrier().unwrap();
+    // The reference: the same operation applied here to a local copy by the model that the
+    // engine's own unit tests check against an independent definition.
+    let operand_of = |c: usize, w: usize| -> Vec<u8> { (0..w).map(|i| initial(c, i)).collect() };
+    let data_of =
+        |c: usize, len: usize| -> Vec<u8> { (0..len).map(|i| ((c + i) % 4) as u8).collect() };
+    let len_of = |op: AtomicOp, dt: Datatype| {
+        if op.is_swap() && op != AtomicOp::Swap {
+            dt.size()
+        } else {
+            32 / dt.size() * dt.size()
+        }
+    };
+    if me == 0 {
+        let md = md_all(&mut s, &mem, md_opt::EVENT_SEND_DISABLE, None);
+        for (c, &(op, dt)) in cases.iter().enumerate() {
+            let len = len_of(op, dt);
+            mem.bytes()[..len].copy_from_slice(&data_of(c, len));
+            let t = target(1, pt, 0, (c * 32) as u64);
+            if op.is_swap() {
+                s.p.swap(
+                    s.ni,
+                    md,
+                    4096,
+                    md,
+                    0,
+                    len as u64,
+                    t,
+                    c as u64,
+                    0,
+                    &operand_of(c, dt.size()),
+                    op,
+                    dt,
+                )
+                .unwrap();
+                assert_eq!(
+                    wait_kind(&mut s, EventKind::Reply).ni_fail,
+                    NiFail::Ok,
+                    "{op:?} {dt:?}"
+                );
+            } else {
+                s.p.atomic(s.ni, md, 0, len as u64, AckReq::Ack, t, c as u64, 0, op, dt)
+                    .unwrap();
+                assert_eq!(
+                    wait_kind(&mut s, EventKind::Ack).ni_fail,
+                    NiFail::Ok,
+                    "{op:?} {dt:?}"
+                );
+            }
+        }
+    }
+    s.p.nic().barrier().unwrap();
+    if me == 1 {
+        for (c, &(op, dt)) in cases.iter().enumerate() {
+            let len = len_of(op, dt);
+            let mut want = [0u64; 4];
+            let wp = want.as_mut_ptr() as *mut u8;
+            for i in 0..32 {
+                unsafe { *wp.add(i) = initial(c, i) };
+            }
+            unsafe {
+                softnic::nic::portals::atomic::apply(
+                    wp,
+                    op,
+                    dt,
+                    &data_of(c, len),
+                    &operand_of(c, dt.size()),
+                    None,
+                )
+                .unwrap()
+            };
+            let want = unsafe { std::slice::from_raw_parts(wp, 32) };
+            assert_eq!(&mem.bytes()[c * 32..c * 32 + 32], want, "{op:?} on {dt:?}");
+        }
+    }
+    s.p.nic().barrier().unwrap();
+}
+
+#[test]
+fn triggered_chains_across_hosts() {
+    if !in_job() {
+        return launch_ok("triggered_chains_across_hosts", 2, 2, &[]);
+    }
+    let mut s = setup();
+    let me = my_rank(&s);
+    let mem = s.p.nic().mem_register(4096, Perms::READ_WRITE).unwrap();
+    let pt = s.p.pt_alloc(s.ni, 0, Some(s.eq), Some(1)).unwrap();
+    let arrivals = s.p.ct_alloc(s.ni).unwrap();
+    let mut e = Me::new(whole(&mem), 1);
+    e.ct = Some(arrivals);
+    e.options |= me_opt::EVENT_CT_COMM | me_opt::EVENT_COMM_DISABLE | me_opt::EVENT_LINK_DISABLE;
+    s.p.me_append(s.ni, pt, &e, List::Priority, 0).unwrap();
+    if me == 1 {
+        // arrivals ≥ 3 bumps `gate` by 2; gate ≥ 2 fires a put back to rank 0 and sets `done`.
+        let gate = s.p.ct_alloc(s.ni).unwrap();
+        let done = s.p.ct_alloc(s.ni).unwrap();
+        s.p.triggered_ct(
+            s.ni,
+            arrivals,
+            3,
+            gate,
+            false,
+            CtEvent {
+                success: 2,
+                failure: 0,
+            },
+        )
+        .unwrap();
+        mem.bytes()[2000..2005].copy_from_slice(b"chain");
+        let md = md_all(&mut s, &mem, md_opt::EVENT_SEND_DISABLE, None);
+        s.p.triggered_put(
+            s.ni,
+            md,
+            2000,
+            5,
+            AckReq::NoAck,
+            target(0, pt, 1, 100),
+            0,
+            0,
+            gate,
+            2,
+        )
+        .unwrap();
+        s.p.triggered_ct(
+            s.ni,
+            gate,
+            2,
+            done,
+            true,
+            CtEvent {
+                success: 42,
+                failure: 0,
+            },
+        )
+        .unwrap();
+        s.p.nic().barrier().unwrap();
+        assert_eq!(s.p.ct_wait(s.ni, done, 42).unwrap().success, 42);
+    } else {
+        s.p.nic().barrier().unwrap();
+        let md = md_all(&mut s, &mem, md_opt::EVENT_SEND_DISABLE, None);
+        for _ in 0..3 {
+            s.p.put(s.ni, md, 0, 8, AckReq::NoAck, target(1, pt, 1, 0), 0, 0)
+                .unwrap();
+        }
+        assert_eq!(s.p.ct_wait(s.ni, arrivals, 1).unwrap().success, 1);
+        assert_eq!(&mem.bytes()[100..105], b"chain");
+    }
+    s.p.nic().barrier().unwrap();
+}

@@ -592,6 +592,41 @@ impl Portals {
         .map(|h| h as u32)
     }
 
+    /// PtlLEAppend: a list entry on a non-matching interface (match fields ignored).
+    pub fn le_append(
+        &mut self,
+        ni: NiHandle,
+        pt: u32,
+        le: &Me,
+        list: List,
+        user_ptr: u64,
+    ) -> Result<u32, PortalsError> {
+        if self.info(ni)?.matching {
+            return Err(PtlError::ArgInvalid.into());
+        }
+        self.me_append(ni, pt, le, list, user_ptr)
+    }
+
+    /// PtlLEUnlink.
+    pub fn le_unlink(&mut self, ni: NiHandle, handle: u32) -> Result<(), PortalsError> {
+        self.me_unlink(ni, handle)
+    }
+
+    /// PtlLESearch.
+    pub fn le_search(
+        &mut self,
+        ni: NiHandle,
+        pt: u32,
+        le: &Me,
+        op: SearchOp,
+        user_ptr: u64,
+    ) -> Result<(), PortalsError> {
+        if self.info(ni)?.matching {
+            return Err(PtlError::ArgInvalid.into());
+        }
+        self.me_search(ni, pt, le, op, user_ptr)
+    }
+
     /// PtlMEUnlink / PtlLEUnlink.
     pub fn me_unlink(&mut self, ni: NiHandle, handle: u32) -> Result<(), PortalsError> {
         let wni = self.wire_ni(ni)?;
