@@ -131,7 +131,6 @@ fn put_is_matched_by_the_target_nic_and_acknowledged() {
 }
 
 fn my_rank(s: &Setup) -> u32 {
-    s.p.get_map();
     match s.p.get_id(s.ni).unwrap() {
         ProcessId::Logical { rank } => rank,
         ProcessId::Physical { pid, .. } => pid,
@@ -559,8 +558,8 @@ fn physical_addressing_and_match_id() {
     }
     let mut p = Portals::init().unwrap();
     let (ni, _) = p.ni_init(true, false).unwrap();
-    let map = p.get_map();
-    assert_eq!(p.set_map(&map), Ok(()));
+    let map = p.get_map(ni).unwrap();
+    p.set_map(ni, &map).unwrap();
     assert_eq!(p.get_id(ni).unwrap(), p.get_phys_id());
     let me = p.nic().rank();
     let eq = p.eq_alloc(ni, 64).unwrap();
@@ -1164,6 +1163,51 @@ fn triggered_chains_across_hosts() {
         }
         assert_eq!(s.p.ct_wait(s.ni, arrivals, 1).unwrap().success, 1);
         assert_eq!(&mem.bytes()[100..105], b"chain");
+    }
+    s.p.nic().barrier().unwrap();
+}
+
+#[test]
+fn set_map_renames_processes_logically() {
+    if !in_job() {
+        return launch_ok("set_map_renames_processes_logically", 2, 2, &[]);
+    }
+    let mut s = setup();
+    let job_rank = s.p.nic().rank();
+    let map = s.p.get_map(s.ni).unwrap();
+    let reversed = vec![map[1], map[0]];
+    s.p.set_map(s.ni, &reversed).unwrap();
+    assert_eq!(s.p.get_map(s.ni).unwrap(), reversed);
+    // Job rank 0 is now logical 1 and the other way round.
+    assert_eq!(
+        s.p.get_id(s.ni).unwrap(),
+        ProcessId::Logical { rank: 1 - job_rank }
+    );
+    assert!(
+        s.p.set_map(s.ni, &[ProcessId::Physical { nid: 77, pid: 0 }])
+            .is_err(),
+        "not a process of this job"
+    );
+    let mem = s.p.nic().mem_register(4096, Perms::READ_WRITE).unwrap();
+    let pt = s.p.pt_alloc(s.ni, 0, Some(s.eq), None).unwrap();
+    if job_rank == 1 {
+        // Only logical 1 — job rank 0 — may match.
+        let mut e = Me::new(whole(&mem), 3);
+        e.match_id = ProcessId::Logical { rank: 1 };
+        s.p.me_append(s.ni, pt, &e, List::Priority, 0).unwrap();
+    }
+    s.p.nic().barrier().unwrap();
+    if job_rank == 0 {
+        let md = md_all(&mut s, &mem, md_opt::EVENT_SEND_DISABLE, None);
+        // Logical 0 is job rank 1.
+        s.p.put(s.ni, md, 0, 8, AckReq::Ack, target(0, pt, 3, 0), 0, 0)
+            .unwrap();
+        assert_eq!(wait_kind(&mut s, EventKind::Ack).ni_fail, NiFail::Ok);
+    } else {
+        assert_eq!(
+            wait_kind(&mut s, EventKind::Put).initiator,
+            ProcessId::Logical { rank: 1 }
+        );
     }
     s.p.nic().barrier().unwrap();
 }

@@ -30,6 +30,8 @@ pub const MAX_NIS: usize = 4;
 pub struct NiState {
     pub ni: PortalsNi,
     pub logical: bool,
+    /// PtlSetMap: job rank → logical index (none: the identity).
+    logical_of: Option<HashMap<u32, u32>>,
     eq_rings: HashMap<u32, EventRing>,
     ct_slots: HashMap<u32, CtSlot>,
 }
@@ -113,6 +115,7 @@ impl HostNic {
                     *slot = Some(NiState {
                         ni: PortalsNi::new(matching, Default::default()),
                         logical: ni & 0x80 == 0,
+                        logical_of: None,
                         eq_rings: HashMap::new(),
                         ct_slots: HashMap::new(),
                     });
@@ -278,6 +281,15 @@ impl HostNic {
             PtlCall::MdRelease { ni, md } => {
                 self.ni_state(job, rank, ni)?.ni.md_release(md).map(|_| 0)
             }
+            PtlCall::SetMap { ni, ranks } => {
+                let s = self.ni_state(job, rank, ni)?;
+                let mut m = HashMap::with_capacity(ranks.len());
+                for (i, r) in ranks.iter().enumerate() {
+                    m.entry(*r).or_insert(i as u32);
+                }
+                s.logical_of = Some(m);
+                Ok(0)
+            }
             PtlCall::Op { ni, op } => {
                 let spec = op_spec(&op)?;
                 match op.trigger {
@@ -363,7 +375,14 @@ impl HostNic {
             };
         };
         let initiator = if s.logical {
-            ProcessId::Logical { rank: h.src_rank }
+            let rank = s
+                .logical_of
+                .as_ref()
+                .map_or(Some(h.src_rank), |m| m.get(&h.src_rank).copied());
+            // A process outside the map has no logical name here: it matches only RANK_ANY.
+            ProcessId::Logical {
+                rank: rank.unwrap_or(crate::nic::portals::types::RANK_ANY - 1),
+            }
         } else {
             ProcessId::Physical {
                 nid: from_host as u32,

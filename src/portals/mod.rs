@@ -104,6 +104,8 @@ struct NiInfo {
     ct_mem: MemRegion,
     free_ct_slots: Vec<u64>,
     mds: HashMap<u32, (u64, u32)>,
+    /// PtlSetMap's mapping (logical index → physical id), if one was set.
+    map: Option<Vec<ProcessId>>,
 }
 
 const CT_SLOTS: usize = 4096;
@@ -198,6 +200,7 @@ impl Portals {
                 ct_mem,
                 free_ct_slots: (0..CT_SLOTS as u64).rev().collect(),
                 mds: HashMap::new(),
+                map: None,
             });
         }
         let h = NiHandle(idx as u8);
@@ -206,13 +209,19 @@ impl Portals {
 
     /// PtlGetId: this process as its interface addresses it.
     pub fn get_id(&self, ni: NiHandle) -> Result<ProcessId, PtlError> {
-        Ok(if self.info(ni)?.logical {
-            ProcessId::Logical {
-                rank: self.nic.rank(),
-            }
-        } else {
-            self.get_phys_id()
-        })
+        let info = self.info(ni)?;
+        if !info.logical {
+            return Ok(self.get_phys_id());
+        }
+        let me = self.get_phys_id();
+        let rank = match &info.map {
+            Some(m) => m
+                .iter()
+                .position(|p| *p == me)
+                .ok_or(PtlError::ArgInvalid)? as u32,
+            None => self.nic.rank(),
+        };
+        Ok(ProcessId::Logical { rank })
     }
 
     /// PtlGetPhysId.
@@ -228,8 +237,8 @@ impl Portals {
         rustix::process::geteuid().as_raw()
     }
 
-    /// PtlGetMap: rank → physical identifier, as the launcher placed the job.
-    pub fn get_map(&self) -> Vec<ProcessId> {
+    /// The job's placement: rank → physical identifier (host index, rank).
+    fn job_map(&self) -> Vec<ProcessId> {
         let job = self.nic.job();
         job.rank_hosts
             .iter()
@@ -241,32 +250,52 @@ impl Portals {
             .collect()
     }
 
-    /// PtlSetMap: accepted when it agrees with where the job's processes are (the launcher
-    /// decided); any other mapping is PTL_ARG_INVALID.
-    pub fn set_map(&mut self, map: &[ProcessId]) -> Result<(), PtlError> {
-        if map == self.get_map().as_slice() {
-            Ok(())
-        } else {
-            Err(PtlError::ArgInvalid)
-        }
+    /// PtlGetMap: logical index → physical identifier (the job's placement until set).
+    pub fn get_map(&self, ni: NiHandle) -> Result<Vec<ProcessId>, PtlError> {
+        Ok(self.info(ni)?.map.clone().unwrap_or_else(|| self.job_map()))
     }
 
-    /// (host, rank) of a process identifier as the interface names it.
-    fn locate(&self, logical: bool, id: ProcessId) -> Result<(u16, u32), PtlError> {
-        match (logical, id) {
-            (true, ProcessId::Logical { rank }) => Ok((
-                self.nic.rank_host(rank).map_err(|_| PtlError::ArgInvalid)?,
-                rank,
-            )),
-            (false, ProcessId::Physical { nid, pid }) => {
-                let host = self.nic.rank_host(pid).map_err(|_| PtlError::ArgInvalid)?;
-                if host as u32 != nid {
-                    return Err(PtlError::ArgInvalid);
+    /// PtlSetMap: logical index i of interface `ni` names `map[i]`, which must be a physical
+    /// identifier of a process of this job (any order, any subset).
+    pub fn set_map(&mut self, ni: NiHandle, map: &[ProcessId]) -> Result<(), PortalsError> {
+        let wni = self.wire_ni(ni)?;
+        let job = self.job_map();
+        let mut ranks = Vec::with_capacity(map.len());
+        for p in map {
+            match p {
+                ProcessId::Physical { pid, .. } if job.get(*pid as usize) == Some(p) => {
+                    ranks.push(*pid)
                 }
-                Ok((host, pid))
+                _ => return Err(PtlError::ArgInvalid.into()),
             }
-            _ => Err(PtlError::ArgInvalid),
         }
+        self.call(&PtlCall::SetMap { ni: wni, ranks })?;
+        self.info_mut(ni)?.map = Some(map.to_vec());
+        Ok(())
+    }
+
+    /// (host, rank) of a process identifier as interface `ni` names it.
+    fn locate(&self, ni: NiHandle, id: ProcessId) -> Result<(u16, u32), PtlError> {
+        let info = self.info(ni)?;
+        let phys = match (info.logical, id) {
+            (true, ProcessId::Logical { rank }) => match &info.map {
+                Some(m) => *m.get(rank as usize).ok_or(PtlError::ArgInvalid)?,
+                None => *self
+                    .job_map()
+                    .get(rank as usize)
+                    .ok_or(PtlError::ArgInvalid)?,
+            },
+            (false, p @ ProcessId::Physical { .. }) => p,
+            _ => return Err(PtlError::ArgInvalid),
+        };
+        let ProcessId::Physical { nid, pid } = phys else {
+            return Err(PtlError::ArgInvalid);
+        };
+        let host = self.nic.rank_host(pid).map_err(|_| PtlError::ArgInvalid)?;
+        if host as u32 != nid {
+            return Err(PtlError::ArgInvalid);
+        }
+        Ok((host, pid))
     }
 
     fn wire_ni(&self, ni: NiHandle) -> Result<u8, PtlError> {
@@ -701,7 +730,7 @@ impl Portals {
     ) -> Result<(), PortalsError> {
         let wni = self.wire_ni(ni)?;
         let info = self.info(ni)?;
-        let (host, rank) = self.locate(info.logical, t.id)?;
+        let (host, rank) = self.locate(ni, t.id)?;
         let sends = kind != 1;
         let (mdlen, _) = *info.mds.get(&md).ok_or(PtlError::ArgInvalid)?;
         if length > info.limits.max_msg_size

@@ -151,6 +151,11 @@ pub enum PtlCall {
         ni: u8,
         op: OpArgs,
     },
+    /// PtlSetMap: logical index i names the job's rank `ranks[i]`.
+    SetMap {
+        ni: u8,
+        ranks: Vec<u32>,
+    },
 }
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -377,6 +382,13 @@ impl PtlCall {
                 &mut w
             }
             PtlCall::MdRelease { ni, md } => w.u8(17).u8(*ni).u32(*md),
+            PtlCall::SetMap { ni, ranks } => {
+                w.u8(19).u8(*ni).u32(ranks.len() as u32);
+                for r in ranks {
+                    w.u32(*r);
+                }
+                &mut w
+            }
             PtlCall::Op { ni, op } => {
                 w.u8(18)
                     .u8(*ni)
@@ -494,6 +506,16 @@ impl PtlCall {
                 }
             }
             17 => PtlCall::MdRelease { ni, md: r.u32()? },
+            19 => {
+                let n = r.u32()? as usize;
+                if n > r.0.len() / 4 {
+                    return Err(BadCall);
+                }
+                PtlCall::SetMap {
+                    ni,
+                    ranks: (0..n).map(|_| r.u32()).collect::<Result<_, _>>()?,
+                }
+            }
             18 => {
                 let mut op = OpArgs {
                     kind: r.u8()?,
