@@ -962,40 +962,7 @@ fn every_atomic_op_and_datatype_through_the_nic() {
     let me = my_rank(&s);
     let mem = s.p.nic().mem_register(1 << 16, Perms::READ_WRITE).unwrap();
     let pt = s.p.pt_alloc(s.ni, 0, Some(s.eq), None).unwrap();
-    let ops = [
-        AtomicOp::Min,
-        AtomicOp::Max,
-        AtomicOp::Sum,
-        AtomicOp::Prod,
-        AtomicOp::Lor,
-        AtomicOp::Land,
-        AtomicOp::Bor,
-        AtomicOp::Band,
-        AtomicOp::Lxor,
-        AtomicOp::Bxor,
-        AtomicOp::Swap,
-        AtomicOp::Cswap,
-        AtomicOp::CswapNe,
-        AtomicOp::CswapLe,
-        AtomicOp::CswapLt,
-        AtomicOp::CswapGe,
-        AtomicOp::CswapGt,
-        AtomicOp::Mswap,
-    ];
-    let dts = [
-        Datatype::Int8,
-        Datatype::Uint8,
-        Datatype::Int16,
-        Datatype::Uint16,
-        Datatype::Int32,
-        Datatype::Uint32,
-        Datatype::Int64,
-        Datatype::Uint64,
-        Datatype::Float,
-        Datatype::Double,
-        Datatype::FloatComplex,
-        Datatype::DoubleComplex,
-    ];
+    let (ops, dts) = (AtomicOp::ALL, Datatype::ALL);
     // Each (op, datatype) case owns 32 bytes of rank 1's memory, pre-filled with a pattern.
     let initial = |case: usize, i: usize| -> u8 { ((case * 7 + i * 3) % 5) as u8 };
     let mut cases = Vec::new();
