@@ -675,6 +675,8 @@ impl HostNic {
     fn on_op(&mut self, now: u64, peer: u16, op: &OpRef<'_>) {
         match op {
             OpRef::PtlReq { .. } | OpRef::PtlResp { .. } => self.ptl_on_op(now, peer, op),
+            // Active Messages travel between udp-conduit processes, never to a daemon.
+            OpRef::Am { .. } => self.stats.malformed_ops += 1,
             OpRef::Put { .. }
             | OpRef::Get { .. }
             | OpRef::Amo { .. }

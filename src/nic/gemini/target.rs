@@ -193,8 +193,9 @@ pub fn serve(eps: &Endpoints, op: &OpRef<'_>) -> TargetAction {
         OpRef::PutAck { .. }
         | OpRef::GetReply { .. }
         | OpRef::AmoReply { .. }
-        | OpRef::PtlReq { .. }
-        | OpRef::PtlResp { .. } => TargetAction::None,
+                | OpRef::PtlReq { .. }
+        | OpRef::PtlResp { .. }
+        | OpRef::Am { .. } => TargetAction::None,
     }
 }
 
