@@ -23,7 +23,7 @@ pub enum OpKind {
     Amo = 5,
     AmoReply = 6,
     AmoScatter = 7,
-        PtlReq = 8,
+    PtlReq = 8,
     PtlResp = 9,
     /// An Active Message of the GASNet layer (opaque here: it encodes its own header).
     Am = 10,
@@ -40,7 +40,7 @@ impl OpKind {
             6 => Self::AmoReply,
             7 => Self::AmoScatter,
             8 => Self::PtlReq,
-                        9 => Self::PtlResp,
+            9 => Self::PtlResp,
             10 => Self::Am,
             _ => return Err(WireError::UnknownOp(v)),
         })
@@ -56,7 +56,7 @@ impl OpKind {
             Self::AmoReply => 16,
             Self::AmoScatter => 8,
             Self::PtlReq => 48,
-                        Self::PtlResp => 32,
+            Self::PtlResp => 32,
             Self::Am => 0,
         }
     }
@@ -215,9 +215,21 @@ pub enum OpRef<'a> {
     },
     /// One fragment of the target's answer: failure type, acknowledgement permission, matched
     /// length, offset used, and reply data at `frag_off`.
-        PtlResp { h: OpHeader, ni_fail: u8, ack: bool, mlength: u64, offset: u64, frag_off: u64, last: bool, data: &'a [u8] },
+    PtlResp {
+        h: OpHeader,
+        ni_fail: u8,
+        ack: bool,
+        mlength: u64,
+        offset: u64,
+        frag_off: u64,
+        last: bool,
+        data: &'a [u8],
+    },
     /// An Active Message: `data` is the GASNet layer's own encoding.
-    Am { h: OpHeader, data: &'a [u8] },
+    Am {
+        h: OpHeader,
+        data: &'a [u8],
+    },
 }
 
 /// The Portals message header carried by every [`OpRef::PtlReq`] fragment.
@@ -247,7 +259,7 @@ impl<'a> OpRef<'a> {
             | OpRef::Amo { h, .. }
             | OpRef::AmoReply { h, .. }
             | OpRef::AmoScatter { h, .. }
-                        | OpRef::PtlReq { h, .. }
+            | OpRef::PtlReq { h, .. }
             | OpRef::PtlResp { h, .. }
             | OpRef::Am { h, .. } => h,
         }
@@ -263,7 +275,7 @@ impl<'a> OpRef<'a> {
             OpRef::AmoReply { .. } => OpKind::AmoReply,
             OpRef::AmoScatter { .. } => OpKind::AmoScatter,
             OpRef::PtlReq { .. } => OpKind::PtlReq,
-                        OpRef::PtlResp { .. } => OpKind::PtlResp,
+            OpRef::PtlResp { .. } => OpKind::PtlResp,
             OpRef::Am { .. } => OpKind::Am,
         }
     }
@@ -278,7 +290,7 @@ impl<'a> OpRef<'a> {
 
     fn data(&self) -> &'a [u8] {
         match self {
-                        OpRef::PtlResp { data, .. } | OpRef::Am { data, .. } => data,
+            OpRef::PtlResp { data, .. } | OpRef::Am { data, .. } => data,
             OpRef::Put { data, .. } | OpRef::GetReply { data, .. } => data,
             OpRef::AmoScatter { pairs, .. } => pairs,
             _ => &[],
@@ -409,8 +421,16 @@ impl<'a> OpRef<'a> {
                 f[48..48 + operand.len()].copy_from_slice(operand);
                 f[48 + operand.len()..].copy_from_slice(data);
             }
-                        OpRef::Am { data, .. } => f.copy_from_slice(data),
-            OpRef::PtlResp { ni_fail, ack, mlength, offset, frag_off, data, .. } => {
+            OpRef::Am { data, .. } => f.copy_from_slice(data),
+            OpRef::PtlResp {
+                ni_fail,
+                ack,
+                mlength,
+                offset,
+                frag_off,
+                data,
+                ..
+            } => {
                 f[0..8].copy_from_slice(&[ni_fail, ack as u8, 0, 0, 0, 0, 0, 0]);
                 put64(f, 8, mlength);
                 put64(f, 16, offset);
@@ -444,7 +464,12 @@ impl<'a> OpRef<'a> {
         let data = &b[fixed_end..len];
         let has_data = matches!(
             kind,
-                        OpKind::Put | OpKind::GetReply | OpKind::AmoScatter | OpKind::PtlReq | OpKind::PtlResp | OpKind::Am
+            OpKind::Put
+                | OpKind::GetReply
+                | OpKind::AmoScatter
+                | OpKind::PtlReq
+                | OpKind::PtlResp
+                | OpKind::Am
         );
         if !has_data && !data.is_empty() {
             return Err(WireError::BadField("trailing bytes after a fixed-size op"));
@@ -532,7 +557,7 @@ impl<'a> OpRef<'a> {
                     data: &data[olen..],
                 }
             }
-                        OpKind::Am => OpRef::Am { h, data },
+            OpKind::Am => OpRef::Am { h, data },
             OpKind::PtlResp => OpRef::PtlResp {
                 h,
                 ni_fail: f[0],
@@ -660,7 +685,16 @@ mod tests {
                 operand: &[1; 8],
                 data,
             },
-                        OpRef::PtlResp { h, ni_fail: 2, ack: true, mlength: 11, offset: 4, frag_off: 0, last: false, data },
+            OpRef::PtlResp {
+                h,
+                ni_fail: 2,
+                ack: true,
+                mlength: 11,
+                offset: 4,
+                frag_off: 0,
+                last: false,
+                data,
+            },
             OpRef::Am { h, data },
         ]
     }

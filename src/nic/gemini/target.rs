@@ -193,7 +193,7 @@ pub fn serve(eps: &Endpoints, op: &OpRef<'_>) -> TargetAction {
         OpRef::PutAck { .. }
         | OpRef::GetReply { .. }
         | OpRef::AmoReply { .. }
-                | OpRef::PtlReq { .. }
+        | OpRef::PtlReq { .. }
         | OpRef::PtlResp { .. }
         | OpRef::Am { .. } => TargetAction::None,
     }

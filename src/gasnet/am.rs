@@ -1,0 +1,110 @@
+//! Active Message encoding: `handler u8 | flags u8 (category, reply) | nargs u8 | 0 u8 |
+//! offset u64 (Long) | args nargs × u32 | payload`.
+
+use crate::wire::{get_u32, get_u64};
+
+/// AM categories (Short: args only; Medium: payload to a buffer; Long: payload into the
+/// destination's segment at an offset).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Category {
+    Short,
+    Medium,
+    Long,
+}
+
+/// GASNet's maximum number of handler arguments.
+pub const MAX_ARGS: usize = 16;
+pub const HEADER_LEN: usize = 12;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AmHeader {
+    pub handler: u8,
+    pub category: Category,
+    pub reply: bool,
+    pub nargs: u8,
+    pub args: [u32; MAX_ARGS],
+    pub offset: u64,
+}
+
+pub fn encoded_len(nargs: usize, payload: usize) -> usize {
+    HEADER_LEN + 4 * nargs + payload
+}
+
+/// Appends the encoding of an AM to `out`.
+pub fn encode(h: &AmHeader, payload: &[u8], out: &mut Vec<u8>) {
+    let cat = match h.category {
+        Category::Short => 0,
+        Category::Medium => 1,
+        Category::Long => 2,
+    };
+    out.push(h.handler);
+    out.push(cat | if h.reply { 4 } else { 0 });
+    out.push(h.nargs);
+    out.push(0);
+    out.extend_from_slice(&h.offset.to_le_bytes());
+    for a in &h.args[..h.nargs as usize] {
+        out.extend_from_slice(&a.to_le_bytes());
+    }
+    out.extend_from_slice(payload);
+}
+
+/// Decodes an AM; `None` if it is malformed.
+pub fn decode(b: &[u8]) -> Option<(AmHeader, &[u8])> {
+    if b.len() < HEADER_LEN {
+        return None;
+    }
+    let nargs = b[2] as usize;
+    if nargs > MAX_ARGS || b.len() < HEADER_LEN + 4 * nargs {
+        return None;
+    }
+    let category = match b[1] & 3 {
+        0 => Category::Short,
+        1 => Category::Medium,
+        2 => Category::Long,
+        _ => return None,
+    };
+    let mut args = [0u32; MAX_ARGS];
+    for (i, a) in args.iter_mut().take(nargs).enumerate() {
+        *a = get_u32(b, HEADER_LEN + 4 * i);
+    }
+    let h = AmHeader {
+        handler: b[0],
+        category,
+        reply: b[1] & 4 != 0,
+        nargs: nargs as u8,
+        args,
+        offset: get_u64(b, 4),
+    };
+    Some((h, &b[HEADER_LEN + 4 * nargs..]))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn round_trip() {
+        let mut args = [0; MAX_ARGS];
+        args[..3].copy_from_slice(&[1, 2, 3]);
+        let h = AmHeader {
+            handler: 200,
+            category: Category::Long,
+            reply: true,
+            nargs: 3,
+            args,
+            offset: 77,
+        };
+        let mut b = Vec::new();
+        encode(&h, b"pay", &mut b);
+        assert_eq!(b.len(), encoded_len(3, 3));
+        assert_eq!(decode(&b), Some((h, &b"pay"[..])));
+    }
+
+    proptest! {
+        #[test]
+        fn garbage_never_panics(b in proptest::collection::vec(any::<u8>(), 0..100)) {
+            let _ = decode(&b);
+        }
+    }
+}

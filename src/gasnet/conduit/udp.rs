@@ -1,0 +1,175 @@
+//! The udp conduit: the baseline without a daemon, as GASNet's own udp-conduit works. Each
+//! process owns a UDP socket and runs the reliable-delivery state machine itself (sequence
+//! numbers, acknowledgements, retransmission, duplicate suppression, a bounded window as the
+//! credits), so every Active Message is handled by the target process when it polls.
+//!
+//! Addresses: node n listens on 127.1.(n >> 8).(n & 255) at a port derived from the job id, so
+//! concurrent jobs do not collide and no exchange is needed. The job key authenticates datagrams.
+
+use std::collections::VecDeque;
+use std::net::SocketAddr;
+use std::time::Instant;
+
+use super::Conduit;
+use crate::gasnet::GasnetError;
+use crate::job::JobInfo;
+use crate::transport::udp::UdpDriver;
+use crate::transport::{PushError, Transport, TransportConfig};
+use crate::wire::{Key, OpHeader, OpIter, OpRef};
+
+/// Datagram size: authenticated bytes a power-of-two number of BLAKE3 chunks (see transport).
+const MTU: usize = 16_400;
+
+pub struct UdpConduit {
+    me: u16,
+    n: u16,
+    job: u32,
+    t: Transport,
+    d: UdpDriver,
+    clock: Instant,
+    rx: Vec<u8>,
+    /// AMs to deliver before the network's: those a node sends itself, and those that arrived
+    /// while a send waited for credit. (source, AM)
+    local: VecDeque<(u32, Vec<u8>)>,
+}
+
+fn addr(job: u32, node: u32) -> SocketAddr {
+    let port = 40_000 + (job % 20_000) as u16;
+    SocketAddr::from(([127, 1, (node >> 8) as u8, (node & 255) as u8], port))
+}
+
+impl UdpConduit {
+    pub fn new(job: &JobInfo) -> Result<UdpConduit, GasnetError> {
+        if job.size > 65_535 {
+            return Err(GasnetError::Setup(
+                "the udp conduit addresses at most 65535 nodes".into(),
+            ));
+        }
+        let peers: Vec<SocketAddr> = (0..job.size).map(|n| addr(job.job_id, n)).collect();
+        let d = UdpDriver::bind(peers[job.rank as usize], peers, None)
+            .map_err(|e| GasnetError::Setup(format!("udp conduit cannot bind: {e}")))?;
+        let key = Key(*blake3::hash(
+            &[job.job_key.to_le_bytes(), (job.job_id as u64).to_le_bytes()].concat(),
+        )
+        .as_bytes());
+        let cfg = TransportConfig {
+            mtu: MTU,
+            window: 128,
+            max_queued: 256,
+            ..Default::default()
+        };
+        let t = Transport::new(job.rank as u16, job.size as u16, key, cfg, rand::random());
+        Ok(UdpConduit {
+            me: job.rank as u16,
+            n: job.size as u16,
+            job: job.job_id,
+            t,
+            d,
+            clock: Instant::now(),
+            rx: vec![0; 65_536],
+            local: VecDeque::new(),
+        })
+    }
+
+    fn now(&self) -> u64 {
+        self.clock.elapsed().as_nanos() as u64
+    }
+
+    fn transmit(&mut self) {
+        let now = self.now();
+        self.t.flush(now);
+        while let Some((to, dg)) = self.t.poll_transmit(now) {
+            self.d.send(to, dg);
+        }
+        self.d.flush();
+    }
+}
+
+impl Conduit for UdpConduit {
+    fn node(&self) -> u32 {
+        self.me as u32
+    }
+
+    fn nodes(&self) -> u32 {
+        self.n as u32
+    }
+
+    fn max_am(&self) -> usize {
+        OpRef::max_data(crate::wire::OpKind::Am, self.t.body_capacity())
+    }
+
+    fn name(&self) -> &'static str {
+        "udp"
+    }
+
+    fn send(&mut self, dest: u32, am: &[u8]) -> Result<(), GasnetError> {
+        if dest >= self.n as u32 {
+            return Err(GasnetError::BadNode(dest));
+        }
+        if dest == self.me as u32 {
+            self.local.push_back((dest, am.to_vec()));
+            return Ok(());
+        }
+        let op = OpRef::Am {
+            h: OpHeader {
+                job: self.job,
+                src_rank: self.me as u32,
+                dst_rank: dest,
+                req: 0,
+            },
+            data: am,
+        };
+        loop {
+            match self.t.push_op(dest as u16, &op) {
+                Ok(()) => break,
+                // No credit: make progress (acks free the window) and try again.
+                Err(PushError::Full(_)) => {
+                    let mut stash = Vec::new();
+                    self.poll(&mut |src, b| stash.push((src, b.to_vec())))?;
+                    self.local.extend(stash);
+                }
+                Err(PushError::Dead(p)) => return Err(GasnetError::NodeDead(p as u32)),
+                Err(e) => return Err(GasnetError::Setup(e.to_string())),
+            }
+        }
+        self.transmit();
+        Ok(())
+    }
+
+    fn poll(&mut self, deliver: &mut dyn FnMut(u32, &[u8])) -> Result<bool, GasnetError> {
+        let mut any = false;
+        while let Some((src, b)) = self.local.pop_front() {
+            deliver(src, &b);
+            any = true;
+        }
+        let now = self.now();
+        let mut rx = std::mem::take(&mut self.rx);
+        while let Some(n) = self.d.recv(&mut rx) {
+            any = true;
+            let Ok(r) = self.t.on_datagram(now, &rx[..n]) else {
+                continue;
+            };
+            let mut handle = |body: &[u8]| {
+                for op in OpIter::new(body).flatten() {
+                    if let OpRef::Am { h, data } = op {
+                        deliver(h.src_rank, data);
+                    }
+                }
+            };
+            if let Some(body) = r.body {
+                handle(body);
+            }
+            while let Some(b) = self.t.take_ready(r.peer) {
+                handle(&b);
+                self.t.give_back(b);
+            }
+        }
+        self.rx = rx;
+        self.t.handle_timeout(now);
+                if let Some(crate::transport::TransportEvent::PeerDead(p)) = self.t.poll_event() {
+            return Err(GasnetError::NodeDead(p as u32));
+        }
+        self.transmit();
+        Ok(any)
+    }
+}

@@ -1,0 +1,265 @@
+//! GASNet Core: attach with a segment, the handler table, Active Message requests and replies
+//! (Short, Medium, Long; 0–16 32-bit arguments), polling and blocking until a condition holds.
+//!
+//! Handler rules as GASNet has them: a request handler may reply at most once (a second reply
+//! is an error) and cannot block or make requests — it only gets a [`Token`]; a reply handler
+//! cannot communicate at all. Handler indices 1–127 are the library's own; clients use
+//! 128–255 ([`HANDLER_USER_MIN`]).
+
+use super::am::{self, AmHeader, Category, MAX_ARGS};
+use super::conduit::Conduit;
+use super::GasnetError;
+
+pub const HANDLER_USER_MIN: u8 = 128;
+
+/// What a handler is given.
+pub struct Msg<'a> {
+    pub src: u32,
+    pub category: Category,
+    pub args: &'a [u32],
+    /// Medium: the payload. Long: the bytes as written into this node's segment.
+    pub payload: &'a [u8],
+    /// Long: where in this node's segment the payload was written.
+    pub offset: u64,
+}
+
+/// The right to reply (request handlers) and access to this node's segment.
+pub struct Token<'a> {
+    pub(crate) src: u32,
+    pub(crate) request: bool,
+    pub(crate) reply: Option<Vec<u8>>,
+    pub(crate) segment: &'a mut [u8],
+    pub(crate) max_am: usize,
+}
+
+impl Token<'_> {
+    /// The node that sent the message being handled.
+    pub fn src(&self) -> u32 {
+        self.src
+    }
+
+    /// This node's segment (Long payloads have already landed in it).
+    pub fn segment(&mut self) -> &mut [u8] {
+        self.segment
+    }
+
+    fn reply(
+        &mut self,
+        handler: u8,
+        category: Category,
+        args: &[u32],
+        payload: &[u8],
+        offset: u64,
+    ) -> Result<(), GasnetError> {
+        if !self.request {
+            return Err(GasnetError::HandlerRule(
+                "a reply handler cannot communicate",
+            ));
+        }
+        if self.reply.is_some() {
+            return Err(GasnetError::HandlerRule(
+                "a request handler may reply only once",
+            ));
+        }
+        let b = encode(handler, category, true, args, payload, offset, self.max_am)?;
+        self.reply = Some(b);
+        Ok(())
+    }
+
+    /// AMReplyShort.
+    pub fn reply_short(&mut self, handler: u8, args: &[u32]) -> Result<(), GasnetError> {
+        self.reply(handler, Category::Short, args, &[], 0)
+    }
+
+    /// AMReplyMedium.
+    pub fn reply_medium(
+        &mut self,
+        handler: u8,
+        payload: &[u8],
+        args: &[u32],
+    ) -> Result<(), GasnetError> {
+        self.reply(handler, Category::Medium, args, payload, 0)
+    }
+
+    /// AMReplyLong: `payload` lands in the requester's segment at `dest_offset`.
+    pub fn reply_long(
+        &mut self,
+        handler: u8,
+        payload: &[u8],
+        dest_offset: u64,
+        args: &[u32],
+    ) -> Result<(), GasnetError> {
+        self.reply(handler, Category::Long, args, payload, dest_offset)
+    }
+}
+
+pub type Handler = Box<dyn FnMut(&mut Token<'_>, Msg<'_>)>;
+
+pub(crate) fn encode(
+    handler: u8,
+    category: Category,
+    reply: bool,
+    args: &[u32],
+    payload: &[u8],
+    offset: u64,
+    max_am: usize,
+) -> Result<Vec<u8>, GasnetError> {
+    if args.len() > MAX_ARGS {
+        return Err(GasnetError::TooManyArgs(args.len()));
+    }
+    if am::encoded_len(args.len(), payload.len()) > max_am {
+        return Err(GasnetError::TooLarge(payload.len()));
+    }
+    let mut a = [0u32; MAX_ARGS];
+    a[..args.len()].copy_from_slice(args);
+    let h = AmHeader {
+        handler,
+        category,
+        reply,
+        nargs: args.len() as u8,
+        args: a,
+        offset,
+    };
+    let mut b = Vec::with_capacity(am::encoded_len(args.len(), payload.len()));
+    am::encode(&h, payload, &mut b);
+    Ok(b)
+}
+
+/// The Core layer: a conduit, a handler table, this node's segment.
+pub struct Core {
+    pub(crate) conduit: Box<dyn Conduit>,
+    handlers: Vec<Option<Handler>>,
+    pub(crate) segment: Vec<u8>,
+    /// Messages that arrived but were not handled yet (delivered by `poll`).
+    inbox: Vec<(u32, Vec<u8>)>,
+    pub(crate) dropped: u64,
+}
+
+impl Core {
+    pub fn new(conduit: Box<dyn Conduit>, segment_len: usize) -> Core {
+        Core {
+            conduit,
+            handlers: (0..256).map(|_| None).collect(),
+            segment: vec![0; segment_len],
+            inbox: Vec::new(),
+            dropped: 0,
+        }
+    }
+
+    pub fn register(&mut self, index: u8, h: Handler) -> Result<(), GasnetError> {
+        if index == 0 {
+            return Err(GasnetError::BadHandler(index));
+        }
+        self.handlers[index as usize] = Some(h);
+        Ok(())
+    }
+
+    pub fn max_am(&self) -> usize {
+        self.conduit.max_am()
+    }
+
+    /// AMMaxMedium (and AMMaxLongRequest/Reply: one AM carries one payload).
+    pub fn max_payload(&self, nargs: usize) -> usize {
+        self.max_am().saturating_sub(am::encoded_len(nargs, 0))
+    }
+
+    pub fn request(
+        &mut self,
+        dest: u32,
+        handler: u8,
+        category: Category,
+        args: &[u32],
+        payload: &[u8],
+        offset: u64,
+    ) -> Result<(), GasnetError> {
+        // Indices name the target's table, which only the target can check (an unregistered
+        // one is counted and dropped there); 0 is never valid.
+        if handler == 0 {
+            return Err(GasnetError::BadHandler(handler));
+        }
+        let b = encode(
+            handler,
+            category,
+            false,
+            args,
+            payload,
+            offset,
+            self.max_am(),
+        )?;
+        self.conduit.send(dest, &b)
+    }
+
+    /// AMPoll: runs the handlers of every arrived message. Returns whether any ran.
+    pub fn poll(&mut self) -> Result<bool, GasnetError> {
+        let mut inbox = std::mem::take(&mut self.inbox);
+        self.conduit
+            .poll(&mut |src, b| inbox.push((src, b.to_vec())))?;
+        let any = !inbox.is_empty();
+        for (src, b) in inbox.drain(..) {
+            self.handle(src, &b)?;
+        }
+        self.inbox = inbox;
+        Ok(any)
+    }
+
+    fn handle(&mut self, src: u32, b: &[u8]) -> Result<(), GasnetError> {
+        let Some((h, payload)) = am::decode(b) else {
+            self.dropped += 1;
+            return Ok(());
+        };
+        let offset = h.offset;
+        if h.category == Category::Long {
+            // The payload lands in the segment before the handler runs.
+            match offset.checked_add(payload.len() as u64) {
+                Some(end) if end <= self.segment.len() as u64 => {
+                    self.segment[offset as usize..end as usize].copy_from_slice(payload);
+                }
+                _ => {
+                    self.dropped += 1;
+                    return Ok(());
+                }
+            }
+        }
+        let max_am = self.max_am();
+        let Some(mut handler) = self
+            .handlers
+            .get_mut(h.handler as usize)
+            .and_then(|x| x.take())
+        else {
+            self.dropped += 1;
+            return Ok(());
+        };
+        let mut token = Token {
+            src,
+            request: !h.reply,
+            reply: None,
+            segment: &mut self.segment,
+            max_am,
+        };
+        let msg_payload: Vec<u8>;
+        let payload = if h.category == Category::Long {
+            msg_payload = token.segment[offset as usize..offset as usize + payload.len()].to_vec();
+            &msg_payload[..]
+        } else {
+            payload
+        };
+        handler(
+            &mut token,
+            Msg {
+                src,
+                category: h.category,
+                args: &h.args[..h.nargs as usize],
+                payload,
+                offset,
+            },
+        );
+        let reply = token.reply.take();
+        self.handlers[h.handler as usize] = Some(handler);
+        // A request handler that did not reply gets no implicit message on the wire: the
+        // Extended layer's own protocols always reply explicitly where completion needs it.
+        if let Some(r) = reply {
+            self.conduit.send(src, &r)?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,653 @@
+//! GASNet Extended over Active Messages (the reference-extended approach every conduit can
+//! use): put = Long requests answered by a short ack; get = short requests answered by Medium
+//! replies; memset = a short request; barrier = split-phase, central at node 0, with ids and
+//! mismatch detection. Sources are copied into the AM at once, so both the bulk and non-bulk
+//! local-completion rules hold when a call returns.
+
+use std::cell::RefCell;
+use std::collections::{HashMap, HashSet};
+use std::rc::Rc;
+
+use super::core::{Core, Handler, Msg, Token};
+use super::{Gasnet, GasnetError};
+
+const H_PUT: u8 = 1;
+const H_PUT_ACK: u8 = 2;
+const H_GET: u8 = 3;
+const H_GET_REPLY: u8 = 4;
+const H_MEMSET: u8 = 5;
+const H_BAR_NOTIFY: u8 = 6;
+const H_BAR_DONE: u8 = 7;
+
+/// An explicit handle (`gasnet_handle_t`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Handle(u64);
+
+/// Barrier flags (GASNET_BARRIERFLAG_*).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct BarrierFlags(pub u32);
+
+impl BarrierFlags {
+    pub const NONE: BarrierFlags = BarrierFlags(0);
+    /// This node does not supply an id to compare.
+    pub const ANONYMOUS: BarrierFlags = BarrierFlags(1);
+    /// Forces a mismatch for everyone.
+    pub const MISMATCH: BarrierFlags = BarrierFlags(2);
+}
+
+#[derive(Default)]
+pub struct ExtState {
+    next_op: u64,
+    /// Acks or replies still due per operation (removed when none are).
+    remaining: HashMap<u64, usize>,
+    /// Operations that failed at the target (out of segment).
+    failed: HashSet<u64>,
+    /// Gets into a caller's buffer: data assembled here.
+    get_data: HashMap<u64, Vec<u8>>,
+    /// Gets into this node's segment: the base offset.
+    get_to_segment: HashMap<u64, u64>,
+    /// Access regions and implicit operations.
+    regions: HashMap<u64, Vec<u64>>,
+    open_region: Option<Vec<u64>>,
+    nbi_puts: Vec<u64>,
+    nbi_gets: Vec<u64>,
+    // Barrier.
+    phase: u32,
+    notified: Option<(u32, u32)>,
+    done: HashMap<u32, bool>,
+    /// At node 0: per phase, arrivals, the first named id, whether ids mismatched, broadcast.
+    arrivals: HashMap<u32, (u32, Option<u32>, bool, bool)>,
+}
+
+impl ExtState {
+    fn new_op(&mut self, parts: usize) -> u64 {
+        self.next_op += 1;
+        let op = self.next_op;
+        self.remaining.insert(op, parts.max(1));
+        op
+    }
+
+    fn part_done(&mut self, op: u64) {
+        if let Some(n) = self.remaining.get_mut(&op) {
+            *n -= 1;
+            if *n == 0 {
+                self.remaining.remove(&op);
+            }
+        }
+    }
+
+    fn done(&self, op: u64) -> bool {
+        match self.regions.get(&op) {
+            Some(ops) => ops.iter().all(|o| !self.remaining.contains_key(o)),
+            None => !self.remaining.contains_key(&op),
+        }
+    }
+}
+
+fn split(op: u64) -> [u32; 2] {
+    [op as u32, (op >> 32) as u32]
+}
+
+fn join(lo: u32, hi: u32) -> u64 {
+    lo as u64 | ((hi as u64) << 32)
+}
+
+fn handler(f: impl FnMut(&mut Token<'_>, Msg<'_>) + 'static) -> Handler {
+    Box::new(f)
+}
+
+pub(super) fn register_handlers(
+    core: &mut Core,
+    st: &Rc<RefCell<ExtState>>,
+) -> Result<(), GasnetError> {
+    core.register(
+        H_PUT,
+        handler(|t, m| {
+            let _ = t.reply_short(H_PUT_ACK, &[m.args[0], m.args[1], 0]);
+        }),
+    )?;
+    let s = st.clone();
+    core.register(
+        H_PUT_ACK,
+        handler(move |_, m| {
+            let op = join(m.args[0], m.args[1]);
+            let mut s = s.borrow_mut();
+            if m.args.get(2).copied().unwrap_or(0) != 0 {
+                s.failed.insert(op);
+            }
+            s.part_done(op);
+        }),
+    )?;
+    core.register(
+        H_GET,
+        handler(|t, m| {
+            let (off, len, chunk) = (
+                join(m.args[2], m.args[3]),
+                m.args[4] as u64,
+                [m.args[5], m.args[6]],
+            );
+            let seg = t.segment();
+            let ok = off.checked_add(len).is_some_and(|e| e <= seg.len() as u64);
+            let data = if ok {
+                seg[off as usize..(off + len) as usize].to_vec()
+            } else {
+                Vec::new()
+            };
+            let _ = t.reply_medium(
+                H_GET_REPLY,
+                &data,
+                &[m.args[0], m.args[1], chunk[0], chunk[1], !ok as u32],
+            );
+        }),
+    )?;
+    let s = st.clone();
+    core.register(
+        H_GET_REPLY,
+        handler(move |t, m| {
+            let op = join(m.args[0], m.args[1]);
+            let at = join(m.args[2], m.args[3]) as usize;
+            let mut s = s.borrow_mut();
+            if m.args[4] != 0 {
+                s.failed.insert(op);
+            } else if let Some(&base) = s.get_to_segment.get(&op) {
+                let seg = t.segment();
+                let start = base as usize + at;
+                if start + m.payload.len() <= seg.len() {
+                    seg[start..start + m.payload.len()].copy_from_slice(m.payload);
+                }
+            } else if let Some(buf) = s.get_data.get_mut(&op) {
+                if at + m.payload.len() <= buf.len() {
+                    buf[at..at + m.payload.len()].copy_from_slice(m.payload);
+                }
+            }
+            s.part_done(op);
+        }),
+    )?;
+    core.register(
+        H_MEMSET,
+        handler(|t, m| {
+            let (off, len, value) = (
+                join(m.args[2], m.args[3]),
+                join(m.args[4], m.args[5]),
+                m.args[6] as u8,
+            );
+            let seg = t.segment();
+            let ok = off.checked_add(len).is_some_and(|e| e <= seg.len() as u64);
+            if ok {
+                seg[off as usize..(off + len) as usize].fill(value);
+            }
+            let _ = t.reply_short(H_PUT_ACK, &[m.args[0], m.args[1], !ok as u32]);
+        }),
+    )?;
+    let s = st.clone();
+    core.register(
+        H_BAR_NOTIFY,
+        handler(move |_, m| {
+            let (phase, id, flags) = (m.args[0], m.args[1], m.args[2]);
+            let mut s = s.borrow_mut();
+            let e = s.arrivals.entry(phase).or_insert((0, None, false, false));
+            e.0 += 1;
+            if flags & BarrierFlags::MISMATCH.0 != 0 {
+                e.2 = true;
+            } else if flags & BarrierFlags::ANONYMOUS.0 == 0 {
+                match e.1 {
+                    None => e.1 = Some(id),
+                    Some(x) if x != id => e.2 = true,
+                    _ => {}
+                }
+            }
+        }),
+    )?;
+    let s = st.clone();
+    core.register(
+        H_BAR_DONE,
+        handler(move |_, m| {
+            s.borrow_mut().done.insert(m.args[0], m.args[1] != 0);
+        }),
+    )?;
+    Ok(())
+}
+
+impl Gasnet {
+    fn check_remote(&self, offset: u64, len: u64) -> Result<(), GasnetError> {
+        // Segments are symmetric (one size for the job): check against ours.
+        match offset.checked_add(len) {
+            Some(e) if e <= self.core.segment.len() as u64 => Ok(()),
+            _ => Err(GasnetError::OutOfSegment(offset, len)),
+        }
+    }
+
+    fn track(&mut self, op: u64) {
+        if let Some(r) = self.ext.borrow_mut().open_region.as_mut() {
+            r.push(op);
+        }
+    }
+
+    /// Payload room of one AM after `nargs` arguments.
+    fn chunk(&self) -> usize {
+        self.core.max_payload(super::am::MAX_ARGS).max(1)
+    }
+
+    fn put_op(&mut self, node: u32, dest_offset: u64, src: &[u8]) -> Result<u64, GasnetError> {
+        self.check_remote(dest_offset, src.len() as u64)?;
+        let chunk = self.chunk();
+        let parts = src.len().div_ceil(chunk).max(1);
+        let op = self.ext.borrow_mut().new_op(parts);
+        let [lo, hi] = split(op);
+        if src.is_empty() {
+            self.am_request_long(node, H_PUT, &[], dest_offset, &[lo, hi])?;
+        }
+        for (i, c) in src.chunks(chunk).enumerate() {
+            self.am_request_long(node, H_PUT, c, dest_offset + (i * chunk) as u64, &[lo, hi])?;
+        }
+        self.track(op);
+        Ok(op)
+    }
+
+    fn get_op(
+        &mut self,
+        node: u32,
+        src_offset: u64,
+        len: usize,
+        into_segment: Option<u64>,
+    ) -> Result<u64, GasnetError> {
+        self.check_remote(src_offset, len as u64)?;
+        if let Some(base) = into_segment {
+            self.check_remote(base, len as u64)?;
+        }
+        let chunk = self.chunk();
+        let parts = len.div_ceil(chunk).max(1);
+        let op = {
+            let mut s = self.ext.borrow_mut();
+            let op = s.new_op(parts);
+            match into_segment {
+                Some(base) => s.get_to_segment.insert(op, base).map(|_| ()),
+                None => s.get_data.insert(op, vec![0; len]).map(|_| ()),
+            };
+            op
+        };
+        let [lo, hi] = split(op);
+        let mut at = 0;
+        loop {
+            let n = (len - at).min(chunk);
+            let [o1, o2] = split(src_offset + at as u64);
+            let [c1, c2] = split(at as u64);
+            self.am_request_short(node, H_GET, &[lo, hi, o1, o2, n as u32, c1, c2])?;
+            at += n;
+            if at >= len {
+                break;
+            }
+        }
+        self.track(op);
+        Ok(op)
+    }
+
+    fn wait_op(&mut self, op: u64) -> Result<(), GasnetError> {
+        let st = self.ext.clone();
+        self.block_until(|| st.borrow().done(op))?;
+        self.finish_op(op)
+    }
+
+    /// Clears what an operation left behind; its failure, if any.
+    fn finish_op(&mut self, op: u64) -> Result<(), GasnetError> {
+        let mut s = self.ext.borrow_mut();
+        let ops = s.regions.remove(&op).unwrap_or_else(|| vec![op]);
+        let mut failed = false;
+        for o in ops {
+            failed |= s.failed.remove(&o);
+            s.get_to_segment.remove(&o);
+        }
+        if failed {
+            Err(GasnetError::OutOfSegment(0, 0))
+        } else {
+            Ok(())
+        }
+    }
+
+    // ---------------------------------------------------------------- blocking
+
+    /// gasnet_put: returns when the data is in `node`'s segment.
+    pub fn put(&mut self, node: u32, dest_offset: u64, src: &[u8]) -> Result<(), GasnetError> {
+        let op = self.put_op(node, dest_offset, src)?;
+        self.wait_op(op)
+    }
+
+    /// gasnet_get into any local buffer.
+    pub fn get(&mut self, dst: &mut [u8], node: u32, src_offset: u64) -> Result<(), GasnetError> {
+        let op = self.get_op(node, src_offset, dst.len(), None)?;
+        let st = self.ext.clone();
+        self.block_until(|| st.borrow().done(op))?;
+        let data = self
+            .ext
+            .borrow_mut()
+            .get_data
+            .remove(&op)
+            .unwrap_or_default();
+        self.finish_op(op)?;
+        dst.copy_from_slice(&data);
+        Ok(())
+    }
+
+    /// gasnet_memset.
+    pub fn memset(
+        &mut self,
+        node: u32,
+        dest_offset: u64,
+        value: u8,
+        len: u64,
+    ) -> Result<(), GasnetError> {
+        let h = self.memset_nb(node, dest_offset, value, len)?;
+        self.wait_syncnb(h)
+    }
+
+    // ---------------------------------------------------------------- explicit handles
+
+    /// gasnet_put_nb (and _bulk: the source is copied at once, so either rule holds).
+    pub fn put_nb(
+        &mut self,
+        node: u32,
+        dest_offset: u64,
+        src: &[u8],
+    ) -> Result<Handle, GasnetError> {
+        self.put_op(node, dest_offset, src).map(Handle)
+    }
+
+    pub fn put_nb_bulk(
+        &mut self,
+        node: u32,
+        dest_offset: u64,
+        src: &[u8],
+    ) -> Result<Handle, GasnetError> {
+        self.put_nb(node, dest_offset, src)
+    }
+
+    /// gasnet_get_nb into this node's segment at `local_offset`.
+    pub fn get_nb(
+        &mut self,
+        local_offset: u64,
+        node: u32,
+        src_offset: u64,
+        len: usize,
+    ) -> Result<Handle, GasnetError> {
+        self.get_op(node, src_offset, len, Some(local_offset))
+            .map(Handle)
+    }
+
+    pub fn get_nb_bulk(
+        &mut self,
+        local_offset: u64,
+        node: u32,
+        src_offset: u64,
+        len: usize,
+    ) -> Result<Handle, GasnetError> {
+        self.get_nb(local_offset, node, src_offset, len)
+    }
+
+    /// gasnet_memset_nb.
+    pub fn memset_nb(
+        &mut self,
+        node: u32,
+        dest_offset: u64,
+        value: u8,
+        len: u64,
+    ) -> Result<Handle, GasnetError> {
+        self.check_remote(dest_offset, len)?;
+        let op = self.ext.borrow_mut().new_op(1);
+        let [lo, hi] = split(op);
+        let [o1, o2] = split(dest_offset);
+        let [l1, l2] = split(len);
+        self.am_request_short(node, H_MEMSET, &[lo, hi, o1, o2, l1, l2, value as u32])?;
+        self.track(op);
+        Ok(Handle(op))
+    }
+
+    /// gasnet_try_syncnb: `Ok(true)` once complete (polls once).
+    pub fn try_syncnb(&mut self, h: Handle) -> Result<bool, GasnetError> {
+        self.core.poll()?;
+        if self.ext.borrow().done(h.0) {
+            self.finish_op(h.0)?;
+            return Ok(true);
+        }
+        Ok(false)
+    }
+
+    /// gasnet_wait_syncnb.
+    pub fn wait_syncnb(&mut self, h: Handle) -> Result<(), GasnetError> {
+        self.wait_op(h.0)
+    }
+
+    /// gasnet_wait_syncnb_all.
+    pub fn wait_syncnb_all(&mut self, hs: &[Handle]) -> Result<(), GasnetError> {
+        let mut r = Ok(());
+        for &h in hs {
+            if let Err(e) = self.wait_syncnb(h) {
+                r = Err(e);
+            }
+        }
+        r
+    }
+
+    /// gasnet_try_syncnb_all.
+    pub fn try_syncnb_all(&mut self, hs: &[Handle]) -> Result<bool, GasnetError> {
+        self.core.poll()?;
+        if hs.iter().all(|h| self.ext.borrow().done(h.0)) {
+            self.wait_syncnb_all(hs)?;
+            return Ok(true);
+        }
+        Ok(false)
+    }
+
+    /// gasnet_try_syncnb_some: the completed handles are synchronised and returned.
+    pub fn try_syncnb_some(&mut self, hs: &[Handle]) -> Result<Vec<Handle>, GasnetError> {
+        self.core.poll()?;
+        let done: Vec<Handle> = hs
+            .iter()
+            .copied()
+            .filter(|h| self.ext.borrow().done(h.0))
+            .collect();
+        for &h in &done {
+            self.finish_op(h.0)?;
+        }
+        Ok(done)
+    }
+
+    /// gasnet_wait_syncnb_some: waits until at least one completes; returns those that did.
+    pub fn wait_syncnb_some(&mut self, hs: &[Handle]) -> Result<Vec<Handle>, GasnetError> {
+        loop {
+            let d = self.try_syncnb_some(hs)?;
+            if !d.is_empty() || hs.is_empty() {
+                return Ok(d);
+            }
+        }
+    }
+
+    // ---------------------------------------------------------------- implicit handles
+
+    /// gasnet_put_nbi.
+    pub fn put_nbi(&mut self, node: u32, dest_offset: u64, src: &[u8]) -> Result<(), GasnetError> {
+        let op = self.put_op(node, dest_offset, src)?;
+        self.ext.borrow_mut().nbi_puts.push(op);
+        Ok(())
+    }
+
+    /// gasnet_get_nbi into this node's segment.
+    pub fn get_nbi(
+        &mut self,
+        local_offset: u64,
+        node: u32,
+        src_offset: u64,
+        len: usize,
+    ) -> Result<(), GasnetError> {
+        let op = self.get_op(node, src_offset, len, Some(local_offset))?;
+        self.ext.borrow_mut().nbi_gets.push(op);
+        Ok(())
+    }
+
+    fn sync_nbi(&mut self, puts: bool, gets: bool, wait: bool) -> Result<bool, GasnetError> {
+        loop {
+            self.core.poll()?;
+            let (all_done, ops) = {
+                let s = self.ext.borrow();
+                let mut ops: Vec<u64> = Vec::new();
+                if puts {
+                    ops.extend(&s.nbi_puts);
+                }
+                if gets {
+                    ops.extend(&s.nbi_gets);
+                }
+                (ops.iter().all(|&o| s.done(o)), ops)
+            };
+            if all_done {
+                {
+                    let mut s = self.ext.borrow_mut();
+                    if puts {
+                        s.nbi_puts.clear();
+                    }
+                    if gets {
+                        s.nbi_gets.clear();
+                    }
+                }
+                let mut r = Ok(true);
+                for o in ops {
+                    if let Err(e) = self.finish_op(o) {
+                        r = Err(e);
+                    }
+                }
+                return r;
+            }
+            if !wait {
+                return Ok(false);
+            }
+        }
+    }
+
+    /// gasnet_wait_syncnbi_all.
+    pub fn wait_syncnbi_all(&mut self) -> Result<(), GasnetError> {
+        self.sync_nbi(true, true, true).map(|_| ())
+    }
+
+    pub fn wait_syncnbi_puts(&mut self) -> Result<(), GasnetError> {
+        self.sync_nbi(true, false, true).map(|_| ())
+    }
+
+    pub fn wait_syncnbi_gets(&mut self) -> Result<(), GasnetError> {
+        self.sync_nbi(false, true, true).map(|_| ())
+    }
+
+    /// gasnet_try_syncnbi_all.
+    pub fn try_syncnbi_all(&mut self) -> Result<bool, GasnetError> {
+        self.sync_nbi(true, true, false)
+    }
+
+    pub fn try_syncnbi_puts(&mut self) -> Result<bool, GasnetError> {
+        self.sync_nbi(true, false, false)
+    }
+
+    pub fn try_syncnbi_gets(&mut self) -> Result<bool, GasnetError> {
+        self.sync_nbi(false, true, false)
+    }
+
+    /// gasnet_begin_nbi_accessregion.
+    pub fn begin_nbi_accessregion(&mut self) {
+        self.ext.borrow_mut().open_region = Some(Vec::new());
+    }
+
+    /// gasnet_end_nbi_accessregion: one handle for every implicit operation started since.
+    pub fn end_nbi_accessregion(&mut self) -> Handle {
+        let mut s = self.ext.borrow_mut();
+        let ops = s.open_region.take().unwrap_or_default();
+        s.nbi_puts.retain(|o| !ops.contains(o));
+        s.nbi_gets.retain(|o| !ops.contains(o));
+        s.next_op += 1;
+        let h = s.next_op;
+        s.regions.insert(h, ops);
+        Handle(h)
+    }
+
+    // ---------------------------------------------------------------- barrier
+
+    /// gasnet_barrier_notify.
+    pub fn barrier_notify(&mut self, id: u32, flags: BarrierFlags) -> Result<(), GasnetError> {
+        let phase = {
+            let mut s = self.ext.borrow_mut();
+            if s.notified.is_some() {
+                return Err(GasnetError::BarrierState);
+            }
+            s.phase += 1;
+            s.notified = Some((id, flags.0));
+            s.phase
+        };
+        self.am_request_short(0, H_BAR_NOTIFY, &[phase, id, flags.0])
+    }
+
+    /// gasnet_barrier_try: `Ok(true)` once every node notified; `Err(BarrierMismatch)` then if
+    /// ids disagreed.
+    pub fn barrier_try(&mut self, id: u32, flags: BarrierFlags) -> Result<bool, GasnetError> {
+        let phase = {
+            let s = self.ext.borrow();
+            match s.notified {
+                Some((nid, nf))
+                    if nf & BarrierFlags::ANONYMOUS.0 != 0
+                        || flags.0 & BarrierFlags::ANONYMOUS.0 != 0
+                        || nid == id =>
+                {
+                    s.phase
+                }
+                _ => return Err(GasnetError::BarrierState),
+            }
+        };
+        self.core.poll()?;
+        if self.mynode() == 0 {
+            let ready = {
+                let mut s = self.ext.borrow_mut();
+                let n = self.core.conduit.nodes();
+                match s.arrivals.get_mut(&phase) {
+                    Some(e) if e.0 == n && !e.3 => {
+                        e.3 = true;
+                        Some(e.2)
+                    }
+                    _ => None,
+                }
+            };
+            if let Some(mismatch) = ready {
+                for node in 0..self.nodes() {
+                    self.am_request_short(node, H_BAR_DONE, &[phase, mismatch as u32])?;
+                }
+                self.ext.borrow_mut().arrivals.remove(&phase);
+                self.core.poll()?;
+            }
+        }
+        let mut s = self.ext.borrow_mut();
+        match s.done.remove(&phase) {
+            Some(mismatch) => {
+                s.notified = None;
+                if mismatch {
+                    Err(GasnetError::BarrierMismatch)
+                } else {
+                    Ok(true)
+                }
+            }
+            None => Ok(false),
+        }
+    }
+
+    /// gasnet_barrier_wait.
+    pub fn barrier_wait(&mut self, id: u32, flags: BarrierFlags) -> Result<(), GasnetError> {
+        let mut idle = 0u32;
+        loop {
+            if self.barrier_try(id, flags)? {
+                return Ok(());
+            }
+            idle += 1;
+            if idle > 64 {
+                std::thread::yield_now();
+            }
+        }
+    }
+
+    /// An anonymous barrier (notify + wait).
+    pub fn barrier(&mut self) -> Result<(), GasnetError> {
+        self.barrier_notify(0, BarrierFlags::ANONYMOUS)?;
+        self.barrier_wait(0, BarrierFlags::ANONYMOUS)
+    }
+}

@@ -1,0 +1,224 @@
+//! GASNet over the soft NIC: the Core API (Active Messages) and the Extended API (put/get,
+//! non-blocking with explicit and implicit handles, memset, split-phase barrier), over a conduit
+//! chosen at run time (`SOFTNIC_CONDUIT`, or `GASNET_CONDUIT`).
+//!
+//! Addresses are offsets into each node's segment (`GASNET_SEGMENT_SIZE` / `SOFTNIC_SEGMENT`
+//! bytes, default 64 MiB); local buffers may be anywhere. Conduits available: `udp` (no daemon:
+//! each process runs its own reliable delivery, as GASNet's udp-conduit does).
+
+pub mod am;
+pub mod conduit;
+mod core;
+mod extended;
+
+pub use self::am::Category;
+pub use self::core::{Handler, Msg, Token, HANDLER_USER_MIN};
+pub use self::extended::{BarrierFlags, Handle};
+
+use std::cell::RefCell;
+use std::rc::Rc;
+
+use self::conduit::Conduit;
+use self::core::Core;
+use self::extended::ExtState;
+use crate::job::{JobError, JobInfo};
+
+#[derive(Debug, thiserror::Error)]
+pub enum GasnetError {
+    #[error(transparent)]
+    Job(#[from] JobError),
+    #[error("GASNet setup failed: {0}")]
+    Setup(String),
+    #[error("unknown conduit {0:?}: available: udp")]
+    UnknownConduit(String),
+    #[error("node {0} is not in this job")]
+    BadNode(u32),
+    #[error("node {0} stopped answering")]
+    NodeDead(u32),
+    #[error("handler index {0} is not registered (clients use 128..=255)")]
+    BadHandler(u8),
+    #[error("{0} arguments: at most 16")]
+    TooManyArgs(usize),
+    #[error("payload of {0} bytes exceeds the AM maximum for this conduit")]
+    TooLarge(usize),
+    #[error("handler rule broken: {0}")]
+    HandlerRule(&'static str),
+    #[error("segment range [{0}, +{1}) lies outside the segment")]
+    OutOfSegment(u64, u64),
+    #[error("barrier mismatch: nodes notified with different ids (GASNET_ERR_BARRIER_MISMATCH)")]
+    BarrierMismatch,
+    #[error("barrier_wait/try without a matching barrier_notify (or with another id)")]
+    BarrierState,
+    #[error("unknown or already synchronised handle")]
+    BadHandle,
+}
+
+/// A node's GASNet: attach once per process.
+pub struct Gasnet {
+    pub(crate) core: Core,
+    pub(crate) ext: Rc<RefCell<ExtState>>,
+}
+
+/// The segment size from `SOFTNIC_SEGMENT` or `GASNET_SEGMENT_SIZE` (bytes; k/m/g suffixes).
+fn segment_from_env() -> usize {
+    let parse = |v: String| {
+        let v = v.trim().to_ascii_lowercase();
+        let (n, m) = match v.chars().last() {
+            Some('k') => (&v[..v.len() - 1], 1 << 10),
+            Some('m') => (&v[..v.len() - 1], 1 << 20),
+            Some('g') => (&v[..v.len() - 1], 1 << 30),
+            _ => (&v[..], 1),
+        };
+        n.parse::<usize>().ok().map(|n| n * m)
+    };
+    std::env::var("SOFTNIC_SEGMENT")
+        .ok()
+        .or_else(|| std::env::var("GASNET_SEGMENT_SIZE").ok())
+        .and_then(parse)
+        .unwrap_or(64 << 20)
+}
+
+impl Gasnet {
+    /// gasnet_init + gasnet_attach: joins the job, opens the conduit, registers `handlers`
+    /// (indices 128..=255), allocates the segment, and synchronises all nodes.
+    pub fn init(handlers: Vec<(u8, Handler)>) -> Result<Gasnet, GasnetError> {
+        let job = JobInfo::from_env()?;
+        let name = std::env::var("SOFTNIC_CONDUIT")
+            .or_else(|_| std::env::var("GASNET_CONDUIT"))
+            .unwrap_or_else(|_| "udp".into());
+        let conduit: Box<dyn Conduit> = match name.as_str() {
+            "udp" => Box::new(conduit::udp::UdpConduit::new(&job)?),
+            other => return Err(GasnetError::UnknownConduit(other.into())),
+        };
+        Self::attach(conduit, segment_from_env(), handlers)
+    }
+
+    /// Attaches over a given conduit.
+    pub fn attach(
+        conduit: Box<dyn Conduit>,
+        segment_len: usize,
+        handlers: Vec<(u8, Handler)>,
+    ) -> Result<Gasnet, GasnetError> {
+        let mut core = Core::new(conduit, segment_len);
+        for (i, h) in handlers {
+            if i < HANDLER_USER_MIN {
+                return Err(GasnetError::BadHandler(i));
+            }
+            core.register(i, h)?;
+        }
+        let ext = Rc::new(RefCell::new(ExtState::default()));
+        extended::register_handlers(&mut core, &ext)?;
+        let mut g = Gasnet { core, ext };
+        g.barrier()?;
+        Ok(g)
+    }
+
+    pub fn mynode(&self) -> u32 {
+        self.core.conduit.node()
+    }
+
+    pub fn nodes(&self) -> u32 {
+        self.core.conduit.nodes()
+    }
+
+    pub fn conduit_name(&self) -> &'static str {
+        self.core.conduit.name()
+    }
+
+    /// This node's segment.
+    pub fn segment(&mut self) -> &mut [u8] {
+        &mut self.core.segment
+    }
+
+    pub fn am_max_args(&self) -> usize {
+        am::MAX_ARGS
+    }
+
+    pub fn am_max_medium(&self) -> usize {
+        self.core.max_payload(am::MAX_ARGS)
+    }
+
+    pub fn am_max_long_request(&self) -> usize {
+        self.core.max_payload(am::MAX_ARGS)
+    }
+
+    pub fn am_max_long_reply(&self) -> usize {
+        self.core.max_payload(am::MAX_ARGS)
+    }
+
+    /// gasnet_AMRequestShortM.
+    pub fn am_request_short(
+        &mut self,
+        dest: u32,
+        handler: u8,
+        args: &[u32],
+    ) -> Result<(), GasnetError> {
+        self.core
+            .request(dest, handler, Category::Short, args, &[], 0)
+    }
+
+    /// gasnet_AMRequestMediumM: `payload` is copied; the handler gets it as a buffer.
+    pub fn am_request_medium(
+        &mut self,
+        dest: u32,
+        handler: u8,
+        payload: &[u8],
+        args: &[u32],
+    ) -> Result<(), GasnetError> {
+        self.core
+            .request(dest, handler, Category::Medium, args, payload, 0)
+    }
+
+    /// gasnet_AMRequestLongM: `payload` lands in `dest`'s segment at `dest_offset` before the
+    /// handler runs there.
+    pub fn am_request_long(
+        &mut self,
+        dest: u32,
+        handler: u8,
+        payload: &[u8],
+        dest_offset: u64,
+        args: &[u32],
+    ) -> Result<(), GasnetError> {
+        self.core
+            .request(dest, handler, Category::Long, args, payload, dest_offset)
+    }
+
+    /// gasnet_AMRequestLongAsyncM: as Long; the payload is copied at once, so the source may be
+    /// reused immediately (stronger than GASNet requires).
+    pub fn am_request_long_async(
+        &mut self,
+        dest: u32,
+        handler: u8,
+        payload: &[u8],
+        dest_offset: u64,
+        args: &[u32],
+    ) -> Result<(), GasnetError> {
+        self.am_request_long(dest, handler, payload, dest_offset, args)
+    }
+
+    /// gasnet_AMPoll.
+    pub fn am_poll(&mut self) -> Result<(), GasnetError> {
+        self.core.poll().map(|_| ())
+    }
+
+    /// GASNET_BLOCKUNTIL: polls (running handlers) until `cond` holds.
+    pub fn block_until(&mut self, mut cond: impl FnMut() -> bool) -> Result<(), GasnetError> {
+        let mut idle = 0u32;
+        while !cond() {
+            if self.core.poll()? {
+                idle = 0;
+            } else {
+                idle += 1;
+                if idle > 64 {
+                    std::thread::yield_now();
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Messages dropped as malformed, out of segment, or to unregistered handlers.
+    pub fn dropped(&self) -> u64 {
+        self.core.dropped
+    }
+}

@@ -1,0 +1,264 @@
+//! GASNet conformance, conduit-independent (modelled on GASNet's own tests): Active Messages of
+//! every category and argument count with the handler rules, put/get of many sizes at
+//! unaligned offsets into and out of the segment, explicit and implicit handles, access regions,
+//! memset, barriers with ids and mismatches. The conduit comes from SOFTNIC_CONDUIT.
+
+mod common;
+
+use std::cell::RefCell;
+use std::rc::Rc;
+
+use common::*;
+use softnic::gasnet::{BarrierFlags, Category, Gasnet, GasnetError, Handle, Handler, Msg, Token};
+
+const ENV_SEG: (&str, &str) = ("SOFTNIC_SEGMENT", "4m");
+
+fn run(test: &str, n: u32) {
+    for conduit in ["udp"] {
+        launch_ok_env(test, n, 2, &["--conduit", conduit], &[ENV_SEG]);
+    }
+}
+
+#[derive(Default)]
+struct Seen {
+    requests: Vec<(u32, Category, Vec<u32>, Vec<u8>, u64)>,
+    replies: Vec<(u32, Vec<u32>)>,
+    rule_errors: Vec<String>,
+}
+
+fn handlers(seen: &Rc<RefCell<Seen>>) -> Vec<(u8, Handler)> {
+    let s1 = seen.clone();
+    let req: Handler = Box::new(move |t: &mut Token<'_>, m: Msg<'_>| {
+        s1.borrow_mut().requests.push((
+            m.src,
+            m.category,
+            m.args.to_vec(),
+            m.payload.to_vec(),
+            m.offset,
+        ));
+        // Reply with the sum of the arguments, then break the one-reply rule.
+        let sum: u32 = m.args.iter().fold(0u32, |a, b| a.wrapping_add(*b));
+        t.reply_short(201, &[sum, m.args.len() as u32]).unwrap();
+        if let Err(e) = t.reply_short(201, &[0]) {
+            s1.borrow_mut().rule_errors.push(e.to_string());
+        }
+    });
+    let s2 = seen.clone();
+    let rep: Handler = Box::new(move |t: &mut Token<'_>, m: Msg<'_>| {
+        s2.borrow_mut().replies.push((m.src, m.args.to_vec()));
+        // A reply handler cannot communicate.
+        if let Err(e) = t.reply_short(201, &[]) {
+            s2.borrow_mut().rule_errors.push(e.to_string());
+        }
+    });
+    vec![(200, req), (201, rep)]
+}
+
+#[test]
+fn active_messages_every_category_and_argument_count() {
+    if !in_job() {
+        return run("active_messages_every_category_and_argument_count", 4);
+    }
+    let seen = Rc::new(RefCell::new(Seen::default()));
+    let mut g = Gasnet::init(handlers(&seen)).unwrap();
+    let (me, n) = (g.mynode(), g.nodes());
+    assert_eq!(g.am_max_args(), 16);
+    assert!(g.am_max_medium() >= 512 && g.am_max_long_request() >= 512);
+    let peer = (me + 1) % n;
+    let mut sent = 0;
+    for nargs in 0..=16usize {
+        let args: Vec<u32> = (0..nargs as u32).map(|i| i * 10 + me).collect();
+        g.am_request_short(peer, 200, &args).unwrap();
+        g.am_request_medium(peer, 200, &vec![nargs as u8; nargs * 7], &args)
+            .unwrap();
+        g.am_request_long(
+            peer,
+            200,
+            &vec![0xa0 | nargs as u8; 100],
+            1000 * (nargs as u64 + 1) + me as u64,
+            &args,
+        )
+        .unwrap();
+        sent += 3;
+    }
+    assert!(
+        g.am_request_short(peer, 200, &[0; 17]).is_err(),
+        "17 arguments"
+    );
+    assert!(
+        matches!(
+            g.am_request_short(peer, 0, &[]),
+            Err(GasnetError::BadHandler(0))
+        ),
+        "index 0 is never valid"
+    );
+    let s = seen.clone();
+    g.block_until(|| s.borrow().replies.len() >= sent && s.borrow().requests.len() >= sent)
+        .unwrap();
+    g.barrier().unwrap();
+    let s = seen.borrow();
+    let from = (me + n - 1) % n;
+    for (i, (src, cat, args, payload, offset)) in s.requests.iter().take(sent).enumerate() {
+        let nargs = i / 3;
+        assert_eq!(*src, from);
+        assert_eq!(args.len(), nargs);
+        assert!(args
+            .iter()
+            .enumerate()
+            .all(|(k, a)| *a == k as u32 * 10 + from));
+        match i % 3 {
+            0 => assert_eq!((*cat, payload.len()), (Category::Short, 0)),
+            1 => assert_eq!(
+                (*cat, payload.clone()),
+                (Category::Medium, vec![nargs as u8; nargs * 7])
+            ),
+            _ => {
+                assert_eq!(
+                    (*cat, *offset),
+                    (Category::Long, 1000 * (nargs as u64 + 1) + from as u64)
+                );
+                assert_eq!(payload, &vec![0xa0 | nargs as u8; 100]);
+                let o = *offset as usize;
+                assert_eq!(
+                    &g.segment()[o..o + 100],
+                    &payload[..],
+                    "Long payload in the segment"
+                );
+            }
+        }
+    }
+    for (i, (src, args)) in s.replies.iter().take(sent).enumerate() {
+        let nargs = (i / 3) as u32;
+        let want: u32 = (0..nargs).map(|k| k * 10 + me).sum();
+        assert_eq!((*src, args.clone()), (peer, vec![want, nargs]));
+    }
+    assert_eq!(
+        s.rule_errors.len(),
+        2 * sent,
+        "second replies and replies from reply handlers refused"
+    );
+    drop(s);
+    g.barrier().unwrap();
+}
+
+#[test]
+fn put_get_sizes_offsets_and_handles() {
+    if !in_job() {
+        return run("put_get_sizes_offsets_and_handles", 2);
+    }
+    let mut g = Gasnet::init(vec![]).unwrap();
+    let (me, n) = (g.mynode(), g.nodes());
+    let peer = (me + 1) % n;
+    let pat = |len: usize, seed: usize| -> Vec<u8> {
+        (0..len)
+            .map(|i| ((i * 31 + seed * 7) % 251) as u8)
+            .collect()
+    };
+    // Blocking, from and into plain buffers (out of segment), unaligned remote offsets.
+    let mut off = 0u64;
+    for (i, size) in [0usize, 1, 7, 8, 4095, 4096, 4097, 65_536, (1 << 20) + 3]
+        .into_iter()
+        .enumerate()
+    {
+        let data = pat(size, i + me as usize);
+        g.put(peer, off + 3, &data).unwrap();
+        let mut back = vec![0u8; size];
+        g.get(&mut back, peer, off + 3).unwrap();
+        assert_eq!(back, data, "size {size}");
+        off += size as u64 + 64;
+    }
+    g.barrier().unwrap();
+    // Explicit handles: several in flight, then wait all / some / try.
+    let hs: Vec<Handle> = (0..8u64)
+        .map(|k| {
+            g.put_nb(peer, 2_000_000 + k * 1000, &pat(999, k as usize))
+                .unwrap()
+        })
+        .collect();
+    g.wait_syncnb_all(&hs).unwrap();
+    let h = g.get_nb(3_000_000, peer, 2_000_000, 8 * 1000).unwrap();
+    while !g.try_syncnb(h).unwrap() {}
+    for k in 0..8usize {
+        assert_eq!(
+            &g.segment()[3_000_000 + k * 1000..3_000_000 + k * 1000 + 999],
+            &pat(999, k)[..]
+        );
+    }
+    // Implicit handles and an access region.
+    for k in 0..4u64 {
+        g.put_nbi(peer, 3_500_000 + k * 10, &[k as u8 + 1; 10])
+            .unwrap();
+    }
+    g.begin_nbi_accessregion();
+    g.put_nbi(peer, 3_600_000, b"region").unwrap();
+    let region = g.end_nbi_accessregion();
+    g.wait_syncnb(region).unwrap();
+    g.wait_syncnbi_puts().unwrap();
+    g.get_nbi(3_700_000, peer, 3_500_000, 40).unwrap();
+    g.wait_syncnbi_all().unwrap();
+    assert_eq!(
+        &g.segment()[3_700_000..3_700_040],
+        &[[1u8; 10], [2; 10], [3; 10], [4; 10]].concat()[..]
+    );
+    // memset, and out-of-segment remote ranges are refused.
+    g.memset(peer, 3_800_000, 0x5a, 100).unwrap();
+    let mut b = [0u8; 100];
+    g.get(&mut b, peer, 3_800_000).unwrap();
+    assert!(b.iter().all(|&x| x == 0x5a));
+    assert!(matches!(
+        g.put(peer, (4 << 20) - 2, &[1, 2, 3]),
+        Err(GasnetError::OutOfSegment(..))
+    ));
+    g.barrier().unwrap();
+}
+
+#[test]
+fn barriers_with_ids_anonymous_and_mismatch() {
+    if !in_job() {
+        return run("barriers_with_ids_anonymous_and_mismatch", 8);
+    }
+    let mut g = Gasnet::init(vec![]).unwrap();
+    let me = g.mynode();
+    // Same id everywhere: fine; split phase with work in between.
+    g.barrier_notify(7, BarrierFlags::NONE).unwrap();
+    g.am_poll().unwrap();
+    g.barrier_wait(7, BarrierFlags::NONE).unwrap();
+    // Anonymous participants match anything.
+    let f = if me % 2 == 0 {
+        BarrierFlags::ANONYMOUS
+    } else {
+        BarrierFlags::NONE
+    };
+    g.barrier_notify(9, f).unwrap();
+    g.barrier_wait(9, f).unwrap();
+    // Different ids: everyone sees the mismatch.
+    g.barrier_notify(100 + (me == 3) as u32, BarrierFlags::NONE)
+        .unwrap();
+    assert!(matches!(
+        g.barrier_wait(100 + (me == 3) as u32, BarrierFlags::NONE),
+        Err(GasnetError::BarrierMismatch)
+    ));
+    // A forced mismatch.
+    let f = if me == 0 {
+        BarrierFlags::MISMATCH
+    } else {
+        BarrierFlags::NONE
+    };
+    g.barrier_notify(5, f).unwrap();
+    assert!(matches!(
+        g.barrier_wait(5, f),
+        Err(GasnetError::BarrierMismatch)
+    ));
+    // Wait without notify, or with another id, is a usage error.
+    assert!(matches!(
+        g.barrier_wait(1, BarrierFlags::NONE),
+        Err(GasnetError::BarrierState)
+    ));
+    g.barrier_notify(11, BarrierFlags::NONE).unwrap();
+    assert!(matches!(
+        g.barrier_try(12, BarrierFlags::NONE),
+        Err(GasnetError::BarrierState)
+    ));
+    g.barrier_wait(11, BarrierFlags::NONE).unwrap();
+    g.barrier().unwrap();
+}
