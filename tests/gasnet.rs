@@ -13,15 +13,21 @@ use softnic::gasnet::{BarrierFlags, Category, Gasnet, GasnetError, Handle, Handl
 
 const ENV_SEG: (&str, &str) = ("SOFTNIC_SEGMENT", "4m");
 
+/// The conduits every test runs over (the portals conduit joins when it lands).
+const CONDUITS: &[&str] = &["udp"];
+
 fn run(test: &str, n: u32) {
-    for conduit in ["udp"] {
+    for conduit in CONDUITS {
         launch_ok_env(test, n, 2, &["--conduit", conduit], &[ENV_SEG]);
     }
 }
 
+/// (source, category, arguments, payload, Long offset) of a request handled.
+type Request = (u32, Category, Vec<u32>, Vec<u8>, u64);
+
 #[derive(Default)]
 struct Seen {
-    requests: Vec<(u32, Category, Vec<u32>, Vec<u8>, u64)>,
+    requests: Vec<Request>,
     replies: Vec<(u32, Vec<u32>)>,
     rule_errors: Vec<String>,
 }
@@ -74,7 +80,7 @@ fn active_messages_every_category_and_argument_count() {
         g.am_request_long(
             peer,
             200,
-            &vec![0xa0 | nargs as u8; 100],
+            &[0xa0 | nargs as u8; 100],
             1000 * (nargs as u64 + 1) + me as u64,
             &args,
         )
@@ -224,7 +230,7 @@ fn barriers_with_ids_anonymous_and_mismatch() {
     g.am_poll().unwrap();
     g.barrier_wait(7, BarrierFlags::NONE).unwrap();
     // Anonymous participants match anything.
-    let f = if me % 2 == 0 {
+    let f = if me.is_multiple_of(2) {
         BarrierFlags::ANONYMOUS
     } else {
         BarrierFlags::NONE

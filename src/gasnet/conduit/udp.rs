@@ -166,7 +166,7 @@ impl Conduit for UdpConduit {
         }
         self.rx = rx;
         self.t.handle_timeout(now);
-                if let Some(crate::transport::TransportEvent::PeerDead(p)) = self.t.poll_event() {
+        if let Some(crate::transport::TransportEvent::PeerDead(p)) = self.t.poll_event() {
             return Err(GasnetError::NodeDead(p as u32));
         }
         self.transmit();
