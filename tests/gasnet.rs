@@ -14,7 +14,7 @@ use softnic::gasnet::{BarrierFlags, Category, Gasnet, GasnetError, Handle, Handl
 const ENV_SEG: (&str, &str) = ("SOFTNIC_SEGMENT", "4m");
 
 /// The conduits every test runs over (the portals conduit joins when it lands).
-const CONDUITS: &[&str] = &["udp"];
+const CONDUITS: &[&str] = &["udp", "portals"];
 
 fn run(test: &str, n: u32) {
     for conduit in CONDUITS {
@@ -67,6 +67,11 @@ fn active_messages_every_category_and_argument_count() {
     }
     let seen = Rc::new(RefCell::new(Seen::default()));
     let mut g = Gasnet::init(handlers(&seen)).unwrap();
+    assert_eq!(
+        g.conduit_name(),
+        std::env::var("SOFTNIC_CONDUIT").unwrap(),
+        "the requested conduit runs"
+    );
     let (me, n) = (g.mynode(), g.nodes());
     assert_eq!(g.am_max_args(), 16);
     assert!(g.am_max_medium() >= 512 && g.am_max_long_request() >= 512);
@@ -153,6 +158,7 @@ fn put_get_sizes_offsets_and_handles() {
         return run("put_get_sizes_offsets_and_handles", 2);
     }
     let mut g = Gasnet::init(vec![]).unwrap();
+    assert_eq!(g.conduit_name(), std::env::var("SOFTNIC_CONDUIT").unwrap());
     let (me, n) = (g.mynode(), g.nodes());
     let peer = (me + 1) % n;
     let pat = |len: usize, seed: usize| -> Vec<u8> {
@@ -267,4 +273,42 @@ fn barriers_with_ids_anonymous_and_mismatch() {
     ));
     g.barrier_wait(11, BarrierFlags::NONE).unwrap();
     g.barrier().unwrap();
+}
+
+/// The same suites over the portals conduit with the daemons dropping 10% of datagrams (and
+/// duplicating 5%): results stay exact.
+#[test]
+fn portals_conduit_under_datagram_loss() {
+    assert!(!in_job(), "this test only launches the others by name");
+    let faults = [
+        "--conduit",
+        "portals",
+        "--fault-drop",
+        "0.1",
+        "--fault-duplicate",
+        "0.05",
+        "--fault-seed",
+        "11",
+    ];
+    launch_ok_env(
+        "active_messages_every_category_and_argument_count",
+        4,
+        2,
+        &faults,
+        &[ENV_SEG],
+    );
+    launch_ok_env(
+        "put_get_sizes_offsets_and_handles",
+        2,
+        2,
+        &faults,
+        &[ENV_SEG],
+    );
+    launch_ok_env(
+        "barriers_with_ids_anonymous_and_mismatch",
+        8,
+        2,
+        &faults,
+        &[ENV_SEG],
+    );
 }

@@ -29,7 +29,7 @@ pub enum GasnetError {
     Job(#[from] JobError),
     #[error("GASNet setup failed: {0}")]
     Setup(String),
-    #[error("unknown conduit {0:?}: available: udp")]
+    #[error("unknown conduit {0:?}: available: portals, udp")]
     UnknownConduit(String),
     #[error("node {0} is not in this job")]
     BadNode(u32),
@@ -88,6 +88,7 @@ impl Gasnet {
             .unwrap_or_else(|_| "udp".into());
         let conduit: Box<dyn Conduit> = match name.as_str() {
             "udp" => Box::new(conduit::udp::UdpConduit::new(&job)?),
+            "portals" => Box::new(conduit::portals::PortalsConduit::new()?),
             other => return Err(GasnetError::UnknownConduit(other.into())),
         };
         Self::attach(conduit, segment_from_env(), handlers)

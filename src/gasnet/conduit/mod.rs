@@ -1,6 +1,7 @@
 //! Conduits: how Active Messages move between nodes. The GASNet layer above is the same for
 //! all of them; a conduit only sends encoded AMs and delivers arrived ones in order.
 
+pub mod portals;
 pub mod udp;
 
 use super::GasnetError;
