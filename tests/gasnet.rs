@@ -166,6 +166,17 @@ fn put_get_sizes_offsets_and_handles() {
             .map(|i| ((i * 31 + seed * 7) % 251) as u8)
             .collect()
     };
+    // On the portals conduit puts and gets go straight to Portals, never through AMs.
+    let before = g.am_sent();
+    g.put(peer, 0, &[1; 100]).unwrap();
+    let mut b100 = [0u8; 100];
+    g.get(&mut b100, peer, 0).unwrap();
+    if g.conduit_name() == "portals" {
+        assert_eq!(g.am_sent(), before, "portals conduit: no AM for put/get");
+    } else {
+        assert!(g.am_sent() > before, "AM-based conduit");
+    }
+    g.barrier().unwrap();
     // Blocking, from and into plain buffers (out of segment), unaligned remote offsets.
     let mut off = 0u64;
     for (i, size) in [0usize, 1, 7, 8, 4095, 4096, 4097, 65_536, (1 << 20) + 3]

@@ -7,7 +7,7 @@
 //! 128–255 ([`HANDLER_USER_MIN`]).
 
 use super::am::{self, AmHeader, Category, MAX_ARGS};
-use super::conduit::Conduit;
+use super::conduit::{Conduit, RmaDone};
 use super::GasnetError;
 
 pub const HANDLER_USER_MIN: u8 = 128;
@@ -129,20 +129,24 @@ pub(crate) fn encode(
 pub struct Core {
     pub(crate) conduit: Box<dyn Conduit>,
     handlers: Vec<Option<Handler>>,
-    pub(crate) segment: Vec<u8>,
+    /// Direct operations the conduit finished, for the Extended layer to account.
+    pub(crate) rma_done: Vec<RmaDone>,
     /// Messages that arrived but were not handled yet (delivered by `poll`).
     inbox: Vec<(u32, Vec<u8>)>,
     pub(crate) dropped: u64,
+    /// Active Messages sent (requests and replies).
+    pub(crate) sent: u64,
 }
 
 impl Core {
-    pub fn new(conduit: Box<dyn Conduit>, segment_len: usize) -> Core {
+    pub fn new(conduit: Box<dyn Conduit>) -> Core {
         Core {
             conduit,
             handlers: (0..256).map(|_| None).collect(),
-            segment: vec![0; segment_len],
+            rma_done: Vec::new(),
             inbox: Vec::new(),
             dropped: 0,
+            sent: 0,
         }
     }
 
@@ -186,15 +190,20 @@ impl Core {
             offset,
             self.max_am(),
         )?;
+        self.sent += 1;
         self.conduit.send(dest, &b)
     }
 
     /// AMPoll: runs the handlers of every arrived message. Returns whether any ran.
     pub fn poll(&mut self) -> Result<bool, GasnetError> {
         let mut inbox = std::mem::take(&mut self.inbox);
+        let mut done = std::mem::take(&mut self.rma_done);
         self.conduit
-            .poll(&mut |src, b| inbox.push((src, b.to_vec())))?;
-        let any = !inbox.is_empty();
+            .poll(&mut |src, b| inbox.push((src, b.to_vec())), &mut |d| {
+                done.push(d)
+            })?;
+        self.rma_done = done;
+        let any = !inbox.is_empty() || !self.rma_done.is_empty();
         for (src, b) in inbox.drain(..) {
             self.handle(src, &b)?;
         }
@@ -211,8 +220,8 @@ impl Core {
         if h.category == Category::Long {
             // The payload lands in the segment before the handler runs.
             match offset.checked_add(payload.len() as u64) {
-                Some(end) if end <= self.segment.len() as u64 => {
-                    self.segment[offset as usize..end as usize].copy_from_slice(payload);
+                Some(end) if end <= self.conduit.segment().len() as u64 => {
+                    self.conduit.segment()[offset as usize..end as usize].copy_from_slice(payload);
                 }
                 _ => {
                     self.dropped += 1;
@@ -233,7 +242,7 @@ impl Core {
             src,
             request: !h.reply,
             reply: None,
-            segment: &mut self.segment,
+            segment: self.conduit.segment(),
             max_am,
         };
         let msg_payload: Vec<u8>;
@@ -258,6 +267,7 @@ impl Core {
         // A request handler that did not reply gets no implicit message on the wire: the
         // Extended layer's own protocols always reply explicitly where completion needs it.
         if let Some(r) = reply {
+            self.sent += 1;
             self.conduit.send(src, &r)?;
         }
         Ok(())

@@ -8,6 +8,7 @@ use std::cell::RefCell;
 use std::collections::{HashMap, HashSet};
 use std::rc::Rc;
 
+use super::conduit::GetDest;
 use super::core::{Core, Handler, Msg, Token};
 use super::{Gasnet, GasnetError};
 
@@ -209,10 +210,25 @@ pub(super) fn register_handlers(
 }
 
 impl Gasnet {
-    fn check_remote(&self, offset: u64, len: u64) -> Result<(), GasnetError> {
+    /// Accounts the direct operations the conduit finished since the last poll.
+    pub(crate) fn account_rma(&mut self) {
+        let done = std::mem::take(&mut self.core.rma_done);
+        let mut s = self.ext.borrow_mut();
+        for d in done {
+            if !d.ok {
+                s.failed.insert(d.op);
+            } else if let Some(buf) = s.get_data.get_mut(&d.op) {
+                let n = buf.len().min(d.data.len());
+                buf[..n].copy_from_slice(&d.data[..n]);
+            }
+            s.part_done(d.op);
+        }
+    }
+
+    fn check_remote(&mut self, offset: u64, len: u64) -> Result<(), GasnetError> {
         // Segments are symmetric (one size for the job): check against ours.
         match offset.checked_add(len) {
-            Some(e) if e <= self.core.segment.len() as u64 => Ok(()),
+            Some(e) if e <= self.core.conduit.segment().len() as u64 => Ok(()),
             _ => Err(GasnetError::OutOfSegment(offset, len)),
         }
     }
@@ -230,9 +246,15 @@ impl Gasnet {
 
     fn put_op(&mut self, node: u32, dest_offset: u64, src: &[u8]) -> Result<u64, GasnetError> {
         self.check_remote(dest_offset, src.len() as u64)?;
+        let op = self.ext.borrow_mut().new_op(1);
+        // Straight through the network where the conduit can (Portals put, ACK completes it).
+        if self.core.conduit.rma_put(node, dest_offset, src, op)? {
+            self.track(op);
+            return Ok(op);
+        }
         let chunk = self.chunk();
         let parts = src.len().div_ceil(chunk).max(1);
-        let op = self.ext.borrow_mut().new_op(parts);
+        self.ext.borrow_mut().remaining.insert(op, parts);
         let [lo, hi] = split(op);
         if src.is_empty() {
             self.am_request_long(node, H_PUT, &[], dest_offset, &[lo, hi])?;
@@ -254,6 +276,28 @@ impl Gasnet {
         self.check_remote(src_offset, len as u64)?;
         if let Some(base) = into_segment {
             self.check_remote(base, len as u64)?;
+        }
+        let direct = {
+            let mut s = self.ext.borrow_mut();
+            let op = s.new_op(1);
+            if into_segment.is_none() {
+                s.get_data.insert(op, vec![0; len]);
+            }
+            op
+        };
+        let dest = into_segment.map_or(GetDest::Buffer, GetDest::Segment);
+        if self
+            .core
+            .conduit
+            .rma_get(node, src_offset, len, dest, direct)?
+        {
+            self.track(direct);
+            return Ok(direct);
+        }
+        {
+            let mut s = self.ext.borrow_mut();
+            s.remaining.remove(&direct);
+            s.get_data.remove(&direct);
         }
         let chunk = self.chunk();
         let parts = len.div_ceil(chunk).max(1);
@@ -403,7 +447,7 @@ impl Gasnet {
 
     /// gasnet_try_syncnb: `Ok(true)` once complete (polls once).
     pub fn try_syncnb(&mut self, h: Handle) -> Result<bool, GasnetError> {
-        self.core.poll()?;
+        self.poll_once()?;
         if self.ext.borrow().done(h.0) {
             self.finish_op(h.0)?;
             return Ok(true);
@@ -429,7 +473,7 @@ impl Gasnet {
 
     /// gasnet_try_syncnb_all.
     pub fn try_syncnb_all(&mut self, hs: &[Handle]) -> Result<bool, GasnetError> {
-        self.core.poll()?;
+        self.poll_once()?;
         if hs.iter().all(|h| self.ext.borrow().done(h.0)) {
             self.wait_syncnb_all(hs)?;
             return Ok(true);
@@ -439,7 +483,7 @@ impl Gasnet {
 
     /// gasnet_try_syncnb_some: the completed handles are synchronised and returned.
     pub fn try_syncnb_some(&mut self, hs: &[Handle]) -> Result<Vec<Handle>, GasnetError> {
-        self.core.poll()?;
+        self.poll_once()?;
         let done: Vec<Handle> = hs
             .iter()
             .copied()
@@ -485,7 +529,7 @@ impl Gasnet {
 
     fn sync_nbi(&mut self, puts: bool, gets: bool, wait: bool) -> Result<bool, GasnetError> {
         loop {
-            self.core.poll()?;
+            self.poll_once()?;
             let (all_done, ops) = {
                 let s = self.ext.borrow();
                 let mut ops: Vec<u64> = Vec::new();
@@ -596,7 +640,7 @@ impl Gasnet {
                 _ => return Err(GasnetError::BarrierState),
             }
         };
-        self.core.poll()?;
+        self.poll_once()?;
         if self.mynode() == 0 {
             let ready = {
                 let mut s = self.ext.borrow_mut();
@@ -614,7 +658,7 @@ impl Gasnet {
                     self.am_request_short(node, H_BAR_DONE, &[phase, mismatch as u32])?;
                 }
                 self.ext.borrow_mut().arrivals.remove(&phase);
-                self.core.poll()?;
+                self.poll_once()?;
             }
         }
         let mut s = self.ext.borrow_mut();

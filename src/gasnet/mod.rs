@@ -87,20 +87,19 @@ impl Gasnet {
             .or_else(|_| std::env::var("GASNET_CONDUIT"))
             .unwrap_or_else(|_| "udp".into());
         let conduit: Box<dyn Conduit> = match name.as_str() {
-            "udp" => Box::new(conduit::udp::UdpConduit::new(&job)?),
-            "portals" => Box::new(conduit::portals::PortalsConduit::new()?),
+            "udp" => Box::new(conduit::udp::UdpConduit::new(&job, segment_from_env())?),
+            "portals" => Box::new(conduit::portals::PortalsConduit::new(segment_from_env())?),
             other => return Err(GasnetError::UnknownConduit(other.into())),
         };
-        Self::attach(conduit, segment_from_env(), handlers)
+        Self::attach(conduit, handlers)
     }
 
     /// Attaches over a given conduit.
     pub fn attach(
         conduit: Box<dyn Conduit>,
-        segment_len: usize,
         handlers: Vec<(u8, Handler)>,
     ) -> Result<Gasnet, GasnetError> {
-        let mut core = Core::new(conduit, segment_len);
+        let mut core = Core::new(conduit);
         for (i, h) in handlers {
             if i < HANDLER_USER_MIN {
                 return Err(GasnetError::BadHandler(i));
@@ -128,7 +127,7 @@ impl Gasnet {
 
     /// This node's segment.
     pub fn segment(&mut self) -> &mut [u8] {
-        &mut self.core.segment
+        self.core.conduit.segment()
     }
 
     pub fn am_max_args(&self) -> usize {
@@ -199,14 +198,21 @@ impl Gasnet {
 
     /// gasnet_AMPoll.
     pub fn am_poll(&mut self) -> Result<(), GasnetError> {
-        self.core.poll().map(|_| ())
+        self.poll_once().map(|_| ())
+    }
+
+    /// One round of progress: handlers run, finished direct operations are accounted.
+    pub(crate) fn poll_once(&mut self) -> Result<bool, GasnetError> {
+        let any = self.core.poll()?;
+        self.account_rma();
+        Ok(any)
     }
 
     /// GASNET_BLOCKUNTIL: polls (running handlers) until `cond` holds.
     pub fn block_until(&mut self, mut cond: impl FnMut() -> bool) -> Result<(), GasnetError> {
         let mut idle = 0u32;
         while !cond() {
-            if self.core.poll()? {
+            if self.poll_once()? {
                 idle = 0;
             } else {
                 idle += 1;
@@ -216,6 +222,11 @@ impl Gasnet {
             }
         }
         Ok(())
+    }
+
+    /// Active Messages this node sent (requests and replies).
+    pub fn am_sent(&self) -> u64 {
+        self.core.sent
     }
 
     /// Messages dropped as malformed, out of segment, or to unregistered handlers.

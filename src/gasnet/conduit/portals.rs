@@ -10,10 +10,14 @@
 //!   a slot; the ACK frees the slot, so a slot is a send token (no more AMs in flight than slots).
 //! - Flow control: an AM the target could not take (no receive buffer linked: DROPPED) is sent
 //!   again from its slot, which still holds it.
+//! - RAR: the segment, registered with the NIC, is exposed on its own portal (ignore-all match
+//!   bits, puts and gets, no target events). Extended puts and gets go straight to Portals put
+//!   and get — from or into the segment directly, else through a bounce region — and complete
+//!   from their ACK and REPLY events on SAFE_EQ, never through Active Messages.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 
-use super::Conduit;
+use super::{Conduit, GetDest, RmaDone};
 use crate::gasnet::GasnetError;
 use crate::nic::memory::Perms;
 use crate::portals::{
@@ -26,6 +30,23 @@ const RB_LEN: usize = 2 << 20;
 const RBS: usize = 2;
 const SLOTS: usize = 256;
 const BITS_AM: u64 = 0xa11;
+const RAR_PT: u32 = 11;
+/// Largest piece of one direct transfer, and the bounce region (two pieces).
+const CHUNK: usize = 1 << 20;
+const BOUNCE_LEN: usize = 2 * CHUNK;
+/// Most direct pieces in flight (SAFE_EQ holds their completions).
+const MAX_RMA: usize = 256;
+/// `user_ptr` of direct pieces: tag | op << 16 | piece.
+const RMA_TAG: u64 = 1 << 63;
+
+/// A direct operation in flight.
+struct Rma {
+    remaining: usize,
+    ok: bool,
+    /// Gets into a caller's buffer: the data, and per piece its bounce offset.
+    data: Option<Vec<u8>>,
+    pieces: Vec<Option<u64>>,
+}
 
 pub struct PortalsConduit {
     p: Portals,
@@ -43,6 +64,15 @@ pub struct PortalsConduit {
     retries: u64,
     /// Slots whose AM must go again.
     pending: VecDeque<usize>,
+    seg: crate::gni::MemRegion,
+    seg_md: u32,
+    bounce: crate::gni::MemRegion,
+    bounce_md: u32,
+    bounce_used: usize,
+    bounce_refs: usize,
+    rma: HashMap<u64, Rma>,
+    rma_in_flight: usize,
+    finished: Vec<RmaDone>,
 }
 
 fn err<E: std::fmt::Display>(e: E) -> GasnetError {
@@ -50,11 +80,11 @@ fn err<E: std::fmt::Display>(e: E) -> GasnetError {
 }
 
 impl PortalsConduit {
-    pub fn new() -> Result<PortalsConduit, GasnetError> {
+    pub fn new(segment_len: usize) -> Result<PortalsConduit, GasnetError> {
         let mut p = Portals::init().map_err(err)?;
         let (ni, _) = p.ni_init(true, true).map_err(err)?;
         let am_eq = p.eq_alloc(ni, 16_384).map_err(err)?;
-        let safe_eq = p.eq_alloc(ni, SLOTS * 2 + 16).map_err(err)?;
+        let safe_eq = p.eq_alloc(ni, SLOTS + MAX_RMA + 64).map_err(err)?;
         p.pt_alloc(ni, 0, Some(am_eq), Some(AM_PT)).map_err(err)?;
         let rb = p
             .nic()
@@ -76,6 +106,51 @@ impl PortalsConduit {
                 },
             )
             .map_err(err)?;
+        let seg = p
+            .nic()
+            .mem_register(segment_len.max(8), Perms::READ_WRITE)
+            .map_err(err)?;
+        let bounce = p.nic().mem_register(BOUNCE_LEN, Perms(0)).map_err(err)?;
+        let quiet = crate::portals::md_opt::EVENT_SEND_DISABLE;
+        let seg_md = p
+            .md_bind(
+                ni,
+                &Md {
+                    region: seg.clone(),
+                    segments: vec![(0, seg.len() as u64)],
+                    options: quiet,
+                    eq: Some(safe_eq),
+                    ct: None,
+                },
+            )
+            .map_err(err)?;
+        let bounce_md = p
+            .md_bind(
+                ni,
+                &Md {
+                    region: bounce.clone(),
+                    segments: vec![(0, BOUNCE_LEN as u64)],
+                    options: quiet,
+                    eq: Some(safe_eq),
+                    ct: None,
+                },
+            )
+            .map_err(err)?;
+        p.pt_alloc(ni, 0, Some(safe_eq), Some(RAR_PT))
+            .map_err(err)?;
+        let mut rar = Me::new(
+            Buffer {
+                region: seg.clone(),
+                offset: 0,
+                len: seg.len() as u64,
+            },
+            0,
+        );
+        rar.ignore_bits = u64::MAX;
+        rar.options |=
+            crate::portals::me_opt::EVENT_COMM_DISABLE | crate::portals::me_opt::EVENT_LINK_DISABLE;
+        p.me_append(ni, RAR_PT, &rar, List::Priority, 0)
+            .map_err(err)?;
         let me = p.nic().rank();
         let n = p.nic().size();
         let mut c = PortalsConduit {
@@ -92,6 +167,15 @@ impl PortalsConduit {
             n,
             retries: 0,
             pending: VecDeque::new(),
+            seg,
+            seg_md,
+            bounce,
+            bounce_md,
+            bounce_used: 0,
+            bounce_refs: 0,
+            rma: HashMap::new(),
+            rma_in_flight: 0,
+            finished: Vec::new(),
         };
         for i in 0..RBS {
             c.post_rb(i)?;
@@ -148,6 +232,10 @@ impl PortalsConduit {
         let mut any = false;
         while let Ok((e, _)) = self.p.eq_get(self.ni, self.safe_eq) {
             any = true;
+            if e.user_ptr & RMA_TAG != 0 {
+                self.rma_event(e.user_ptr, e.kind, e.ni_fail);
+                continue;
+            }
             if e.kind != EventKind::Ack {
                 continue;
             }
@@ -170,6 +258,72 @@ impl PortalsConduit {
         Ok(any)
     }
 
+    /// A direct piece finished (ACK of a put, REPLY of a get).
+    fn rma_event(&mut self, user_ptr: u64, kind: EventKind, fail: NiFail) {
+        if kind != EventKind::Ack && kind != EventKind::Reply {
+            return;
+        }
+        let (op, piece) = ((user_ptr & !RMA_TAG) >> 16, (user_ptr & 0xffff) as usize);
+        let Some(r) = self.rma.get_mut(&op) else {
+            return;
+        };
+        self.rma_in_flight -= 1;
+        r.ok &= fail == NiFail::Ok;
+        if let Some(Some(b)) = r.pieces.get(piece).copied() {
+            self.bounce_refs -= 1;
+            if let Some(data) = r.data.as_mut() {
+                let at = piece * CHUNK;
+                let n = (data.len() - at).min(CHUNK);
+                data[at..at + n].copy_from_slice(&self.bounce.bytes()[b as usize..b as usize + n]);
+            }
+        }
+        r.remaining -= 1;
+        if r.remaining == 0 {
+            let r = self.rma.remove(&op).expect("present");
+            self.finished.push(RmaDone {
+                op,
+                ok: r.ok,
+                data: r.data.unwrap_or_default(),
+            });
+        }
+    }
+
+    /// `len` bytes of bounce space, waiting for earlier pieces to drain when it is short.
+    fn bounce_alloc(&mut self, len: usize) -> Result<u64, GasnetError> {
+        if self.bounce_used + len > BOUNCE_LEN {
+            while self.bounce_refs > 0 {
+                if !self.poll_safe()? {
+                    std::thread::yield_now();
+                }
+            }
+            self.bounce_used = 0;
+        }
+        let at = self.bounce_used;
+        self.bounce_used += len;
+        self.bounce_refs += 1;
+        Ok(at as u64)
+    }
+
+    /// Waits for room for one more direct piece.
+    fn rma_slot(&mut self) -> Result<(), GasnetError> {
+        while self.rma_in_flight >= MAX_RMA {
+            if !self.poll_safe()? {
+                std::thread::yield_now();
+            }
+        }
+        self.rma_in_flight += 1;
+        Ok(())
+    }
+
+    fn rar(&self, node: u32, offset: u64) -> Target {
+        Target {
+            id: ProcessId::Logical { rank: node },
+            pt_index: RAR_PT,
+            match_bits: 0,
+            remote_offset: offset,
+        }
+    }
+
     /// AMs resent because their target had no receive buffer posted at the time.
     pub fn retries(&self) -> u64 {
         self.retries
@@ -187,6 +341,114 @@ impl Conduit for PortalsConduit {
 
     fn max_am(&self) -> usize {
         MAX_AM
+    }
+
+    fn segment(&mut self) -> &mut [u8] {
+        self.seg.bytes()
+    }
+
+    fn rma_put(
+        &mut self,
+        node: u32,
+        dest_offset: u64,
+        src: &[u8],
+        op: u64,
+    ) -> Result<bool, GasnetError> {
+        if node >= self.n {
+            return Err(GasnetError::BadNode(node));
+        }
+        let pieces = src.len().div_ceil(CHUNK).max(1);
+        // A source inside the segment goes from there; any other from the bounce region.
+        let base = self.seg.as_ptr() as usize;
+        let in_seg = (src.as_ptr() as usize) >= base
+            && (src.as_ptr() as usize) + src.len() <= base + self.seg.len();
+        self.rma.insert(
+            op,
+            Rma {
+                remaining: pieces,
+                ok: true,
+                data: None,
+                pieces: vec![None; pieces],
+            },
+        );
+        for i in 0..pieces {
+            let part = &src[(i * CHUNK).min(src.len())..((i + 1) * CHUNK).min(src.len())];
+            self.rma_slot()?;
+            let (md, off) = if in_seg {
+                (self.seg_md, (part.as_ptr() as usize - base) as u64)
+            } else {
+                let b = self.bounce_alloc(part.len())?;
+                self.bounce.bytes()[b as usize..b as usize + part.len()].copy_from_slice(part);
+                if let Some(r) = self.rma.get_mut(&op) {
+                    r.pieces[i] = Some(b);
+                }
+                (self.bounce_md, b)
+            };
+            let t = self.rar(node, dest_offset + (i * CHUNK) as u64);
+            self.p
+                .put(
+                    self.ni,
+                    md,
+                    off,
+                    part.len() as u64,
+                    AckReq::Ack,
+                    t,
+                    RMA_TAG | (op << 16) | i as u64,
+                    0,
+                )
+                .map_err(err)?;
+        }
+        Ok(true)
+    }
+
+    fn rma_get(
+        &mut self,
+        node: u32,
+        src_offset: u64,
+        len: usize,
+        dest: GetDest,
+        op: u64,
+    ) -> Result<bool, GasnetError> {
+        if node >= self.n {
+            return Err(GasnetError::BadNode(node));
+        }
+        let pieces = len.div_ceil(CHUNK).max(1);
+        let data = matches!(dest, GetDest::Buffer).then(|| vec![0u8; len]);
+        self.rma.insert(
+            op,
+            Rma {
+                remaining: pieces,
+                ok: true,
+                data,
+                pieces: vec![None; pieces],
+            },
+        );
+        for i in 0..pieces {
+            let n = (len - (i * CHUNK).min(len)).min(CHUNK);
+            self.rma_slot()?;
+            let (md, off) = match dest {
+                GetDest::Segment(base) => (self.seg_md, base + (i * CHUNK) as u64),
+                GetDest::Buffer => {
+                    let b = self.bounce_alloc(n)?;
+                    if let Some(r) = self.rma.get_mut(&op) {
+                        r.pieces[i] = Some(b);
+                    }
+                    (self.bounce_md, b)
+                }
+            };
+            let t = self.rar(node, src_offset + (i * CHUNK) as u64);
+            self.p
+                .get(
+                    self.ni,
+                    md,
+                    off,
+                    n as u64,
+                    t,
+                    RMA_TAG | (op << 16) | i as u64,
+                )
+                .map_err(err)?;
+        }
+        Ok(true)
     }
 
     fn name(&self) -> &'static str {
@@ -215,8 +477,16 @@ impl Conduit for PortalsConduit {
         self.put_slot(slot)
     }
 
-    fn poll(&mut self, deliver: &mut dyn FnMut(u32, &[u8])) -> Result<bool, GasnetError> {
+    fn poll(
+        &mut self,
+        deliver: &mut dyn FnMut(u32, &[u8]),
+        done: &mut dyn FnMut(RmaDone),
+    ) -> Result<bool, GasnetError> {
         let mut any = self.poll_safe()?;
+        for d in self.finished.drain(..) {
+            any = true;
+            done(d);
+        }
         self.p.nic().progress();
         let mut repost = Vec::new();
         while let Ok((e, _)) = self.p.eq_get(self.ni, self.am_eq) {

@@ -28,6 +28,7 @@ pub struct UdpConduit {
     d: UdpDriver,
     clock: Instant,
     rx: Vec<u8>,
+    segment: Vec<u8>,
     /// AMs to deliver before the network's: those a node sends itself, and those that arrived
     /// while a send waited for credit. (source, AM)
     local: VecDeque<(u32, Vec<u8>)>,
@@ -39,7 +40,7 @@ fn addr(job: u32, node: u32) -> SocketAddr {
 }
 
 impl UdpConduit {
-    pub fn new(job: &JobInfo) -> Result<UdpConduit, GasnetError> {
+    pub fn new(job: &JobInfo, segment_len: usize) -> Result<UdpConduit, GasnetError> {
         if job.size > 65_535 {
             return Err(GasnetError::Setup(
                 "the udp conduit addresses at most 65535 nodes".into(),
@@ -67,6 +68,7 @@ impl UdpConduit {
             d,
             clock: Instant::now(),
             rx: vec![0; 65_536],
+            segment: vec![0; segment_len],
             local: VecDeque::new(),
         })
     }
@@ -92,6 +94,10 @@ impl Conduit for UdpConduit {
 
     fn nodes(&self) -> u32 {
         self.n as u32
+    }
+
+    fn segment(&mut self) -> &mut [u8] {
+        &mut self.segment
     }
 
     fn max_am(&self) -> usize {
@@ -125,7 +131,7 @@ impl Conduit for UdpConduit {
                 // No credit: make progress (acks free the window) and try again.
                 Err(PushError::Full(_)) => {
                     let mut stash = Vec::new();
-                    self.poll(&mut |src, b| stash.push((src, b.to_vec())))?;
+                    self.poll(&mut |src, b| stash.push((src, b.to_vec())), &mut |_| {})?;
                     self.local.extend(stash);
                 }
                 Err(PushError::Dead(p)) => return Err(GasnetError::NodeDead(p as u32)),
@@ -136,7 +142,11 @@ impl Conduit for UdpConduit {
         Ok(())
     }
 
-    fn poll(&mut self, deliver: &mut dyn FnMut(u32, &[u8])) -> Result<bool, GasnetError> {
+    fn poll(
+        &mut self,
+        deliver: &mut dyn FnMut(u32, &[u8]),
+        _done: &mut dyn FnMut(super::RmaDone),
+    ) -> Result<bool, GasnetError> {
         let mut any = false;
         while let Some((src, b)) = self.local.pop_front() {
             deliver(src, &b);
