@@ -3,6 +3,7 @@
 //! Outside a job it launches itself on the local default (`softnic run` semantics); inside,
 //! every rank runs the benchmark and rank 0 reports.
 
+mod gasnet_bench;
 mod gni_bench;
 mod portals_bench;
 mod randomaccess;
@@ -25,6 +26,8 @@ enum Bench {
     Bw,
     /// HPCC RandomAccess with NIC AXOR updates; GUP/s and verification errors.
     Randomaccess,
+    /// Active Message round trips (Short, Medium, Long); needs `--api gasnet`.
+    Am,
     /// Everything above, every API, in one run.
     Compare,
 }
@@ -40,7 +43,8 @@ struct Args {
     /// raw-udp, gni, portals, or all (default: all).
     #[arg(long)]
     conduit: Option<String>,
-    /// gni, raw-udp or all (an alias of --conduit for APIs that are not GASNet conduits).
+    /// gni, raw-udp, portals, all, or gasnet (then --conduit picks the GASNet conduit: udp or
+    /// portals; a rank attaches once, so each GASNet conduit is its own run).
     #[arg(long)]
     api: Option<String>,
     #[arg(long, default_value_t = 2)]
@@ -104,6 +108,10 @@ impl Ctx {
 
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
+    anyhow::ensure!(
+        args.bench != Bench::Am || args.api.as_deref() == Some("gasnet"),
+        "the am benchmark is GASNet's: add --api gasnet --conduit udp|portals"
+    );
     if !JobInfo::in_job() {
         let l = Launch {
             ranks: args.ranks,
@@ -131,6 +139,12 @@ fn main() -> anyhow::Result<()> {
         job_id: job.job_id,
         iters: args.iters,
     };
+    if args.api.as_deref() == Some("gasnet") {
+        let conduit = args.conduit.clone().unwrap_or_else(|| "udp".into());
+        // Single-threaded here: nothing else reads the environment concurrently.
+        std::env::set_var("SOFTNIC_CONDUIT", &conduit);
+        return run_gasnet(&args, &ctx);
+    }
     let sel = args
         .conduit
         .clone()
@@ -165,6 +179,7 @@ fn main() -> anyhow::Result<()> {
         Bench::Bw => (false, true, false),
         Bench::Randomaccess => (false, false, true),
         Bench::Compare => (true, true, true),
+        Bench::Am => (false, false, false),
     };
     if (lat || bw) && want("raw-udp") && ctx.size >= 2 {
         // Ranks 0 and 1 run it; every rank joins the barriers that keep sizes apart.
@@ -244,6 +259,53 @@ fn main() -> anyhow::Result<()> {
         }
     }
     nic.barrier()?;
+    if ctx.rank == 0 {
+        report::print(&rows, args.json);
+    }
+    Ok(())
+}
+
+/// The GASNet rows: AM round trips, blocking put/get latency, put_nbi bandwidth.
+fn run_gasnet(args: &Args, ctx: &Ctx) -> anyhow::Result<()> {
+    let (mut g, pongs) = gasnet_bench::init().context("gasnet attach")?;
+    anyhow::ensure!(ctx.size >= 2, "GASNet benchmarks need at least 2 ranks");
+    let (am, lat, bw) = match args.bench {
+        Bench::Am => (true, false, false),
+        Bench::Pingpong => (false, true, false),
+        Bench::Bw => (false, false, true),
+        Bench::Compare => (true, true, true),
+        Bench::Randomaccess => anyhow::bail!("RandomAccess over GASNet is not in netbench yet"),
+    };
+    let lat_sizes = args
+        .sizes
+        .clone()
+        .unwrap_or_else(|| vec![8, 64, 512, 4096, 32768, 262_144, 1 << 20]);
+    let bw_sizes = args
+        .sizes
+        .clone()
+        .unwrap_or_else(|| vec![4096, 65536, 1 << 20]);
+    let mut rows = Vec::new();
+    if am {
+        rows.extend(gasnet_bench::am(ctx, &mut g, &pongs, "am_short", 0)?);
+        let max_medium = g.am_max_medium();
+        for &s in lat_sizes.iter().filter(|&&s| s <= max_medium) {
+            rows.extend(gasnet_bench::am(ctx, &mut g, &pongs, "am_medium", s)?);
+            rows.extend(gasnet_bench::am(ctx, &mut g, &pongs, "am_long", s)?);
+        }
+    }
+    if lat {
+        for get in [false, true] {
+            for &s in &lat_sizes {
+                rows.extend(gasnet_bench::blocking(ctx, &mut g, get, s)?);
+            }
+        }
+    }
+    if bw {
+        for &s in &bw_sizes {
+            rows.extend(gasnet_bench::bw(ctx, &mut g, s)?);
+        }
+    }
+    g.barrier()?;
     if ctx.rank == 0 {
         report::print(&rows, args.json);
     }
