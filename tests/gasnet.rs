@@ -13,7 +13,7 @@ use softnic::gasnet::{BarrierFlags, Category, Gasnet, GasnetError, Handle, Handl
 
 const ENV_SEG: (&str, &str) = ("SOFTNIC_SEGMENT", "4m");
 
-/// The conduits every test runs over (the portals conduit joins when it lands).
+/// The conduits every test runs over.
 const CONDUITS: &[&str] = &["udp", "portals"];
 
 fn run(test: &str, n: u32) {

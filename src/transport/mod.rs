@@ -7,6 +7,7 @@
 //! seeded lossy network for tests.
 
 pub mod fault;
+mod lazy;
 pub mod reliable;
 pub mod sim;
 pub mod tcp;

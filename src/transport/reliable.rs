@@ -12,6 +12,7 @@
 
 use std::collections::{BTreeMap, VecDeque};
 
+use super::lazy::LazyPolicy;
 use crate::wire::{DatagramHeader, Key, OpRef, WireError, HEADER_LEN, TAG_LEN};
 
 /// Holes resent per partial ack during timeout recovery.
@@ -119,6 +120,9 @@ struct Peer {
     open_eager: bool,
     /// When the first lazy op entered the open datagram.
     open_lazy_deadline: Option<u64>,
+    /// Lazy ops waiting in the open datagram.
+    open_lazy_ops: u32,
+    lazy: LazyPolicy,
     queued: VecDeque<Vec<u8>>,
     inflight: VecDeque<InFlight>,
     highest_sacked: u64,
@@ -147,6 +151,8 @@ impl Peer {
             open: None,
             open_eager: false,
             open_lazy_deadline: None,
+            open_lazy_ops: 0,
+            lazy: LazyPolicy::default(),
             queued: VecDeque::new(),
             inflight: VecDeque::new(),
             highest_sacked: 0,
@@ -342,7 +348,7 @@ impl Transport {
         let needs_seal =
             matches!(&self.peers[peer as usize].open, Some(b) if b.len() - HEADER_LEN + len > cap);
         if needs_seal {
-            self.seal(peer);
+            self.seal(peer, false);
             self.can_push(peer)?;
         }
         if self.peers[peer as usize].open.is_none() {
@@ -351,11 +357,12 @@ impl Transport {
         }
         let p = &mut self.peers[peer as usize];
         match lazy {
-            None => p.open_eager = true,
-            Some(deadline) => {
+            Some(deadline) if p.lazy.wait() => {
                 p.open_lazy_deadline =
                     Some(p.open_lazy_deadline.map_or(deadline, |d| d.min(deadline)));
+                p.open_lazy_ops += 1;
             }
+            _ => p.open_eager = true,
         }
         let b = p.open.as_mut().expect("just opened");
         let at = b.len();
@@ -364,13 +371,19 @@ impl Transport {
         Ok(())
     }
 
-    fn seal(&mut self, peer: u16) {
+    /// `expired`: the datagram leaves because its lazy deadline passed.
+    fn seal(&mut self, peer: u16, expired: bool) {
         let p = &mut self.peers[peer as usize];
         if let Some(b) = p.open.take() {
             p.queued.push_back(b);
         }
+        if p.open_lazy_ops > 0 {
+            p.lazy
+                .left(expired && !p.open_eager && p.open_lazy_ops == 1);
+        }
         p.open_eager = false;
         p.open_lazy_deadline = None;
+        p.open_lazy_ops = 0;
     }
 
     /// Seals partly filled datagrams that hold an eager op or a lazy op past its delay, so
@@ -380,7 +393,8 @@ impl Transport {
         for i in 0..self.peers.len() {
             let p = &self.peers[i];
             if p.open_eager || p.open_lazy_deadline.is_some_and(|d| now >= d) {
-                self.seal(i as u16);
+                let expired = !p.open_eager;
+                self.seal(i as u16, expired);
             }
         }
     }
@@ -611,6 +625,9 @@ impl Transport {
         let mut bufs: Vec<Vec<u8>> = p.queued.drain(..).collect();
         bufs.extend(p.inflight.drain(..).map(|f| f.buf));
         bufs.extend(p.open.take());
+        p.open_eager = false;
+        p.open_lazy_deadline = None;
+        p.open_lazy_ops = 0;
         for b in bufs {
             self.recycle(b);
         }
@@ -817,6 +834,50 @@ mod tests {
         }
         let [a, b] = got;
         (a, b)
+    }
+
+    /// Pushes one lazy op at `now` (deadline `now + 10 µs`), flushes, and says whether a
+    /// datagram left at once.
+    fn lazy_leaves_at_once(t: &mut Transport, now: u64) -> bool {
+        t.push_op_lazy_until(1, &op(now), now + 10_000).unwrap();
+        t.flush(now);
+        t.poll_transmit(now).is_some()
+    }
+
+    #[test]
+    fn lone_lazy_ops_stop_waiting_and_company_makes_them_wait_again() {
+        let mut t = Transport::new(0, 2, Key([1; 32]), cfg(), 11);
+        let mut now = 0;
+        // Two lazy ops that sit out their deadline alone (a blocking put's ACK)...
+        for _ in 0..2 {
+            assert!(
+                !lazy_leaves_at_once(&mut t, now),
+                "a lazy op waits for company"
+            );
+            now += 10_000;
+            t.flush(now);
+            assert!(t.poll_transmit(now).is_some(), "and leaves at its deadline");
+            now += 1_000;
+        }
+        // ...and the next ones leave at the next flush, but for one probe in sixteen.
+        let waited = (0..32)
+            .filter(|_| {
+                now += 1_000;
+                let at_once = lazy_leaves_at_once(&mut t, now);
+                if !at_once {
+                    // Company arrives for the probe: an eager op (a ping-pong's answer).
+                    t.push_op(1, &op(now)).unwrap();
+                    t.flush(now);
+                    assert!(t.poll_transmit(now).is_some());
+                }
+                !at_once
+            })
+            .count();
+        assert_eq!(
+            waited,
+            32 - 15,
+            "after the accompanied probe, lazy ops wait again"
+        );
     }
 
     #[test]
