@@ -26,7 +26,7 @@ impl LazyPolicy {
             return true;
         }
         self.quick_pushes = self.quick_pushes.wrapping_add(1);
-        self.quick_pushes % PROBE_EVERY == 0
+        self.quick_pushes.is_multiple_of(PROBE_EVERY)
     }
 
     /// A datagram holding waiting lazy ops left: `alone` when it held a single lazy op and
