@@ -200,8 +200,19 @@ impl Client {
 
     /// Blocks until the daemon rings or `max` passes (announcing the sleep first).
     pub fn sleep_until_news(&self, max: Duration) -> Result<(), ClientError> {
+        self.sleep_until_news_unless(max, &|| false)
+    }
+
+    /// Like [`Client::sleep_until_news`], not sleeping when `pending` says news is already
+    /// there. `pending` runs after the sleep is announced, so news the daemon publishes in
+    /// between rings the doorbell instead of being missed (memory the daemon writes: EQs).
+    pub fn sleep_until_news_unless(
+        &self,
+        max: Duration,
+        pending: &dyn Fn() -> bool,
+    ) -> Result<(), ClientError> {
         self.control.set_client_sleeping(true);
-        if !self.control.cq_pending() {
+        if !self.control.cq_pending() && !pending() {
             let mut fds = [
                 PollFd::new(&self.client_bell, PollFlags::IN),
                 PollFd::new(&self.sock, PollFlags::IN),

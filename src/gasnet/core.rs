@@ -136,6 +136,8 @@ pub struct Core {
     pub(crate) dropped: u64,
     /// Active Messages sent (requests and replies).
     pub(crate) sent: u64,
+    /// Polls that found something (messages or finished operations): waits back off on it.
+    fruitful_polls: u64,
 }
 
 impl Core {
@@ -147,6 +149,7 @@ impl Core {
             inbox: Vec::new(),
             dropped: 0,
             sent: 0,
+            fruitful_polls: 0,
         }
     }
 
@@ -194,6 +197,11 @@ impl Core {
         self.conduit.send(dest, &b)
     }
 
+    /// How many polls found something so far.
+    pub(crate) fn delivered(&self) -> u64 {
+        self.fruitful_polls
+    }
+
     /// AMPoll: runs the handlers of every arrived message. Returns whether any ran.
     pub fn poll(&mut self) -> Result<bool, GasnetError> {
         let mut inbox = std::mem::take(&mut self.inbox);
@@ -204,6 +212,7 @@ impl Core {
             })?;
         self.rma_done = done;
         let any = !inbox.is_empty() || !self.rma_done.is_empty();
+        self.fruitful_polls += any as u64;
         for (src, b) in inbox.drain(..) {
             self.handle(src, &b)?;
         }

@@ -677,14 +677,16 @@ impl Gasnet {
 
     /// gasnet_barrier_wait.
     pub fn barrier_wait(&mut self, id: u32, flags: BarrierFlags) -> Result<(), GasnetError> {
-        let mut idle = 0u32;
+        let mut b = super::backoff::Backoff::default();
         loop {
+            let before = self.core.delivered();
             if self.barrier_try(id, flags)? {
                 return Ok(());
             }
-            idle += 1;
-            if idle > 64 {
-                std::thread::yield_now();
+            if self.core.delivered() != before {
+                b.progressed();
+            } else {
+                b.idle(self.core.conduit.as_mut())?;
             }
         }
     }

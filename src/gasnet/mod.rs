@@ -7,6 +7,7 @@
 //! each process runs its own reliable delivery, as GASNet's udp-conduit does).
 
 pub mod am;
+mod backoff;
 pub mod conduit;
 mod core;
 mod extended;
@@ -51,6 +52,8 @@ pub enum GasnetError {
     BarrierState,
     #[error("unknown or already synchronised handle")]
     BadHandle,
+    #[error("the conduit failed while waiting: {0}")]
+    Wait(String),
 }
 
 /// A node's GASNet: attach once per process.
@@ -210,15 +213,12 @@ impl Gasnet {
 
     /// GASNET_BLOCKUNTIL: polls (running handlers) until `cond` holds.
     pub fn block_until(&mut self, mut cond: impl FnMut() -> bool) -> Result<(), GasnetError> {
-        let mut idle = 0u32;
+        let mut b = backoff::Backoff::default();
         while !cond() {
             if self.poll_once()? {
-                idle = 0;
+                b.progressed();
             } else {
-                idle += 1;
-                if idle > 64 {
-                    std::thread::yield_now();
-                }
+                b.idle(self.core.conduit.as_mut())?;
             }
         }
         Ok(())

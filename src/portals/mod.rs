@@ -373,12 +373,18 @@ impl Portals {
             if timeout.is_some_and(|t| start.elapsed() >= t) {
                 return Err(PtlError::EqEmpty.into());
             }
-            self.idle(&mut spins, start)?;
+            self.idle(&mut spins, start, Some((ni, eqs)))?;
         }
     }
 
-    /// Adaptive waiting: spin, yield, then sleep on the NIC's doorbell.
-    fn idle(&mut self, spins: &mut u32, start: Instant) -> Result<(), PortalsError> {
+    /// Adaptive waiting: spin, yield, then sleep on the NIC's doorbell (not missing events
+    /// that land in `eqs` meanwhile).
+    fn idle(
+        &mut self,
+        spins: &mut u32,
+        start: Instant,
+        eqs: Option<(NiHandle, &[u32])>,
+    ) -> Result<(), PortalsError> {
         *spins += 1;
         self.nic.progress();
         if *spins < 256 {
@@ -386,11 +392,35 @@ impl Portals {
         } else if start.elapsed() < Duration::from_micros(500) {
             std::thread::yield_now();
         } else {
-            self.nic
-                .client()
-                .sleep_until_news(Duration::from_millis(2))
-                .map_err(GniError::from)?;
+            match eqs {
+                Some((ni, eqs)) => self.eq_sleep(ni, eqs, Duration::from_millis(2))?,
+                None => self
+                    .nic
+                    .client()
+                    .sleep_until_news(Duration::from_millis(2))
+                    .map_err(GniError::from)?,
+            }
         }
+        Ok(())
+    }
+
+    /// Sleeps on the NIC's doorbell until an event may be waiting in one of `eqs` (or a
+    /// completion arrived, or `max` passed). Returns at once if one already is.
+    pub fn eq_sleep(
+        &mut self,
+        ni: NiHandle,
+        eqs: &[u32],
+        max: Duration,
+    ) -> Result<(), PortalsError> {
+        let info = self.info(ni)?;
+        let rings: Vec<&EventRing> = eqs
+            .iter()
+            .filter_map(|eq| info.eqs.get(eq).map(|(r, _)| r))
+            .collect();
+        self.nic
+            .client()
+            .sleep_until_news_unless(max, &|| rings.iter().any(|r| r.pending()))
+            .map_err(GniError::from)?;
         Ok(())
     }
 
@@ -473,7 +503,7 @@ impl Portals {
             if timeout.is_some_and(|t| start.elapsed() >= t) {
                 return Err(PtlError::CtNoneReached.into());
             }
-            self.idle(&mut spins, start)?;
+            self.idle(&mut spins, start, None)?;
         }
     }
 

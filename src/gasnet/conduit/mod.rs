@@ -41,6 +41,9 @@ pub trait Conduit {
     ) -> Result<bool, GasnetError>;
     /// The conduit's name (`udp`, `portals`, …).
     fn name(&self) -> &'static str;
+    /// Blocks until something may have arrived for [`Conduit::poll`], or `max` passed, or the
+    /// conduit has timers due. Returns at once when news is already there.
+    fn wait_news(&mut self, max: std::time::Duration) -> Result<(), GasnetError>;
     /// A put straight through the network (completion later as `RmaDone { op }`); `Ok(false)`
     /// when the conduit has none, and the Extended layer uses Active Messages instead.
     fn rma_put(

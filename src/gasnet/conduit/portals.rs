@@ -455,6 +455,15 @@ impl Conduit for PortalsConduit {
         "portals"
     }
 
+    fn wait_news(&mut self, max: std::time::Duration) -> Result<(), GasnetError> {
+        if !self.pending.is_empty() || !self.finished.is_empty() {
+            return Ok(());
+        }
+        self.p
+            .eq_sleep(self.ni, &[self.am_eq, self.safe_eq], max)
+            .map_err(|e| GasnetError::Wait(e.to_string()))
+    }
+
     fn send(&mut self, dest: u32, am: &[u8]) -> Result<(), GasnetError> {
         if dest >= self.n {
             return Err(GasnetError::BadNode(dest));

@@ -8,7 +8,9 @@
 
 use std::collections::VecDeque;
 use std::net::SocketAddr;
-use std::time::Instant;
+use std::time::{Duration, Instant};
+
+use rustix::event::{poll, PollFd, PollFlags};
 
 use super::Conduit;
 use crate::gasnet::GasnetError;
@@ -106,6 +108,28 @@ impl Conduit for UdpConduit {
 
     fn name(&self) -> &'static str {
         "udp"
+    }
+
+    fn wait_news(&mut self, max: Duration) -> Result<(), GasnetError> {
+        if !self.local.is_empty() {
+            return Ok(());
+        }
+        // Sleep no longer than the transport's next timer (a retransmission, a lazy ack).
+        let now = self.now();
+        let max = match self.t.next_timeout() {
+            Some(t) => max.min(Duration::from_nanos(t.saturating_sub(now))),
+            None => max,
+        };
+        if max < Duration::from_millis(1) {
+            // poll(2) counts milliseconds: a timer this close is better met awake.
+            std::thread::yield_now();
+            return Ok(());
+        }
+        let mut fds = [PollFd::new(self.d.socket(), PollFlags::IN)];
+        match poll(&mut fds, max.as_millis() as i32) {
+            Ok(_) | Err(rustix::io::Errno::INTR) => Ok(()),
+            Err(e) => Err(GasnetError::Wait(e.to_string())),
+        }
     }
 
     fn send(&mut self, dest: u32, am: &[u8]) -> Result<(), GasnetError> {

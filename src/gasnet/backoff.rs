@@ -1,0 +1,46 @@
+//! How a GASNet wait backs off: spin first (a round trip is microseconds away), then yield,
+//! then sleep in the conduit until news. A rank waiting long (in a barrier, for a slow peer)
+//! thus leaves the cores to the NIC daemon and to ranks that compute: on a machine with fewer
+//! cores than busy threads, spinning waiters slow everyone's round trips.
+
+use std::time::{Duration, Instant};
+
+use super::conduit::Conduit;
+use super::GasnetError;
+
+/// Idle polls spent spinning before yielding.
+const SPIN_POLLS: u32 = 64;
+/// How long a wait yields before it sleeps.
+const YIELD_FOR: Duration = Duration::from_micros(200);
+/// Longest single sleep (the conduit wakes earlier on news).
+const SLEEP_MAX: Duration = Duration::from_millis(1);
+
+#[derive(Default)]
+pub(crate) struct Backoff {
+    idle: u32,
+    since: Option<Instant>,
+}
+
+impl Backoff {
+    /// Something happened: the next idle poll starts spinning again.
+    pub(crate) fn progressed(&mut self) {
+        self.idle = 0;
+        self.since = None;
+    }
+
+    /// Nothing happened in the last poll.
+    pub(crate) fn idle(&mut self, conduit: &mut dyn Conduit) -> Result<(), GasnetError> {
+        self.idle = self.idle.saturating_add(1);
+        if self.idle <= SPIN_POLLS {
+            std::hint::spin_loop();
+            return Ok(());
+        }
+        let since = *self.since.get_or_insert_with(Instant::now);
+        if since.elapsed() < YIELD_FOR {
+            std::thread::yield_now();
+            Ok(())
+        } else {
+            conduit.wait_news(SLEEP_MAX)
+        }
+    }
+}
