@@ -132,3 +132,63 @@ pub fn bw(ctx: &Ctx, g: &mut Gasnet, size: usize) -> anyhow::Result<Option<Row>>
     g.barrier()?;
     Ok(out)
 }
+
+/// Where rank 0 tells the busy rank 1 to stop computing (past the buffers the others use).
+const STOP_AT: u64 = 8 << 20;
+/// How long the target computes between two looks at the network.
+const COMPUTE: std::time::Duration = std::time::Duration::from_millis(10);
+
+/// One-sided progress: blocking puts from rank 0 to rank 1 while rank 1 waits in a barrier
+/// (`variant: target_idle`) and while it computes for 10 ms at a time without calling GASNet
+/// (`target_busy_10ms`). Over the NIC the second costs nothing more; a conduit that needs the
+/// target's help waits for its next poll.
+pub fn progress(ctx: &Ctx, g: &mut Gasnet, size: usize) -> anyhow::Result<Vec<Row>> {
+    let iters = ctx.iters.min(200);
+    let buf = vec![5u8; size];
+    let mut rows = Vec::new();
+    for busy in [false, true] {
+        if ctx.rank == 1 {
+            g.segment()[STOP_AT as usize..STOP_AT as usize + 8].fill(0);
+        }
+        g.barrier()?;
+        let mut samples = Vec::with_capacity(iters);
+        if ctx.rank == 0 {
+            for i in 0..iters + 10 {
+                let t = Instant::now();
+                g.put(1, 0, &buf)?;
+                if i >= 10 {
+                    samples.push(t.elapsed().as_secs_f64() * 1e6);
+                }
+            }
+            if busy {
+                g.put(1, STOP_AT, &1u64.to_le_bytes())?;
+            }
+        } else if ctx.rank == 1 && busy {
+            while g.segment()[STOP_AT as usize] == 0 {
+                let t = Instant::now();
+                while t.elapsed() < COMPUTE {
+                    std::hint::black_box(t.elapsed());
+                }
+                g.am_poll()?;
+            }
+        }
+        g.barrier()?;
+        if ctx.rank == 0 {
+            let (m, q) = median_p99(&mut samples);
+            let mut r = row(ctx, g, "progress", "put_blocking", size);
+            r.iters = iters;
+            r.lat_us = Some(m);
+            r.lat_us_p99 = Some(q);
+            r.variant = Some(
+                if busy {
+                    "target_busy_10ms"
+                } else {
+                    "target_idle"
+                }
+                .into(),
+            );
+            rows.push(r);
+        }
+    }
+    Ok(rows)
+}

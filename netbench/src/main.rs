@@ -299,6 +299,7 @@ fn run_gasnet(args: &Args, ctx: &Ctx) -> anyhow::Result<()> {
                 rows.extend(gasnet_bench::blocking(ctx, &mut g, get, s)?);
             }
         }
+        rows.extend(gasnet_bench::progress(ctx, &mut g, 8)?);
     }
     if bw {
         for &s in &bw_sizes {
