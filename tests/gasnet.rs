@@ -323,3 +323,31 @@ fn portals_conduit_under_datagram_loss() {
         &[ENV_SEG],
     );
 }
+
+#[test]
+fn floods_of_requests_both_ways_without_polling_all_arrive() {
+    if !in_job() {
+        return run("floods_of_requests_both_ways_without_polling_all_arrive", 2);
+    }
+    // Each node sends far more than the peer's receive buffers hold before it polls once: a
+    // conduit must keep accepting while its own sends wait, or both nodes wait for ever.
+    const N: u32 = 2000;
+    let got = Rc::new(RefCell::new(0u32));
+    let g2 = got.clone();
+    let count: Handler = Box::new(move |_: &mut Token<'_>, m: Msg<'_>| {
+        assert!(m.payload.iter().all(|&b| b == m.args[0] as u8));
+        *g2.borrow_mut() += 1;
+    });
+    let mut g = Gasnet::init(vec![(150, count)]).unwrap();
+    let peer = (g.mynode() + 1) % g.nodes();
+    let payload_len = g.am_max_medium();
+    for k in 0..N {
+        let b = k % 251;
+        g.am_request_medium(peer, 150, &vec![b as u8; payload_len], &[b])
+            .unwrap();
+    }
+    let g3 = got.clone();
+    g.block_until(|| *g3.borrow() == N).unwrap();
+    g.barrier().unwrap();
+    assert_eq!(*got.borrow(), N);
+}

@@ -13,8 +13,8 @@ use crate::Ctx;
 const H_PING: u8 = 200;
 const H_PONG: u8 = 201;
 
-/// Attaches with the ping/pong handlers the AM benchmark uses.
-pub fn init() -> anyhow::Result<(Gasnet, Rc<Cell<u64>>)> {
+/// Attaches with the handlers the AM and RandomAccess benchmarks use.
+pub fn init(ra_acks: &Rc<Cell<u64>>) -> anyhow::Result<(Gasnet, Rc<Cell<u64>>)> {
     let pongs = Rc::new(Cell::new(0u64));
     let p = pongs.clone();
     // A failed reply is fatal, as in GASNet: the launcher sees the rank die instead of a hang.
@@ -30,7 +30,9 @@ pub fn init() -> anyhow::Result<(Gasnet, Rc<Cell<u64>>)> {
         }
     });
     let pong: Handler = Box::new(move |_: &mut Token<'_>, _: Msg<'_>| p.set(p.get() + 1));
-    let g = Gasnet::init(vec![(H_PING, ping), (H_PONG, pong)])?;
+    let mut hs = vec![(H_PING, ping), (H_PONG, pong)];
+    hs.extend(crate::gasnet_ra::handlers(ra_acks));
+    let g = Gasnet::init(hs)?;
     Ok((g, pongs))
 }
 

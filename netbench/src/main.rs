@@ -4,6 +4,7 @@
 //! every rank runs the benchmark and rank 0 reports.
 
 mod gasnet_bench;
+mod gasnet_ra;
 mod gni_bench;
 mod portals_bench;
 mod randomaccess;
@@ -267,14 +268,15 @@ fn main() -> anyhow::Result<()> {
 
 /// The GASNet rows: AM round trips, blocking put/get latency, put_nbi bandwidth.
 fn run_gasnet(args: &Args, ctx: &Ctx) -> anyhow::Result<()> {
-    let (mut g, pongs) = gasnet_bench::init().context("gasnet attach")?;
+    let ra_acks = std::rc::Rc::new(std::cell::Cell::new(0u64));
+    let (mut g, pongs) = gasnet_bench::init(&ra_acks).context("gasnet attach")?;
     anyhow::ensure!(ctx.size >= 2, "GASNet benchmarks need at least 2 ranks");
-    let (am, lat, bw) = match args.bench {
-        Bench::Am => (true, false, false),
-        Bench::Pingpong => (false, true, false),
-        Bench::Bw => (false, false, true),
-        Bench::Compare => (true, true, true),
-        Bench::Randomaccess => anyhow::bail!("RandomAccess over GASNet is not in netbench yet"),
+    let (am, lat, bw, ra) = match args.bench {
+        Bench::Am => (true, false, false, false),
+        Bench::Pingpong => (false, true, false, false),
+        Bench::Bw => (false, false, true, false),
+        Bench::Randomaccess => (false, false, false, true),
+        Bench::Compare => (true, true, true, true),
     };
     let lat_sizes = args
         .sizes
@@ -304,6 +306,18 @@ fn run_gasnet(args: &Args, ctx: &Ctx) -> anyhow::Result<()> {
     if bw {
         for &s in &bw_sizes {
             rows.extend(gasnet_bench::bw(ctx, &mut g, s)?);
+        }
+    }
+    if ra {
+        for v in [gasnet_ra::Variant::GetPut, gasnet_ra::Variant::AmBucketed] {
+            rows.extend(gasnet_ra::run(
+                ctx,
+                &mut g,
+                &ra_acks,
+                args.table_log2,
+                !args.no_verify,
+                v,
+            )?);
         }
     }
     g.barrier()?;

@@ -14,7 +14,7 @@ use crate::Ctx;
 const POLY: u64 = 0x7;
 const PERIOD: i64 = 1_317_624_576_693_539_401;
 
-fn step(x: u64) -> u64 {
+pub fn step(x: u64) -> u64 {
     (x << 1) ^ if (x as i64) < 0 { POLY } else { 0 }
 }
 

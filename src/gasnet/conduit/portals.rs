@@ -73,6 +73,8 @@ pub struct PortalsConduit {
     rma: HashMap<u64, Rma>,
     rma_in_flight: usize,
     finished: Vec<RmaDone>,
+    /// AMs taken out of ReqRB while a send waited for a slot, for the next poll to deliver.
+    arrived: VecDeque<(u32, Vec<u8>)>,
 }
 
 fn err<E: std::fmt::Display>(e: E) -> GasnetError {
@@ -176,6 +178,7 @@ impl PortalsConduit {
             rma: HashMap::new(),
             rma_in_flight: 0,
             finished: Vec::new(),
+            arrived: VecDeque::new(),
         };
         for i in 0..RBS {
             c.post_rb(i)?;
@@ -225,6 +228,33 @@ impl PortalsConduit {
                 0,
             )
             .map_err(err)
+    }
+
+    /// Moves the AMs that landed in ReqRB to `arrived` and re-posts the buffers that filled up.
+    fn drain_am(&mut self) -> Result<bool, GasnetError> {
+        let mut any = false;
+        let mut repost = Vec::new();
+        while let Ok((e, _)) = self.p.eq_get(self.ni, self.am_eq) {
+            any = true;
+            match e.kind {
+                EventKind::Put if e.ni_fail == NiFail::Ok => {
+                    let ProcessId::Logical { rank } = e.initiator else {
+                        continue;
+                    };
+                    let at = e.start as usize;
+                    if at + e.mlength as usize <= self.rb.len() {
+                        let data = self.rb.bytes()[at..at + e.mlength as usize].to_vec();
+                        self.arrived.push_back((rank, data));
+                    }
+                }
+                EventKind::AutoUnlink => repost.push(e.user_ptr as usize),
+                _ => {}
+            }
+        }
+        for i in repost {
+            self.post_rb(i)?;
+        }
+        Ok(any)
     }
 
     /// Handles the send side's events: ACKs free slots; refused AMs go again.
@@ -456,7 +486,7 @@ impl Conduit for PortalsConduit {
     }
 
     fn wait_news(&mut self, max: std::time::Duration) -> Result<(), GasnetError> {
-        if !self.pending.is_empty() || !self.finished.is_empty() {
+        if !self.pending.is_empty() || !self.finished.is_empty() || !self.arrived.is_empty() {
             return Ok(());
         }
         self.p
@@ -477,7 +507,9 @@ impl Conduit for PortalsConduit {
             if let Some(s) = self.free_slots.pop() {
                 break s;
             }
-            if !self.poll_safe()? {
+            // Our slots may wait for a peer that itself waits in a send: take what arrived
+            // out of ReqRB and re-post it, or both ReqRBs stay full and every AM is refused.
+            if !self.poll_safe()? && !self.drain_am()? {
                 std::thread::yield_now();
             }
         };
@@ -497,26 +529,9 @@ impl Conduit for PortalsConduit {
             done(d);
         }
         self.p.nic().progress();
-        let mut repost = Vec::new();
-        while let Ok((e, _)) = self.p.eq_get(self.ni, self.am_eq) {
-            any = true;
-            match e.kind {
-                EventKind::Put if e.ni_fail == NiFail::Ok => {
-                    let ProcessId::Logical { rank } = e.initiator else {
-                        continue;
-                    };
-                    let at = e.start as usize;
-                    if at + e.mlength as usize <= self.rb.len() {
-                        let data = self.rb.bytes()[at..at + e.mlength as usize].to_vec();
-                        deliver(rank, &data);
-                    }
-                }
-                EventKind::AutoUnlink => repost.push(e.user_ptr as usize),
-                _ => {}
-            }
-        }
-        for i in repost {
-            self.post_rb(i)?;
+        any |= self.drain_am()?;
+        for (rank, data) in self.arrived.drain(..) {
+            deliver(rank, &data);
         }
         Ok(any)
     }

@@ -1,0 +1,195 @@
+//! HPCC RandomAccess over GASNet. The table lives in each node's segment; an update reaches
+//! its owner either as a blocking get then put of the word (`get-put`, the naive UPC
+//! read-modify-write: concurrent updates of one word can be lost, which verification counts —
+//! HPCC tolerates 1%) or as Active Messages the owner applies (`am-bucketed`: updates bucketed
+//! per owner into Medium AMs, as HPCC's MPI version buckets them, each acknowledged by a reply).
+
+use std::cell::Cell;
+use std::rc::Rc;
+use std::time::Instant;
+
+use softnic::gasnet::{Gasnet, Handler, Msg, Token};
+
+use crate::randomaccess::{starts, step};
+use crate::report::Row;
+use crate::Ctx;
+
+/// Handler indices: an update bucket, and its acknowledgement.
+pub const H_RA: u8 = 202;
+pub const H_RA_ACK: u8 = 203;
+/// Where the table starts in the segment (past the other benchmarks' buffers).
+const TABLE_AT: usize = 16 << 20;
+/// Where each rank leaves its verification error count on node 0.
+const ERRORS_AT: usize = 12 << 20;
+/// The get-put variant's table is capped at 2^this words: a blocking round trip per update.
+const GET_PUT_MAX_LOG: u32 = 12;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Variant {
+    GetPut,
+    AmBucketed,
+}
+
+impl Variant {
+    pub fn name(self) -> &'static str {
+        match self {
+            Variant::GetPut => "get-put",
+            Variant::AmBucketed => "am-bucketed",
+        }
+    }
+}
+
+fn xor_word(seg: &mut [u8], at: usize, v: u64) {
+    let w = u64::from_le_bytes(seg[at..at + 8].try_into().expect("8 bytes")) ^ v;
+    seg[at..at + 8].copy_from_slice(&w.to_le_bytes());
+}
+
+/// The owner's side: XORs each (offset, value) pair of a bucket into its table, then
+/// acknowledges. Pairs outside the table are ignored (counted by the sender's verification).
+pub fn handlers(acks: &Rc<Cell<u64>>) -> Vec<(u8, Handler)> {
+    let update: Handler = Box::new(|t: &mut Token<'_>, m: Msg<'_>| {
+        let seg = t.segment();
+        for pair in m.payload.chunks_exact(16) {
+            let off = u64::from_le_bytes(pair[..8].try_into().expect("8 bytes")) as usize;
+            let val = u64::from_le_bytes(pair[8..].try_into().expect("8 bytes"));
+            if let Some(at) = TABLE_AT.checked_add(off).filter(|a| a + 8 <= seg.len()) {
+                xor_word(seg, at, val);
+            }
+        }
+        if let Err(e) = t.reply_short(H_RA_ACK, &[]) {
+            eprintln!("netbench: RandomAccess ack failed: {e}");
+            std::process::exit(1);
+        }
+    });
+    let a = acks.clone();
+    let ack: Handler = Box::new(move |_: &mut Token<'_>, _: Msg<'_>| a.set(a.get() + 1));
+    vec![(H_RA, update), (H_RA_ACK, ack)]
+}
+
+/// This rank's share of the update stream, applied once.
+fn updates(
+    ctx: &Ctx,
+    g: &mut Gasnet,
+    acks: &Rc<Cell<u64>>,
+    log_local: u32,
+    v: Variant,
+) -> anyhow::Result<()> {
+    let local = 1u64 << log_local;
+    let global_mask = local * ctx.size as u64 - 1;
+    let per_am = g.am_max_medium() / 16;
+    let mut buckets: Vec<Vec<u8>> = (0..ctx.size).map(|_| Vec::new()).collect();
+    let mut sent = 0u64;
+    let first_ack = acks.get();
+    let mut ran = starts((4 * local * ctx.rank as u64) as i64);
+    let mut word = [0u8; 8];
+    for _ in 0..4 * local {
+        ran = step(ran);
+        let idx = ran & global_mask;
+        let owner = (idx >> log_local) as u32;
+        let off = (idx & (local - 1)) * 8;
+        if owner == ctx.rank {
+            xor_word(g.segment(), TABLE_AT + off as usize, ran);
+            continue;
+        }
+        match v {
+            Variant::GetPut => {
+                let at = TABLE_AT as u64 + off;
+                g.get(&mut word, owner, at)?;
+                g.put(owner, at, &(u64::from_le_bytes(word) ^ ran).to_le_bytes())?;
+            }
+            Variant::AmBucketed => {
+                let b = &mut buckets[owner as usize];
+                b.extend_from_slice(&off.to_le_bytes());
+                b.extend_from_slice(&ran.to_le_bytes());
+                if b.len() / 16 == per_am {
+                    g.am_request_medium(owner, H_RA, b, &[])?;
+                    b.clear();
+                    sent += 1;
+                }
+            }
+        }
+    }
+    for (owner, b) in buckets.iter().enumerate() {
+        if !b.is_empty() {
+            g.am_request_medium(owner as u32, H_RA, b, &[])?;
+            sent += 1;
+        }
+    }
+    // Every bucket applied before anyone reads the table.
+    let a = acks.clone();
+    g.block_until(|| a.get() - first_ack >= sent)?;
+    g.barrier()?;
+    Ok(())
+}
+
+pub fn run(
+    ctx: &Ctx,
+    g: &mut Gasnet,
+    acks: &Rc<Cell<u64>>,
+    log_local: u32,
+    verify: bool,
+    v: Variant,
+) -> anyhow::Result<Option<Row>> {
+    anyhow::ensure!(
+        ctx.size.is_power_of_two(),
+        "RandomAccess needs a power-of-two number of ranks"
+    );
+    let log_local = if v == Variant::GetPut {
+        log_local.min(GET_PUT_MAX_LOG)
+    } else {
+        log_local
+    };
+    let local = 1usize << log_local;
+    anyhow::ensure!(
+        TABLE_AT + local * 8 <= g.segment().len(),
+        "a 2^{log_local}-word table does not fit the segment: raise GASNET_SEGMENT_SIZE"
+    );
+    let base = local as u64 * ctx.rank as u64;
+    let seg = g.segment();
+    for i in 0..local {
+        seg[TABLE_AT + i * 8..TABLE_AT + i * 8 + 8]
+            .copy_from_slice(&(base + i as u64).to_le_bytes());
+    }
+    g.barrier()?;
+    let t = Instant::now();
+    updates(ctx, g, acks, log_local, v)?;
+    let secs = t.elapsed().as_secs_f64();
+    let mut errors = None;
+    if verify {
+        updates(ctx, g, acks, log_local, v)?;
+        let seg = g.segment();
+        let bad = (0..local)
+            .filter(|&i| {
+                let w = &seg[TABLE_AT + i * 8..TABLE_AT + i * 8 + 8];
+                u64::from_le_bytes(w.try_into().expect("8 bytes")) != base + i as u64
+            })
+            .count() as u64;
+        g.put(
+            0,
+            (ERRORS_AT + ctx.rank as usize * 8) as u64,
+            &bad.to_le_bytes(),
+        )?;
+        g.barrier()?;
+        if ctx.rank == 0 {
+            let seg = g.segment();
+            errors = Some(
+                (0..ctx.size as usize)
+                    .map(|r| {
+                        let w = &seg[ERRORS_AT + r * 8..ERRORS_AT + r * 8 + 8];
+                        u64::from_le_bytes(w.try_into().expect("8 bytes"))
+                    })
+                    .sum(),
+            );
+        }
+    }
+    let total = 4 * local as u64 * ctx.size as u64;
+    Ok((ctx.rank == 0).then(|| {
+        let mut r = ctx.row("randomaccess", "gasnet", g.conduit_name(), "xor", local * 8);
+        r.iters = total as usize;
+        r.gups = Some(total as f64 / secs / 1e9);
+        r.mops = Some(total as f64 / secs / 1e6);
+        r.errors = errors;
+        r.variant = Some(v.name().into());
+        r
+    }))
+}
