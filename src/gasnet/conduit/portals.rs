@@ -242,9 +242,12 @@ impl PortalsConduit {
                         continue;
                     };
                     let at = e.start as usize;
-                    if at + e.mlength as usize <= self.rb.len() {
-                        let data = self.rb.bytes()[at..at + e.mlength as usize].to_vec();
-                        self.arrived.push_back((rank, data));
+                    match at.checked_add(e.mlength as usize) {
+                        Some(end) if end <= self.rb.len() => {
+                            let data = self.rb.bytes()[at..end].to_vec();
+                            self.arrived.push_back((rank, data));
+                        }
+                        _ => {}
                     }
                 }
                 EventKind::AutoUnlink => repost.push(e.user_ptr as usize),
