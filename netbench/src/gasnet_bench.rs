@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use softnic::gasnet::{Category, Gasnet, Handler, Msg, Token};
 
-use crate::report::{median_p99, Row};
+use crate::report::Row;
 use crate::Ctx;
 
 const H_PING: u8 = 200;
@@ -55,62 +55,41 @@ pub fn am(
         size.min(g.am_max_medium())
     };
     let payload = vec![7u8; size];
-    let mut samples = Vec::with_capacity(ctx.iters);
+    let mut samples = Vec::new();
     if ctx.rank == 0 {
-        for i in 0..ctx.iters + ctx.iters / 10 + 10 {
+        samples = crate::time_calls(ctx.warmup(), ctx.iters, || {
             let before = pongs.get();
-            let t = Instant::now();
             match op {
                 "am_short" => g.am_request_short(1, H_PING, &[1, 2])?,
                 "am_medium" => g.am_request_medium(1, H_PING, &payload, &[1, 2])?,
                 _ => g.am_request_long(1, H_PING, &payload, 4096, &[1, 2])?,
             }
-            let p = pongs.clone();
-            g.block_until(|| p.get() > before)?;
-            if i >= ctx.iters / 10 + 10 {
-                samples.push(t.elapsed().as_secs_f64() * 1e6);
-            }
-        }
+            g.block_until(|| pongs.get() > before)?;
+            Ok(())
+        })?;
     }
     g.barrier()?;
-    Ok((ctx.rank == 0).then(|| {
-        let (m, q) = median_p99(&mut samples);
-        Row {
-            lat_us: Some(m),
-            lat_us_p99: Some(q),
-            ..row(ctx, g, "am", op, size)
-        }
-    }))
+    Ok((ctx.rank == 0).then(|| row(ctx, g, "am", op, size).with_latency(&mut samples)))
 }
 
 /// One blocking put or get of `size` bytes on rank 0 (`op: put_blocking | get`).
 pub fn blocking(ctx: &Ctx, g: &mut Gasnet, get: bool, size: usize) -> anyhow::Result<Option<Row>> {
     g.barrier()?;
     let mut buf = vec![1u8; size];
-    let mut samples = Vec::with_capacity(ctx.iters);
+    let mut samples = Vec::new();
     if ctx.rank == 0 {
-        for i in 0..ctx.iters + ctx.iters / 10 + 10 {
-            let t = Instant::now();
+        samples = crate::time_calls(ctx.warmup(), ctx.iters, || {
             if get {
                 g.get(&mut buf, 1, 0)?;
             } else {
                 g.put(1, 0, &buf)?;
             }
-            if i >= ctx.iters / 10 + 10 {
-                samples.push(t.elapsed().as_secs_f64() * 1e6);
-            }
-        }
+            Ok(())
+        })?;
     }
     g.barrier()?;
     let op = if get { "get" } else { "put_blocking" };
-    Ok((ctx.rank == 0).then(|| {
-        let (m, q) = median_p99(&mut samples);
-        Row {
-            lat_us: Some(m),
-            lat_us_p99: Some(q),
-            ..row(ctx, g, "pingpong", op, size)
-        }
-    }))
+    Ok((ctx.rank == 0).then(|| row(ctx, g, "pingpong", op, size).with_latency(&mut samples)))
 }
 
 /// Non-blocking put bandwidth: rank 0 streams puts (implicit handles) then syncs them all.
@@ -153,15 +132,9 @@ pub fn progress(ctx: &Ctx, g: &mut Gasnet, size: usize) -> anyhow::Result<Vec<Ro
             g.segment()[STOP_AT as usize..STOP_AT as usize + 8].fill(0);
         }
         g.barrier()?;
-        let mut samples = Vec::with_capacity(iters);
+        let mut samples = Vec::new();
         if ctx.rank == 0 {
-            for i in 0..iters + 10 {
-                let t = Instant::now();
-                g.put(1, 0, &buf)?;
-                if i >= 10 {
-                    samples.push(t.elapsed().as_secs_f64() * 1e6);
-                }
-            }
+            samples = crate::time_calls(10, iters, || Ok(g.put(1, 0, &buf)?))?;
             if busy {
                 g.put(1, STOP_AT, &1u64.to_le_bytes())?;
             }
@@ -176,11 +149,8 @@ pub fn progress(ctx: &Ctx, g: &mut Gasnet, size: usize) -> anyhow::Result<Vec<Ro
         }
         g.barrier()?;
         if ctx.rank == 0 {
-            let (m, q) = median_p99(&mut samples);
-            let mut r = row(ctx, g, "progress", "put_blocking", size);
+            let mut r = row(ctx, g, "progress", "put_blocking", size).with_latency(&mut samples);
             r.iters = iters;
-            r.lat_us = Some(m);
-            r.lat_us_p99 = Some(q);
             r.variant = Some(
                 if busy {
                     "target_busy_10ms"

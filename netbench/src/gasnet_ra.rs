@@ -10,7 +10,7 @@ use std::time::Instant;
 
 use softnic::gasnet::{Gasnet, Handler, Msg, Token};
 
-use crate::randomaccess::{starts, step};
+use crate::randomaccess::stream;
 use crate::report::Row;
 use crate::Ctx;
 
@@ -39,8 +39,12 @@ impl Variant {
     }
 }
 
+fn word(b: &[u8], at: usize) -> u64 {
+    u64::from_le_bytes(b[at..at + 8].try_into().expect("8 bytes"))
+}
+
 fn xor_word(seg: &mut [u8], at: usize, v: u64) {
-    let w = u64::from_le_bytes(seg[at..at + 8].try_into().expect("8 bytes")) ^ v;
+    let w = word(seg, at) ^ v;
     seg[at..at + 8].copy_from_slice(&w.to_le_bytes());
 }
 
@@ -50,8 +54,7 @@ pub fn handlers(acks: &Rc<Cell<u64>>) -> Vec<(u8, Handler)> {
     let update: Handler = Box::new(|t: &mut Token<'_>, m: Msg<'_>| {
         let seg = t.segment();
         for pair in m.payload.chunks_exact(16) {
-            let off = u64::from_le_bytes(pair[..8].try_into().expect("8 bytes")) as usize;
-            let val = u64::from_le_bytes(pair[8..].try_into().expect("8 bytes"));
+            let (off, val) = (word(pair, 0) as usize, word(pair, 8));
             if let Some(at) = TABLE_AT.checked_add(off).filter(|a| a + 8 <= seg.len()) {
                 xor_word(seg, at, val);
             }
@@ -74,19 +77,12 @@ fn updates(
     log_local: u32,
     v: Variant,
 ) -> anyhow::Result<()> {
-    let local = 1u64 << log_local;
-    let global_mask = local * ctx.size as u64 - 1;
     let per_am = g.am_max_medium() / 16;
     let mut buckets: Vec<Vec<u8>> = (0..ctx.size).map(|_| Vec::new()).collect();
     let mut sent = 0u64;
     let first_ack = acks.get();
-    let mut ran = starts((4 * local * ctx.rank as u64) as i64);
-    let mut word = [0u8; 8];
-    for _ in 0..4 * local {
-        ran = step(ran);
-        let idx = ran & global_mask;
-        let owner = (idx >> log_local) as u32;
-        let off = (idx & (local - 1)) * 8;
+    let mut w = [0u8; 8];
+    for (owner, off, ran) in stream(ctx.rank, ctx.size, log_local) {
         if owner == ctx.rank {
             xor_word(g.segment(), TABLE_AT + off as usize, ran);
             continue;
@@ -94,8 +90,8 @@ fn updates(
         match v {
             Variant::GetPut => {
                 let at = TABLE_AT as u64 + off;
-                g.get(&mut word, owner, at)?;
-                g.put(owner, at, &(u64::from_le_bytes(word) ^ ran).to_le_bytes())?;
+                g.get(&mut w, owner, at)?;
+                g.put(owner, at, &(u64::from_le_bytes(w) ^ ran).to_le_bytes())?;
             }
             Variant::AmBucketed => {
                 let b = &mut buckets[owner as usize];
@@ -159,10 +155,7 @@ pub fn run(
         updates(ctx, g, acks, log_local, v)?;
         let seg = g.segment();
         let bad = (0..local)
-            .filter(|&i| {
-                let w = &seg[TABLE_AT + i * 8..TABLE_AT + i * 8 + 8];
-                u64::from_le_bytes(w.try_into().expect("8 bytes")) != base + i as u64
-            })
+            .filter(|&i| word(seg, TABLE_AT + i * 8) != base + i as u64)
             .count() as u64;
         g.put(
             0,
@@ -174,10 +167,7 @@ pub fn run(
             let seg = g.segment();
             errors = Some(
                 (0..ctx.size as usize)
-                    .map(|r| {
-                        let w = &seg[ERRORS_AT + r * 8..ERRORS_AT + r * 8 + 8];
-                        u64::from_le_bytes(w.try_into().expect("8 bytes"))
-                    })
+                    .map(|r| word(seg, ERRORS_AT + r * 8))
                     .sum(),
             );
         }

@@ -5,7 +5,7 @@ use std::time::Instant;
 use softnic::gni::{wait_until, MemRegion, Nic, Remote};
 use softnic::nic::memory::Perms;
 
-use crate::report::{median_p99, Row};
+use crate::report::Row;
 use crate::Ctx;
 
 pub struct Bufs {
@@ -82,12 +82,8 @@ pub fn put_pingpong(
     b.mem.bytes()[inn..inn + size].fill(0);
     nic.barrier()?;
     Ok((ctx.rank == 0).then(|| {
-        let (m, p) = median_p99(&mut samples);
-        Row {
-            lat_us: Some(m),
-            lat_us_p99: Some(p),
-            ..ctx.row("pingpong", "gni", "gni", "put", size)
-        }
+        ctx.row("pingpong", "gni", "gni", "put", size)
+            .with_latency(&mut samples)
     }))
 }
 
@@ -100,24 +96,14 @@ fn blocking(
     mut f: impl FnMut(&mut Nic) -> anyhow::Result<()>,
 ) -> anyhow::Result<Option<Row>> {
     nic.barrier()?;
-    let mut samples = Vec::with_capacity(ctx.iters);
+    let mut samples = Vec::new();
     if ctx.rank == 0 {
-        for i in 0..ctx.iters + ctx.iters / 10 + 10 {
-            let t = Instant::now();
-            f(nic)?;
-            if i >= ctx.iters / 10 + 10 {
-                samples.push(t.elapsed().as_secs_f64() * 1e6);
-            }
-        }
+        samples = crate::time_calls(ctx.warmup(), ctx.iters, || f(nic))?;
     }
     nic.barrier()?;
     Ok((ctx.rank == 0).then(|| {
-        let (m, p) = median_p99(&mut samples);
-        Row {
-            lat_us: Some(m),
-            lat_us_p99: Some(p),
-            ..ctx.row("pingpong", "gni", "gni", op, size)
-        }
+        ctx.row("pingpong", "gni", "gni", op, size)
+            .with_latency(&mut samples)
     }))
 }
 

@@ -68,6 +68,19 @@ struct Args {
     json: bool,
 }
 
+impl Args {
+    /// Message sizes for latency and for bandwidth runs: `--sizes`, or the defaults.
+    fn sizes(&self) -> (Vec<usize>, Vec<usize>) {
+        match &self.sizes {
+            Some(s) => (s.clone(), s.clone()),
+            None => (
+                vec![8, 64, 512, 4096, 32768, 262_144, 1 << 20],
+                vec![4096, 65536, 1 << 20],
+            ),
+        }
+    }
+}
+
 fn parse_size(s: &str) -> Result<usize, String> {
     let s = s.trim().to_ascii_lowercase();
     let (num, mul) = match s.strip_suffix('k') {
@@ -82,6 +95,23 @@ fn parse_size(s: &str) -> Result<usize, String> {
         .map_err(|e| format!("bad size {s:?}: {e}"))
 }
 
+/// Calls `f` `warm + iters` times and returns the last `iters` durations in µs.
+pub fn time_calls(
+    warm: usize,
+    iters: usize,
+    mut f: impl FnMut() -> anyhow::Result<()>,
+) -> anyhow::Result<Vec<f64>> {
+    let mut samples = Vec::with_capacity(iters);
+    for i in 0..warm + iters {
+        let t = std::time::Instant::now();
+        f()?;
+        if i >= warm {
+            samples.push(t.elapsed().as_secs_f64() * 1e6);
+        }
+    }
+    Ok(samples)
+}
+
 /// What every benchmark needs to know about the run.
 pub struct Ctx {
     pub rank: u32,
@@ -92,6 +122,11 @@ pub struct Ctx {
 }
 
 impl Ctx {
+    /// Untimed calls before the timed ones.
+    pub fn warmup(&self) -> usize {
+        self.iters / 10 + 10
+    }
+
     pub fn row(&self, bench: &str, api: &str, conduit: &str, op: &str, size: usize) -> Row {
         Row {
             bench: bench.into(),
@@ -160,14 +195,7 @@ fn main() -> anyhow::Result<()> {
     let mut portals =
         softnic::portals::Portals::from_nic(Nic::attach(job).context("attaching to the soft NIC")?);
     let mut nic = portals.nic();
-    let lat_sizes = args
-        .sizes
-        .clone()
-        .unwrap_or_else(|| vec![8, 64, 512, 4096, 32768, 262_144, 1 << 20]);
-    let bw_sizes = args
-        .sizes
-        .clone()
-        .unwrap_or_else(|| vec![4096, 65536, 1 << 20]);
+    let (lat_sizes, bw_sizes) = args.sizes();
     let max = lat_sizes
         .iter()
         .chain(&bw_sizes)
@@ -278,14 +306,7 @@ fn run_gasnet(args: &Args, ctx: &Ctx) -> anyhow::Result<()> {
         Bench::Randomaccess => (false, false, false, true),
         Bench::Compare => (true, true, true, true),
     };
-    let lat_sizes = args
-        .sizes
-        .clone()
-        .unwrap_or_else(|| vec![8, 64, 512, 4096, 32768, 262_144, 1 << 20]);
-    let bw_sizes = args
-        .sizes
-        .clone()
-        .unwrap_or_else(|| vec![4096, 65536, 1 << 20]);
+    let (lat_sizes, bw_sizes) = args.sizes();
     let mut rows = Vec::new();
     if am {
         rows.extend(gasnet_bench::am(ctx, &mut g, &pongs, "am_short", 0)?);

@@ -6,7 +6,7 @@ use softnic::gni::{wait_until, MemRegion};
 use softnic::nic::memory::Perms;
 use softnic::portals::*;
 
-use crate::report::{median_p99, Row};
+use crate::report::Row;
 use crate::Ctx;
 
 pub struct Setup {
@@ -121,12 +121,8 @@ pub fn put_pingpong(
     p.nic().barrier()?;
     drain(p, s);
     Ok((ctx.rank == 0).then(|| {
-        let (m, q) = median_p99(&mut samples);
-        Row {
-            lat_us: Some(m),
-            lat_us_p99: Some(q),
-            ..ctx.row("pingpong", "portals", "portals", "put", size)
-        }
+        ctx.row("pingpong", "portals", "portals", "put", size)
+            .with_latency(&mut samples)
     }))
 }
 
@@ -179,12 +175,8 @@ pub fn get_like(
         ("get", size)
     };
     Ok((ctx.rank == 0).then(|| {
-        let (m, q) = median_p99(&mut samples);
-        Row {
-            lat_us: Some(m),
-            lat_us_p99: Some(q),
-            ..ctx.row("pingpong", "portals", "portals", op, sz)
-        }
+        ctx.row("pingpong", "portals", "portals", op, sz)
+            .with_latency(&mut samples)
     }))
 }
 

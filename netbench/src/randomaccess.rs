@@ -14,7 +14,7 @@ use crate::Ctx;
 const POLY: u64 = 0x7;
 const PERIOD: i64 = 1_317_624_576_693_539_401;
 
-pub fn step(x: u64) -> u64 {
+fn step(x: u64) -> u64 {
     (x << 1) ^ if (x as i64) < 0 { POLY } else { 0 }
 }
 
@@ -57,6 +57,18 @@ pub fn starts(mut n: i64) -> u64 {
     ran
 }
 
+/// One rank's share of the update stream: (owner, byte offset in the owner's table, value).
+pub fn stream(rank: u32, ranks: u32, log_local: u32) -> impl Iterator<Item = (u32, u64, u64)> {
+    let local = 1u64 << log_local;
+    let global_mask = local * ranks as u64 - 1;
+    let mut ran = starts((4 * local * rank as u64) as i64);
+    (0..4 * local).map(move |_| {
+        ran = step(ran);
+        let idx = ran & global_mask;
+        ((idx >> log_local) as u32, (idx & (local - 1)) * 8, ran)
+    })
+}
+
 /// How updates reach a remote owner.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Variant {
@@ -86,16 +98,9 @@ fn updates(
     log_local: u32,
     v: Variant,
 ) -> anyhow::Result<()> {
-    let local = 1u64 << log_local;
-    let global_mask = local * ctx.size as u64 - 1;
-    let mut ran = starts((4 * local * ctx.rank as u64) as i64);
     let mut buckets: Vec<Vec<(u64, u64)>> =
         (0..ctx.size).map(|_| Vec::with_capacity(BUCKET)).collect();
-    for _ in 0..4 * local {
-        ran = step(ran);
-        let idx = ran & global_mask;
-        let owner = (idx >> log_local) as u32;
-        let off = (idx & (local - 1)) * 8;
+    for (owner, off, ran) in stream(ctx.rank, ctx.size, log_local) {
         if owner == ctx.rank {
             table
                 .word(off as usize)

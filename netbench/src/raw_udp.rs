@@ -3,7 +3,7 @@
 use std::net::{SocketAddr, UdpSocket};
 use std::time::{Duration, Instant};
 
-use crate::report::{median_p99, Row};
+use crate::report::Row;
 use crate::Ctx;
 
 /// A connected pair of sockets between ranks 0 and 1 of the job.
@@ -111,12 +111,10 @@ pub fn pingpong(ctx: &Ctx, p: &mut Pair, size: usize) -> Option<Row> {
     if ctx.rank != 0 {
         return None;
     }
-    let (med, p99) = median_p99(&mut samples);
-    Some(Row {
-        lat_us: Some(med),
-        lat_us_p99: Some(p99),
-        ..ctx.row("pingpong", "raw-udp", "raw-udp", "pingpong", size)
-    })
+    Some(
+        ctx.row("pingpong", "raw-udp", "raw-udp", "pingpong", size)
+            .with_latency(&mut samples),
+    )
 }
 
 const DATA: u8 = 1;

@@ -28,6 +28,18 @@ pub struct Row {
     pub variant: Option<String>,
 }
 
+impl Row {
+    /// This row with the median and 99th percentile of `samples` (µs) as its latency.
+    pub fn with_latency(self, samples: &mut [f64]) -> Row {
+        let (m, q) = median_p99(samples);
+        Row {
+            lat_us: Some(m),
+            lat_us_p99: Some(q),
+            ..self
+        }
+    }
+}
+
 /// Median and 99th percentile of samples (µs), sorting them in place.
 pub fn median_p99(samples: &mut [f64]) -> (f64, f64) {
     samples.sort_by(|a, b| a.total_cmp(b));
