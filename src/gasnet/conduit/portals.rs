@@ -260,6 +260,16 @@ impl PortalsConduit {
         Ok(any)
     }
 
+    /// One turn of a wait inside the conduit (for a send slot, bounce space, an RMA slot):
+    /// the send side's events, and what arrived in ReqRB taken out and re-posted — a peer may
+    /// itself be waiting in a send for room in our ReqRB. No handler runs here.
+    fn wait_step(&mut self) -> Result<(), GasnetError> {
+        if !self.poll_safe()? && !self.drain_am()? {
+            std::thread::yield_now();
+        }
+        Ok(())
+    }
+
     /// Handles the send side's events: ACKs free slots; refused AMs go again.
     fn poll_safe(&mut self) -> Result<bool, GasnetError> {
         let mut any = false;
@@ -289,6 +299,19 @@ impl PortalsConduit {
             self.put_slot(slot)?;
         }
         Ok(any)
+    }
+
+    /// Starts tracking a direct operation of `pieces` pieces (`data`: a get's destination).
+    fn begin_rma(&mut self, op: u64, pieces: usize, data: Option<Vec<u8>>) {
+        self.rma.insert(
+            op,
+            Rma {
+                remaining: pieces,
+                ok: true,
+                data,
+                pieces: vec![None; pieces],
+            },
+        );
     }
 
     /// A direct piece finished (ACK of a put, REPLY of a get).
@@ -325,9 +348,7 @@ impl PortalsConduit {
     fn bounce_alloc(&mut self, len: usize) -> Result<u64, GasnetError> {
         if self.bounce_used + len > BOUNCE_LEN {
             while self.bounce_refs > 0 {
-                if !self.poll_safe()? {
-                    std::thread::yield_now();
-                }
+                self.wait_step()?;
             }
             self.bounce_used = 0;
         }
@@ -340,9 +361,7 @@ impl PortalsConduit {
     /// Waits for room for one more direct piece.
     fn rma_slot(&mut self) -> Result<(), GasnetError> {
         while self.rma_in_flight >= MAX_RMA {
-            if !self.poll_safe()? {
-                std::thread::yield_now();
-            }
+            self.wait_step()?;
         }
         self.rma_in_flight += 1;
         Ok(())
@@ -395,15 +414,7 @@ impl Conduit for PortalsConduit {
         let base = self.seg.as_ptr() as usize;
         let in_seg = (src.as_ptr() as usize) >= base
             && (src.as_ptr() as usize) + src.len() <= base + self.seg.len();
-        self.rma.insert(
-            op,
-            Rma {
-                remaining: pieces,
-                ok: true,
-                data: None,
-                pieces: vec![None; pieces],
-            },
-        );
+        self.begin_rma(op, pieces, None);
         for i in 0..pieces {
             let part = &src[(i * CHUNK).min(src.len())..((i + 1) * CHUNK).min(src.len())];
             self.rma_slot()?;
@@ -447,15 +458,7 @@ impl Conduit for PortalsConduit {
         }
         let pieces = len.div_ceil(CHUNK).max(1);
         let data = matches!(dest, GetDest::Buffer).then(|| vec![0u8; len]);
-        self.rma.insert(
-            op,
-            Rma {
-                remaining: pieces,
-                ok: true,
-                data,
-                pieces: vec![None; pieces],
-            },
-        );
+        self.begin_rma(op, pieces, data);
         for i in 0..pieces {
             let n = (len - (i * CHUNK).min(len)).min(CHUNK);
             self.rma_slot()?;
@@ -504,17 +507,12 @@ impl Conduit for PortalsConduit {
         if am.len() > MAX_AM {
             return Err(GasnetError::TooLarge(am.len()));
         }
-        // A free slot is a send token: wait for ACKs (handling the send side only, so that no
-        // handler runs inside a send).
+        // A free slot is a send token: wait for ACKs (no handler runs inside a send).
         let slot = loop {
             if let Some(s) = self.free_slots.pop() {
                 break s;
             }
-            // Our slots may wait for a peer that itself waits in a send: take what arrived
-            // out of ReqRB and re-post it, or both ReqRBs stay full and every AM is refused.
-            if !self.poll_safe()? && !self.drain_am()? {
-                std::thread::yield_now();
-            }
+            self.wait_step()?;
         };
         self.sb.bytes()[slot * MAX_AM..slot * MAX_AM + am.len()].copy_from_slice(am);
         self.in_flight[slot] = Some((dest, am.len()));
