@@ -6,17 +6,18 @@
 mod gasnet_bench;
 mod gasnet_ra;
 mod gni_bench;
+mod plot;
 mod portals_bench;
 mod randomaccess;
 mod raw_udp;
 mod report;
+mod suite;
 
 use anyhow::Context;
 use clap::{Parser, ValueEnum};
 use report::Row;
 use softnic::config::Config;
 use softnic::gni::Nic;
-use softnic::job::local::Launch;
 use softnic::job::JobInfo;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -29,7 +30,8 @@ enum Bench {
     Randomaccess,
     /// Active Message round trips (Short, Medium, Long); needs `--api gasnet`.
     Am,
-    /// Everything above, every API, in one run.
+    /// Everything above over raw-udp, gni, portals and both GASNet conduits (one job each),
+    /// plus RandomAccess at every `--ra-ranks`; one table, JSON lines and figures in `--out`.
     Compare,
 }
 
@@ -41,11 +43,11 @@ enum Bench {
 struct Args {
     #[arg(value_enum)]
     bench: Bench,
-    /// raw-udp, gni, portals, or all (default: all).
+    /// raw-udp, gni, portals, or all (default: all); with `--api gasnet`: udp, portals or all.
     #[arg(long)]
     conduit: Option<String>,
-    /// gni, raw-udp, portals, all, or gasnet (then --conduit picks the GASNet conduit: udp or
-    /// portals; a rank attaches once, so each GASNet conduit is its own run).
+    /// gni, raw-udp, portals, gasnet, or all (default). A rank attaches to one GASNet conduit,
+    /// so each GASNet conduit runs as its own job.
     #[arg(long)]
     api: Option<String>,
     #[arg(long, default_value_t = 2)]
@@ -66,6 +68,12 @@ struct Args {
     /// JSON lines on stdout (tables go to stderr).
     #[arg(long)]
     json: bool,
+    /// `compare`: the rank counts of the GUPS-vs-ranks figure (besides `--ranks`).
+    #[arg(long, value_delimiter = ',', default_value = "2,4")]
+    ra_ranks: Vec<u32>,
+    /// Where the JSON lines (`<bench>.jsonl`) and the figures (SVG and PNG) go.
+    #[arg(long, default_value = "netbench-out")]
+    out: std::path::PathBuf,
 }
 
 impl Args {
@@ -149,14 +157,7 @@ fn main() -> anyhow::Result<()> {
         "the am benchmark is GASNet's: add --api gasnet --conduit udp|portals"
     );
     if !JobInfo::in_job() {
-        let l = Launch {
-            ranks: args.ranks,
-            hosts: args.hosts,
-            program: std::env::current_exe()?.into(),
-            args: std::env::args_os().skip(1).collect(),
-            ..Default::default()
-        };
-        std::process::exit(softnic::job::local::run(&l)?);
+        std::process::exit(suite::run(&args)?);
     }
     let job = JobInfo::from_env()?;
     let mtu = job
@@ -177,6 +178,10 @@ fn main() -> anyhow::Result<()> {
     };
     if args.api.as_deref() == Some("gasnet") {
         let conduit = args.conduit.clone().unwrap_or_else(|| "udp".into());
+        anyhow::ensure!(
+            conduit != "all",
+            "inside a job GASNet runs one conduit; run netbench outside `softnic run` for all"
+        );
         // Single-threaded here: nothing else reads the environment concurrently.
         std::env::set_var("SOFTNIC_CONDUIT", &conduit);
         return run_gasnet(&args, &ctx);
@@ -289,7 +294,7 @@ fn main() -> anyhow::Result<()> {
     }
     nic.barrier()?;
     if ctx.rank == 0 {
-        report::print(&rows, args.json);
+        report::emit(&rows, args.json)?;
     }
     Ok(())
 }
@@ -343,7 +348,7 @@ fn run_gasnet(args: &Args, ctx: &Ctx) -> anyhow::Result<()> {
     }
     g.barrier()?;
     if ctx.rank == 0 {
-        report::print(&rows, args.json);
+        report::emit(&rows, args.json)?;
     }
     Ok(())
 }

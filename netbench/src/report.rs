@@ -1,8 +1,8 @@
 //! Result rows: JSON lines on stdout (with `--json`) and a human table.
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
-#[derive(Debug, Clone, Serialize, Default)]
+#[derive(Debug, Clone, Serialize, Deserialize, Default)]
 pub struct Row {
     pub bench: String,
     pub api: String,
@@ -62,20 +62,42 @@ fn opt(v: Option<f64>, prec: usize) -> String {
     v.map_or("-".into(), |x| format!("{x:.prec$}"))
 }
 
+/// The rows as JSON lines.
+pub fn json_lines(rows: &[Row]) -> String {
+    rows.iter()
+        .map(|r| serde_json::to_string(r).expect("row serialises") + "\n")
+        .collect()
+}
+
+/// Rank 0's rows: appended to the launcher's rows file when there is one, printed otherwise.
+pub fn emit(rows: &[Row], json: bool) -> anyhow::Result<()> {
+    match std::env::var_os(crate::suite::ROWS_ENV) {
+        Some(path) => {
+            use std::io::Write;
+            let mut f = std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(path)?;
+            f.write_all(json_lines(rows).as_bytes())?;
+        }
+        None => print(rows, json),
+    }
+    Ok(())
+}
+
 pub fn print(rows: &[Row], json: bool) {
     if json {
-        for r in rows {
-            println!("{}", serde_json::to_string(r).expect("row serialises"));
-        }
+        print!("{}", json_lines(rows));
     }
     let mut t = String::new();
     t += &format!(
-        "{:<13} {:<8} {:<8} {:<13} {:>9} {:>10} {:>10} {:>10} {:>9} {:>9} {:>6}\n",
+        "{:<13} {:<8} {:<8} {:<29} {:>9} {:>5} {:>10} {:>10} {:>10} {:>9} {:>9} {:>6}\n",
         "bench",
         "api",
         "conduit",
         "op",
         "size",
+        "ranks",
         "lat_us",
         "p99_us",
         "MB/s",
@@ -89,12 +111,13 @@ pub fn print(rows: &[Row], json: bool) {
             None => r.op.clone(),
         };
         t += &format!(
-            "{:<13} {:<8} {:<8} {:<13} {:>9} {:>10} {:>10} {:>10} {:>9} {:>9} {:>6}\n",
+            "{:<13} {:<8} {:<8} {:<29} {:>9} {:>5} {:>10} {:>10} {:>10} {:>9} {:>9} {:>6}\n",
             r.bench,
             r.api,
             r.conduit,
             op,
             r.size,
+            r.ranks,
             opt(r.lat_us, 2),
             opt(r.lat_us_p99, 2),
             opt(r.mb_s, 1),

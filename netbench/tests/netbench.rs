@@ -1,12 +1,27 @@
-//! netbench end to end on the local default: JSON lines carry the fields DESIGN §5 fixes, and
-//! RandomAccess verifies with 0 errors on 2 ranks over 2 hosts.
+//! netbench end to end on the local default: JSON lines carry the fields DESIGN §5 fixes,
+//! RandomAccess verifies with 0 errors on 2 ranks over 2 hosts, and `compare` covers every API
+//! and conduit in one run with its figures.
 
+use std::path::PathBuf;
 use std::process::Command;
 
+/// A fresh output directory for one test.
+fn out_dir(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("netbench-test-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    d
+}
+
 fn rows(args: &[&str]) -> Vec<serde_json::Value> {
+    rows_in(args, &out_dir(args[0]))
+}
+
+fn rows_in(args: &[&str], out: &std::path::Path) -> Vec<serde_json::Value> {
     let out = Command::new(env!("CARGO_BIN_EXE_netbench"))
         .args(args)
         .arg("--json")
+        .arg("--out")
+        .arg(out)
         .output()
         .expect("netbench runs");
     assert!(
@@ -83,4 +98,73 @@ fn pingpong_and_bw_rows_have_the_contract_fields() {
 
 fn rows_bw() -> Vec<serde_json::Value> {
     rows(&["bw", "--sizes", "65536", "--iters", "20"])
+}
+
+#[test]
+fn compare_covers_every_api_and_conduit_and_draws_the_figures() {
+    let dir = out_dir("compare");
+    let rows = rows_in(
+        &[
+            "compare",
+            "--iters",
+            "5",
+            "--sizes",
+            "8,4k",
+            "--table-log2",
+            "10",
+            "--ra-ranks",
+            "2,4",
+        ],
+        &dir,
+    );
+    let has = |api: &str, conduit: &str, bench: &str| {
+        rows.iter()
+            .any(|r| r["api"] == api && r["conduit"] == conduit && r["bench"] == bench)
+    };
+    for (api, conduit) in [
+        ("raw-udp", "raw-udp"),
+        ("gni", "gni"),
+        ("portals", "portals"),
+        ("gasnet", "udp"),
+        ("gasnet", "portals"),
+    ] {
+        assert!(
+            has(api, conduit, "pingpong"),
+            "no {api}/{conduit} latency row"
+        );
+        assert!(has(api, conduit, "bw"), "no {api}/{conduit} bandwidth row");
+    }
+    for conduit in ["udp", "portals"] {
+        assert!(has("gasnet", conduit, "am"), "no {conduit} AM row");
+        for ranks in [2, 4] {
+            assert!(
+                rows.iter().any(|r| r["conduit"] == conduit
+                    && r["bench"] == "randomaccess"
+                    && r["ranks"] == ranks),
+                "no {conduit} RandomAccess row at {ranks} ranks"
+            );
+        }
+    }
+    let saved = std::fs::read_to_string(dir.join("compare.jsonl")).unwrap();
+    assert_eq!(
+        saved.lines().count(),
+        rows.len(),
+        "the JSON lines file holds every row"
+    );
+    for stem in [
+        "latency_put",
+        "latency_get",
+        "bandwidth",
+        "am_roundtrip",
+        "gups",
+    ] {
+        for ext in ["svg", "png"] {
+            let p = dir.join(format!("{stem}.{ext}"));
+            assert!(
+                p.metadata().is_ok_and(|m| m.len() > 1000),
+                "no figure {p:?}"
+            );
+        }
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
 }

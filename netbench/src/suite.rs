@@ -1,0 +1,260 @@
+//! Outside a job: plans the jobs a command needs, runs them one after another on the launcher,
+//! gathers their rows, and prints one table (and plots, for `compare`).
+//!
+//! A rank attaches to one GASNet conduit for its life, so every GASNet conduit is its own job;
+//! GUPS vs ranks needs one job per rank count. Rank 0 of each job appends its rows as JSON lines
+//! to the file named by `NETBENCH_ROWS`.
+
+use std::ffi::OsString;
+use std::io::BufRead;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::Context;
+
+use crate::report::{self, Row};
+use crate::{Args, Bench};
+
+/// Where rank 0 of a job writes its rows.
+pub const ROWS_ENV: &str = "NETBENCH_ROWS";
+
+/// One job of a run.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Step {
+    pub label: String,
+    pub bench: Bench,
+    pub api: String,
+    pub conduit: Option<String>,
+    pub ranks: u32,
+}
+
+/// The GASNet conduits, in the order compare runs them.
+const GASNET_CONDUITS: [&str; 2] = ["udp", "portals"];
+
+/// The jobs `args` asks for.
+pub fn plan(args: &Args) -> anyhow::Result<Vec<Step>> {
+    let api = args.api.clone().unwrap_or_else(|| "all".into());
+    let conduit = args.conduit.clone();
+    let step = |bench, api: &str, conduit: Option<&str>, ranks| Step {
+        label: match conduit {
+            Some(c) => format!("{} {api}/{c} ×{ranks}", bench_name(bench)),
+            None => format!("{} {api} ×{ranks}", bench_name(bench)),
+        },
+        bench,
+        api: api.into(),
+        conduit: conduit.map(Into::into),
+        ranks,
+    };
+    let gasnet_conduits: Vec<&str> = match conduit.as_deref() {
+        None | Some("all") => GASNET_CONDUITS.to_vec(),
+        Some(c) if GASNET_CONDUITS.contains(&c) => vec![c],
+        Some(c) if api == "gasnet" => {
+            anyhow::bail!("unknown GASNet conduit {c:?}: use udp, portals or all")
+        }
+        Some(_) => vec![],
+    };
+    if let Some(r) = args
+        .ra_ranks
+        .iter()
+        .find(|r| !r.is_power_of_two() || **r < 2)
+    {
+        anyhow::bail!("--ra-ranks {r}: RandomAccess runs on a power-of-two number of ranks, ≥ 2");
+    }
+    let mut steps = Vec::new();
+    match (args.bench, api.as_str()) {
+        (Bench::Compare, "all") => {
+            // Everything: the daemon APIs (raw-udp floor, gni, portals) in one job, then each
+            // GASNet conduit, then RandomAccess at every other rank count for GUPS vs ranks.
+            steps.push(step(Bench::Compare, "all", conduit.as_deref(), args.ranks));
+            for c in &gasnet_conduits {
+                steps.push(step(Bench::Compare, "gasnet", Some(c), args.ranks));
+            }
+            for &r in args.ra_ranks.iter().filter(|&&r| r != args.ranks) {
+                steps.push(step(Bench::Randomaccess, "all", conduit.as_deref(), r));
+                for c in &gasnet_conduits {
+                    steps.push(step(Bench::Randomaccess, "gasnet", Some(c), r));
+                }
+            }
+        }
+        (b, "gasnet") => {
+            for c in &gasnet_conduits {
+                steps.push(step(b, "gasnet", Some(c), args.ranks));
+            }
+        }
+        (b, a) => steps.push(step(b, a, conduit.as_deref(), args.ranks)),
+    }
+    Ok(steps)
+}
+
+fn bench_name(b: Bench) -> &'static str {
+    match b {
+        Bench::Pingpong => "pingpong",
+        Bench::Bw => "bw",
+        Bench::Randomaccess => "randomaccess",
+        Bench::Am => "am",
+        Bench::Compare => "compare",
+    }
+}
+
+/// The command line of one step's ranks: the user's options with the step's bench, api,
+/// conduit and ranks.
+fn step_args(args: &Args, s: &Step) -> Vec<OsString> {
+    let mut v: Vec<String> = vec![bench_name(s.bench).into(), "--api".into(), s.api.clone()];
+    if let Some(c) = &s.conduit {
+        v.extend(["--conduit".into(), c.clone()]);
+    }
+    v.extend([
+        "--ranks".into(),
+        s.ranks.to_string(),
+        "--hosts".into(),
+        args.hosts.to_string(),
+        "--iters".into(),
+        args.iters.to_string(),
+        "--table-log2".into(),
+        args.table_log2.to_string(),
+    ]);
+    if let Some(sizes) = &args.sizes {
+        let list: Vec<String> = sizes.iter().map(|s| s.to_string()).collect();
+        v.extend(["--sizes".into(), list.join(",")]);
+    }
+    if args.no_verify {
+        v.push("--no-verify".into());
+    }
+    v.into_iter().map(Into::into).collect()
+}
+
+/// Runs every step on the local default; prints the merged table (JSON lines too with
+/// `--json`), writes `<out>/<bench>.jsonl`, and for `compare` draws the figures. Returns the
+/// exit status: 0, or 1 when a step failed (its rows are missing; the others are reported).
+pub fn run(args: &Args) -> anyhow::Result<i32> {
+    let steps = plan(args)?;
+    let bar = indicatif::ProgressBar::new(steps.len() as u64);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template(
+            "{spinner} [{elapsed_precise}] {bar:30} {pos}/{len} {msg}",
+        )
+        .expect("static template"),
+    );
+    bar.enable_steady_tick(Duration::from_millis(200));
+    let program = std::env::current_exe()?;
+    let mut rows: Vec<Row> = Vec::new();
+    let mut failed = Vec::new();
+    for s in &steps {
+        bar.set_message(s.label.clone());
+        let file = tempfile_path(&s.label);
+        let l = softnic::job::local::Launch {
+            ranks: s.ranks,
+            hosts: args.hosts,
+            program: program.clone().into(),
+            args: step_args(args, s),
+            env: vec![(ROWS_ENV.into(), file.display().to_string())],
+            ..Default::default()
+        };
+        let code =
+            softnic::job::local::run(&l).with_context(|| format!("launching {}", s.label))?;
+        let got = read_rows(&file);
+        let _ = std::fs::remove_file(&file);
+        match (code, got) {
+            (0, Ok(r)) => rows.extend(r),
+            (0, Err(e)) => failed.push(format!("{}: {e:#}", s.label)),
+            (c, _) => failed.push(format!("{}: exited with status {c}", s.label)),
+        }
+        bar.inc(1);
+    }
+    bar.finish_and_clear();
+    report::print(&rows, args.json);
+    let out = args.out.clone();
+    std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
+    let jsonl = out.join(format!("{}.jsonl", bench_name(args.bench)));
+    std::fs::write(&jsonl, report::json_lines(&rows))
+        .with_context(|| format!("writing {}", jsonl.display()))?;
+    eprintln!("netbench: rows in {}", jsonl.display());
+    if args.bench == Bench::Compare {
+        let paths = crate::plot::write_all(&out, &crate::plot::figures(&rows))?;
+        for p in paths {
+            eprintln!("netbench: figure {}", p.display());
+        }
+    }
+    for f in &failed {
+        eprintln!("netbench: step failed: {f}");
+    }
+    Ok(if failed.is_empty() { 0 } else { 1 })
+}
+
+fn tempfile_path(label: &str) -> PathBuf {
+    let tag: String = label
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() { c } else { '-' })
+        .collect();
+    std::env::temp_dir().join(format!("netbench-{}-{tag}.jsonl", std::process::id()))
+}
+
+fn read_rows(path: &std::path::Path) -> anyhow::Result<Vec<Row>> {
+    let f = std::fs::File::open(path).context("the job wrote no rows")?;
+    std::io::BufReader::new(f)
+        .lines()
+        .map(|l| Ok(serde_json::from_str(&l?)?))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    fn labels(cmd: &str) -> Vec<String> {
+        let args = Args::try_parse_from(cmd.split_whitespace()).unwrap();
+        plan(&args).unwrap().into_iter().map(|s| s.label).collect()
+    }
+
+    #[test]
+    fn compare_runs_every_api_and_conduit_and_gups_vs_ranks() {
+        assert_eq!(
+            labels("netbench compare --ranks 2 --ra-ranks 2,4"),
+            [
+                "compare all ×2",
+                "compare gasnet/udp ×2",
+                "compare gasnet/portals ×2",
+                "randomaccess all ×4",
+                "randomaccess gasnet/udp ×4",
+                "randomaccess gasnet/portals ×4",
+            ]
+        );
+    }
+
+    #[test]
+    fn gasnet_conduit_all_is_one_job_per_conduit() {
+        assert_eq!(
+            labels("netbench am --api gasnet --conduit all"),
+            ["am gasnet/udp ×2", "am gasnet/portals ×2"]
+        );
+        assert_eq!(
+            labels("netbench bw --api gasnet --conduit portals"),
+            ["bw gasnet/portals ×2"]
+        );
+        let bad =
+            Args::try_parse_from(["netbench", "am", "--api", "gasnet", "--conduit", "ib"]).unwrap();
+        assert!(plan(&bad).is_err());
+    }
+
+    #[test]
+    fn step_args_round_trip_through_the_parser() {
+        let args = Args::try_parse_from(
+            "netbench compare --iters 7 --sizes 8,1k --no-verify --table-log2 12"
+                .split_whitespace(),
+        )
+        .unwrap();
+        let s = &plan(&args).unwrap()[1];
+        let mut argv: Vec<OsString> = vec!["netbench".into()];
+        argv.extend(step_args(&args, s));
+        let child = Args::try_parse_from(argv).unwrap();
+        assert_eq!(child.bench, Bench::Compare);
+        assert_eq!(child.api.as_deref(), Some("gasnet"));
+        assert_eq!(child.conduit.as_deref(), Some("udp"));
+        assert_eq!(child.sizes, Some(vec![8, 1024]));
+        assert_eq!(
+            (child.iters, child.table_log2, child.no_verify),
+            (7, 12, true)
+        );
+    }
+}
