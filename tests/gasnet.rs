@@ -322,6 +322,13 @@ fn portals_conduit_under_datagram_loss() {
         &faults,
         &[ENV_SEG],
     );
+    launch_ok_env(
+        "remote_atomics_every_op_and_concurrent_fetch_add",
+        4,
+        2,
+        &faults,
+        &[ENV_SEG],
+    );
 }
 
 #[test]
@@ -350,4 +357,86 @@ fn floods_of_requests_both_ways_without_polling_all_arrive() {
     g.block_until(|| *g3.borrow() == N).unwrap();
     g.barrier().unwrap();
     assert_eq!(*got.borrow(), N);
+}
+
+/// Remote atomics (GASNet-EX atomic domain ops on u64): every operation against a local model,
+/// concurrent fetch-adds from every node on one word (each prior value seen exactly once), NBI
+/// updates, and the argument checks. Over portals the target's NIC runs them.
+#[test]
+fn remote_atomics_every_op_and_concurrent_fetch_add() {
+    use softnic::gasnet::AdOp;
+    if !in_job() {
+        return run("remote_atomics_every_op_and_concurrent_fetch_add", 4);
+    }
+    let mut g = Gasnet::init(vec![]).unwrap();
+    let (me, n) = (g.mynode(), g.nodes());
+    let peer = (me + 1) % n;
+    // Every node owns word 8 * (me + 1) on its peer: a sequence of all operations, checked
+    // against the model (prior values for fetching ops, the word itself at the end).
+    let at = 8 * (me as u64 + 1);
+    let mut model = 0u64;
+    let mut x = 0x9e37_79b9_7f4a_7c15u64 ^ me as u64;
+    for round in 0..3 {
+        for op in AdOp::ALL {
+            x = x
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            // CAS compares sometimes with the current value, sometimes not.
+            let a = if round == 1 { model } else { x >> 3 };
+            let b = x.rotate_left(17);
+            let got = g.ad_op(peer, at, op, a, b).unwrap();
+            let want = if op.fetches() { model } else { 0 };
+            assert_eq!(got, want, "{op:?} returned");
+            model = op.apply(model, a, b);
+        }
+    }
+    let before = g.am_sent();
+    assert_eq!(g.ad_op(peer, at, AdOp::Get, 0, 0).unwrap(), model);
+    if g.conduit_name() == "portals" {
+        assert_eq!(g.am_sent(), before, "portals conduit: the NIC runs atomics, no AM");
+    } else {
+        assert!(g.am_sent() > before, "AM-based conduit");
+    }
+    g.barrier().unwrap();
+    // All nodes fetch-add on node 0's word 0 at once: every prior value appears once.
+    const K: u64 = 200;
+    let mut seen: Vec<u64> = (0..K)
+        .map(|_| g.ad_op(0, 0, AdOp::Fadd, 1, 0).unwrap())
+        .collect();
+    g.barrier().unwrap();
+    assert_eq!(g.ad_op(0, 0, AdOp::Get, 0, 0).unwrap(), K * n as u64);
+    seen.sort_unstable();
+    seen.dedup();
+    assert_eq!(seen.len(), K as usize, "no prior value twice");
+    // NBI: XORs and adds complete with the implicit puts.
+    let word = 1024 + 8 * me as u64;
+    for k in 0..500u64 {
+        g.ad_op_nbi(peer, word, AdOp::Xor, k * 0x0101, 0).unwrap();
+        g.ad_op_nbi(peer, word + 512, AdOp::Add, k, 0).unwrap();
+    }
+    g.wait_syncnbi_puts().unwrap();
+    let xor = (0..500u64).fold(0, |acc, k| acc ^ (k * 0x0101));
+    assert_eq!(g.ad_op(peer, word, AdOp::Get, 0, 0).unwrap(), xor);
+    assert_eq!(
+        g.ad_op(peer, word + 512, AdOp::Get, 0, 0).unwrap(),
+        499 * 500 / 2
+    );
+    // Bad arguments are refused before anything is sent.
+    assert!(matches!(
+        g.ad_op(peer, 4, AdOp::Add, 1, 0),
+        Err(GasnetError::Misaligned(4))
+    ));
+    assert!(matches!(
+        g.ad_op(peer, 4 << 20, AdOp::Add, 1, 0),
+        Err(GasnetError::OutOfSegment(..))
+    ));
+    assert!(matches!(
+        g.ad_op(n, 0, AdOp::Add, 1, 0),
+        Err(GasnetError::BadNode(_))
+    ));
+    assert!(matches!(
+        g.ad_op_nbi(peer, 0, AdOp::Fadd, 1, 0),
+        Err(GasnetError::FetchingNbi)
+    ));
+    g.barrier().unwrap();
 }

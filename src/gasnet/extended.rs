@@ -42,15 +42,15 @@ pub struct ExtState {
     /// Acks or replies still due per operation (removed when none are).
     remaining: HashMap<u64, usize>,
     /// Operations that failed at the target (out of segment).
-    failed: HashSet<u64>,
+    pub(super) failed: HashSet<u64>,
     /// Gets into a caller's buffer: data assembled here.
-    get_data: HashMap<u64, Vec<u8>>,
+    pub(super) get_data: HashMap<u64, Vec<u8>>,
     /// Gets into this node's segment: the base offset.
     get_to_segment: HashMap<u64, u64>,
     /// Access regions and implicit operations.
     regions: HashMap<u64, Vec<u64>>,
     open_region: Option<Vec<u64>>,
-    nbi_puts: Vec<u64>,
+    pub(super) nbi_puts: Vec<u64>,
     nbi_gets: Vec<u64>,
     // Barrier.
     phase: u32,
@@ -61,14 +61,14 @@ pub struct ExtState {
 }
 
 impl ExtState {
-    fn new_op(&mut self, parts: usize) -> u64 {
+    pub(super) fn new_op(&mut self, parts: usize) -> u64 {
         self.next_op += 1;
         let op = self.next_op;
         self.remaining.insert(op, parts.max(1));
         op
     }
 
-    fn part_done(&mut self, op: u64) {
+    pub(super) fn part_done(&mut self, op: u64) {
         if let Some(n) = self.remaining.get_mut(&op) {
             *n -= 1;
             if *n == 0 {
@@ -85,15 +85,15 @@ impl ExtState {
     }
 }
 
-fn split(op: u64) -> [u32; 2] {
+pub(super) fn split(op: u64) -> [u32; 2] {
     [op as u32, (op >> 32) as u32]
 }
 
-fn join(lo: u32, hi: u32) -> u64 {
+pub(super) fn join(lo: u32, hi: u32) -> u64 {
     lo as u64 | ((hi as u64) << 32)
 }
 
-fn handler(f: impl FnMut(&mut Token<'_>, Msg<'_>) + 'static) -> Handler {
+pub(super) fn handler(f: impl FnMut(&mut Token<'_>, Msg<'_>) + 'static) -> Handler {
     Box::new(f)
 }
 
@@ -206,7 +206,7 @@ pub(super) fn register_handlers(
             s.borrow_mut().done.insert(m.args[0], m.args[1] != 0);
         }),
     )?;
-    Ok(())
+    super::atomic::register_handlers(core, st)
 }
 
 impl Gasnet {
@@ -225,7 +225,7 @@ impl Gasnet {
         }
     }
 
-    fn check_remote(&mut self, offset: u64, len: u64) -> Result<(), GasnetError> {
+    pub(super) fn check_remote(&mut self, offset: u64, len: u64) -> Result<(), GasnetError> {
         // Segments are symmetric (one size for the job): check against ours.
         match offset.checked_add(len) {
             Some(e) if e <= self.core.conduit.segment().len() as u64 => Ok(()),
@@ -233,7 +233,7 @@ impl Gasnet {
         }
     }
 
-    fn track(&mut self, op: u64) {
+    pub(super) fn track(&mut self, op: u64) {
         if let Some(r) = self.ext.borrow_mut().open_region.as_mut() {
             r.push(op);
         }
@@ -326,7 +326,7 @@ impl Gasnet {
         Ok(op)
     }
 
-    fn wait_op(&mut self, op: u64) -> Result<(), GasnetError> {
+    pub(super) fn wait_op(&mut self, op: u64) -> Result<(), GasnetError> {
         let st = self.ext.clone();
         self.block_until(|| st.borrow().done(op))?;
         self.finish_op(op)

@@ -7,12 +7,14 @@
 //! each process runs its own reliable delivery, as GASNet's udp-conduit does).
 
 pub mod am;
+pub mod atomic;
 mod backoff;
 pub mod conduit;
 mod core;
 mod extended;
 
 pub use self::am::Category;
+pub use self::atomic::AdOp;
 pub use self::core::{Handler, Msg, Token, HANDLER_USER_MIN};
 pub use self::extended::{BarrierFlags, Handle};
 
@@ -50,6 +52,10 @@ pub enum GasnetError {
     BarrierMismatch,
     #[error("barrier_wait/try without a matching barrier_notify (or with another id)")]
     BarrierState,
+    #[error("atomic on offset {0}: remote atomics need an 8-byte aligned word")]
+    Misaligned(u64),
+    #[error("a fetching atomic needs somewhere to put its result: use ad_op, not ad_op_nbi")]
+    FetchingNbi,
     #[error("unknown or already synchronised handle")]
     BadHandle,
     #[error("the conduit failed while waiting: {0}")]

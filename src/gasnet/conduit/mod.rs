@@ -4,7 +4,7 @@
 pub mod portals;
 pub mod udp;
 
-use super::GasnetError;
+use super::{AdOp, GasnetError};
 
 /// Where the data of a direct get goes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -62,6 +62,20 @@ pub trait Conduit {
         _src_offset: u64,
         _len: usize,
         _dest: GetDest,
+        _op: u64,
+    ) -> Result<bool, GasnetError> {
+        Ok(false)
+    }
+    /// A 64-bit atomic on the word at `offset` of `node`'s segment, run by the network without
+    /// the target process (completion as `RmaDone { op }`, whose `data` holds the prior value
+    /// for fetching operations); `Ok(false)` when the conduit has none, and the Extended layer
+    /// runs it in an Active Message handler at the target instead.
+    fn rma_atomic(
+        &mut self,
+        _node: u32,
+        _offset: u64,
+        _atomic: AdOp,
+        _operands: [u64; 2],
         _op: u64,
     ) -> Result<bool, GasnetError> {
         Ok(false)

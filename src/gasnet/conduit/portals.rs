@@ -13,12 +13,14 @@
 //! - RAR: the segment, registered with the NIC, is exposed on its own portal (ignore-all match
 //!   bits, puts and gets, no target events). Extended puts and gets go straight to Portals put
 //!   and get — from or into the segment directly, else through a bounce region — and complete
-//!   from their ACK and REPLY events on SAFE_EQ, never through Active Messages.
+//!   from their ACK and REPLY events on SAFE_EQ, never through Active Messages. Remote
+//!   atomics are Portals atomics on the same portal, run by the target's NIC.
 
 use std::collections::{HashMap, VecDeque};
 
 use super::{Conduit, GetDest, RmaDone};
-use crate::gasnet::GasnetError;
+use crate::gasnet::atomic::PortalsCall;
+use crate::gasnet::{AdOp, GasnetError};
 use crate::nic::memory::Perms;
 use crate::portals::{
     AckReq, Buffer, EventKind, List, Md, Me, NiFail, NiHandle, Portals, ProcessId, Target,
@@ -484,6 +486,58 @@ impl Conduit for PortalsConduit {
                 )
                 .map_err(err)?;
         }
+        Ok(true)
+    }
+
+    fn rma_atomic(
+        &mut self,
+        node: u32,
+        offset: u64,
+        atomic: AdOp,
+        [a, b]: [u64; 2],
+        op: u64,
+    ) -> Result<bool, GasnetError> {
+        if node >= self.n {
+            return Err(GasnetError::BadNode(node));
+        }
+        let p = atomic.portals(a, b);
+        let fetch = p.call != PortalsCall::Atomic;
+        self.begin_rma(op, 1, fetch.then(|| vec![0; 8]));
+        self.rma_slot()?;
+        // Bounce bytes [prior value | operand]: the NIC reads the operand and writes the prior
+        // value back, which completion copies out.
+        let at = self.bounce_alloc(16)?;
+        self.bounce.bytes()[at as usize + 8..at as usize + 16]
+            .copy_from_slice(&p.operand.to_le_bytes());
+        if let Some(r) = self.rma.get_mut(&op) {
+            r.pieces[0] = Some(at);
+        }
+        let (t, up, md) = (self.rar(node, offset), RMA_TAG | (op << 16), self.bounce_md);
+        match p.call {
+            PortalsCall::Atomic => {
+                self.p
+                    .atomic(self.ni, md, at + 8, 8, AckReq::Ack, t, up, 0, p.op, p.dt)
+            }
+            PortalsCall::Fetch => {
+                self.p
+                    .fetch_atomic(self.ni, md, at, md, at + 8, 8, t, up, 0, p.op, p.dt)
+            }
+            PortalsCall::Swap { compare } => self.p.swap(
+                self.ni,
+                md,
+                at,
+                md,
+                at + 8,
+                8,
+                t,
+                up,
+                0,
+                &compare.to_le_bytes(),
+                p.op,
+                p.dt,
+            ),
+        }
+        .map_err(err)?;
         Ok(true)
     }
 
