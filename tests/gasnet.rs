@@ -393,7 +393,11 @@ fn remote_atomics_every_op_and_concurrent_fetch_add() {
     let before = g.am_sent();
     assert_eq!(g.ad_op(peer, at, AdOp::Get, 0, 0).unwrap(), model);
     if g.conduit_name() == "portals" {
-        assert_eq!(g.am_sent(), before, "portals conduit: the NIC runs atomics, no AM");
+        assert_eq!(
+            g.am_sent(),
+            before,
+            "portals conduit: the NIC runs atomics, no AM"
+        );
     } else {
         assert!(g.am_sent() > before, "AM-based conduit");
     }

@@ -2,13 +2,16 @@
 //! its owner either as a blocking get then put of the word (`get-put`, the naive UPC
 //! read-modify-write: concurrent updates of one word can be lost, which verification counts —
 //! HPCC tolerates 1%) or as Active Messages the owner applies (`am-bucketed`: updates bucketed
-//! per owner into Medium AMs, as HPCC's MPI version buckets them, each acknowledged by a reply).
+//! per owner into Medium AMs, as HPCC's MPI version buckets them, each acknowledged by a reply)
+//! or as one remote atomic XOR per update (`atomics`: GASNet-EX AD ops, NBI, at most 1024 in
+//! flight as HPCC allows; the portals conduit runs them in the owner's NIC, the udp conduit in
+//! an AM handler at the owner).
 
 use std::cell::Cell;
 use std::rc::Rc;
 use std::time::Instant;
 
-use softnic::gasnet::{Gasnet, Handler, Msg, Token};
+use softnic::gasnet::{AdOp, Gasnet, Handler, Msg, Token};
 
 use crate::randomaccess::stream;
 use crate::report::Row;
@@ -23,11 +26,14 @@ const TABLE_AT: usize = 16 << 20;
 const ERRORS_AT: usize = 12 << 20;
 /// The get-put variant's table is capped at 2^this words: a blocking round trip per update.
 const GET_PUT_MAX_LOG: u32 = 12;
+/// HPCC's look-ahead: at most this many updates in flight.
+const LOOKAHEAD: usize = 1024;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Variant {
     GetPut,
     AmBucketed,
+    Atomics,
 }
 
 impl Variant {
@@ -35,6 +41,7 @@ impl Variant {
         match self {
             Variant::GetPut => "get-put",
             Variant::AmBucketed => "am-bucketed",
+            Variant::Atomics => "atomics",
         }
     }
 }
@@ -82,12 +89,16 @@ fn updates(
     let mut sent = 0u64;
     let first_ack = acks.get();
     let mut w = [0u8; 8];
-    for (owner, off, ran) in stream(ctx.rank, ctx.size, log_local) {
-        if owner == ctx.rank {
-            xor_word(g.segment(), TABLE_AT + off as usize, ran);
-            continue;
-        }
+    for (i, (owner, off, ran)) in stream(ctx.rank, ctx.size, log_local).enumerate() {
         match v {
+            Variant::Atomics => {
+                // Own words too: plain stores would race with the NIC's atomics on them.
+                g.ad_op_nbi(owner, TABLE_AT as u64 + off, AdOp::Xor, ran, 0)?;
+                if (i + 1) % LOOKAHEAD == 0 {
+                    g.wait_syncnbi_puts()?;
+                }
+            }
+            _ if owner == ctx.rank => xor_word(g.segment(), TABLE_AT + off as usize, ran),
             Variant::GetPut => {
                 let at = TABLE_AT as u64 + off;
                 g.get(&mut w, owner, at)?;
@@ -105,6 +116,7 @@ fn updates(
             }
         }
     }
+    g.wait_syncnbi_puts()?;
     for (owner, b) in buckets.iter().enumerate() {
         if !b.is_empty() {
             g.am_request_medium(owner as u32, H_RA, b, &[])?;

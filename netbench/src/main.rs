@@ -335,7 +335,11 @@ fn run_gasnet(args: &Args, ctx: &Ctx) -> anyhow::Result<()> {
         }
     }
     if ra {
-        for v in [gasnet_ra::Variant::GetPut, gasnet_ra::Variant::AmBucketed] {
+        for v in [
+            gasnet_ra::Variant::GetPut,
+            gasnet_ra::Variant::AmBucketed,
+            gasnet_ra::Variant::Atomics,
+        ] {
             rows.extend(gasnet_ra::run(
                 ctx,
                 &mut g,

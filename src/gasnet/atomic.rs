@@ -183,9 +183,9 @@ pub(super) fn register_handlers(
             let (off, code) = (join(a[2], a[3]), a[4]);
             let (x, y) = (join(a[5], a[6]), join(a[7], a[8]));
             let seg = t.segment();
-            let word = usize::try_from(off)
-                .ok()
-                .filter(|o| o % 8 == 0 && o.checked_add(8).is_some_and(|e| e <= seg.len()));
+            let word = usize::try_from(off).ok().filter(|o| {
+                o.is_multiple_of(8) && o.checked_add(8).is_some_and(|e| e <= seg.len())
+            });
             let (ok, old) = match (word, AdOp::from_code(code)) {
                 (Some(o), Some(op)) => {
                     let w: &mut [u8; 8] = (&mut seg[o..o + 8]).try_into().expect("8 bytes");
@@ -228,7 +228,7 @@ impl Gasnet {
         if node >= self.nodes() {
             return Err(GasnetError::BadNode(node));
         }
-        if offset % 8 != 0 {
+        if !offset.is_multiple_of(8) {
             return Err(GasnetError::Misaligned(offset));
         }
         self.check_remote(offset, 8)?;

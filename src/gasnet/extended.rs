@@ -5,7 +5,8 @@
 //! local-completion rules hold when a call returns.
 
 use std::cell::RefCell;
-use std::collections::{HashMap, HashSet};
+// Keys are this process's own operation ids and barrier phases: a fast non-keyed hash is safe.
+use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 use std::rc::Rc;
 
 use super::conduit::GetDest;
@@ -527,40 +528,47 @@ impl Gasnet {
         Ok(())
     }
 
+    /// Retires finished implicit operations (so each poll looks only at those still open) and
+    /// reports whether none of the chosen kinds are left; a failed one is the error.
     fn sync_nbi(&mut self, puts: bool, gets: bool, wait: bool) -> Result<bool, GasnetError> {
+        let mut r = Ok(());
         loop {
             self.poll_once()?;
-            let (all_done, ops) = {
-                let s = self.ext.borrow();
-                let mut ops: Vec<u64> = Vec::new();
-                if puts {
-                    ops.extend(&s.nbi_puts);
+            let finished = {
+                let mut s = self.ext.borrow_mut();
+                let mut finished = Vec::new();
+                for (on, gets) in [(puts, false), (gets, true)] {
+                    if on {
+                        let list = if gets {
+                            &mut s.nbi_gets
+                        } else {
+                            &mut s.nbi_puts
+                        };
+                        let list = std::mem::take(list);
+                        let (fin, open): (Vec<u64>, Vec<u64>) =
+                            list.into_iter().partition(|&o| s.done(o));
+                        finished.extend(fin);
+                        *(if gets {
+                            &mut s.nbi_gets
+                        } else {
+                            &mut s.nbi_puts
+                        }) = open;
+                    }
                 }
-                if gets {
-                    ops.extend(&s.nbi_gets);
-                }
-                (ops.iter().all(|&o| s.done(o)), ops)
+                finished
             };
-            if all_done {
-                {
-                    let mut s = self.ext.borrow_mut();
-                    if puts {
-                        s.nbi_puts.clear();
-                    }
-                    if gets {
-                        s.nbi_gets.clear();
-                    }
+            for o in finished {
+                if let Err(e) = self.finish_op(o) {
+                    r = Err(e);
                 }
-                let mut r = Ok(true);
-                for o in ops {
-                    if let Err(e) = self.finish_op(o) {
-                        r = Err(e);
-                    }
-                }
-                return r;
+            }
+            let s = self.ext.borrow();
+            let open = (puts && !s.nbi_puts.is_empty()) || (gets && !s.nbi_gets.is_empty());
+            if !open {
+                return r.map(|_| true);
             }
             if !wait {
-                return Ok(false);
+                return r.map(|_| false);
             }
         }
     }

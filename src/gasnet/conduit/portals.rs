@@ -16,7 +16,9 @@
 //!   from their ACK and REPLY events on SAFE_EQ, never through Active Messages. Remote
 //!   atomics are Portals atomics on the same portal, run by the target's NIC.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
+
+use rustc_hash::FxHashMap as HashMap;
 
 use super::{Conduit, GetDest, RmaDone};
 use crate::gasnet::atomic::PortalsCall;
@@ -177,7 +179,7 @@ impl PortalsConduit {
             bounce_md,
             bounce_used: 0,
             bounce_refs: 0,
-            rma: HashMap::new(),
+            rma: HashMap::default(),
             rma_in_flight: 0,
             finished: Vec::new(),
             arrived: VecDeque::new(),
