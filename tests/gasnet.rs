@@ -444,3 +444,90 @@ fn remote_atomics_every_op_and_concurrent_fetch_add() {
     ));
     g.barrier().unwrap();
 }
+
+/// AM Long of every size up to AMMaxLongRequest/Reply, both directions: the payload is in the
+/// segment when the handler runs (over portals, large ones are put in place first and matched
+/// with their header by Lid), and many in flight at once all arrive.
+#[test]
+fn long_payloads_up_to_the_maximum_both_ways() {
+    if !in_job() {
+        return run("long_payloads_up_to_the_maximum_both_ways", 2);
+    }
+    const H_LONG: u8 = 160;
+    const H_LONG_BACK: u8 = 161;
+    // Requests land in the lower half of the 4 MiB segment, replies in the upper.
+    const UPPER: u64 = 2 << 20;
+    let pat = |len: usize, seed: u32| -> Vec<u8> {
+        (0..len)
+            .map(|i| ((i as u32 * 13 + seed * 101) % 253) as u8)
+            .collect()
+    };
+    let bad = Rc::new(RefCell::new(Vec::<String>::new()));
+    let back = Rc::new(RefCell::new(Vec::<(u32, usize)>::new()));
+    let b1 = bad.clone();
+    let on_request: Handler = Box::new(move |t: &mut Token<'_>, m: Msg<'_>| {
+        let (len, seed) = (m.payload.len(), m.args[0]);
+        let want = pat(len, seed);
+        let at = m.offset as usize;
+        if m.payload != &want[..] || t.segment()[at..at + len] != want[..] {
+            b1.borrow_mut()
+                .push(format!("request of {len} bytes arrived wrong"));
+        }
+        // Send it back, Long too, to the requester's segment in the upper half.
+        let copy = t.segment()[at..at + len].to_vec();
+        if let Err(e) = t.reply_long(H_LONG_BACK, &copy, m.offset + UPPER, &[seed, len as u32]) {
+            b1.borrow_mut().push(format!("reply_long({len}): {e}"));
+        }
+    });
+    let b2 = bad.clone();
+    let k = back.clone();
+    let on_reply: Handler = Box::new(move |_: &mut Token<'_>, m: Msg<'_>| {
+        if m.payload != &pat(m.args[1] as usize, m.args[0])[..] {
+            b2.borrow_mut()
+                .push(format!("reply of {} bytes arrived wrong", m.args[1]));
+        }
+        k.borrow_mut().push((m.args[0], m.payload.len()));
+    });
+    let mut g = Gasnet::init(vec![(H_LONG, on_request), (H_LONG_BACK, on_reply)]).unwrap();
+    let max = g.am_max_long_request();
+    assert_eq!(max, g.am_max_long_reply());
+    if g.conduit_name() == "portals" {
+        assert!(
+            max >= 1 << 20,
+            "portals: Long payloads are put in place, up to 1 MiB"
+        );
+    }
+    let peer = (g.mynode() + 1) % g.nodes();
+    let mut sizes = vec![0, 1, 8191, 8192, 8193, 65_536, max - 1, max];
+    sizes.retain(|&s| s <= max);
+    // One size at a time (every size at offset 0), then a burst in flight at once.
+    let mut expect: Vec<(u32, usize)> = Vec::new();
+    for (i, &s) in sizes.iter().enumerate() {
+        g.am_request_long(peer, H_LONG, &pat(s, i as u32), 0, &[i as u32])
+            .unwrap();
+        expect.push((i as u32, s));
+        let (k, want) = (back.clone(), expect.len());
+        g.block_until(|| k.borrow().len() == want).unwrap();
+        g.barrier().unwrap();
+    }
+    for j in 0..16u32 {
+        let seed = 100 + j;
+        let s = (max - 200).min(40_000) + j as usize * 11;
+        g.am_request_long(peer, H_LONG, &pat(s, seed), j as u64 * 65_536, &[seed])
+            .unwrap();
+        expect.push((seed, s));
+    }
+    let (k, want) = (back.clone(), expect.len());
+    g.block_until(|| k.borrow().len() == want).unwrap();
+    g.barrier().unwrap();
+    assert_eq!(*bad.borrow(), Vec::<String>::new());
+    let mut got = back.borrow().clone();
+    got.sort_unstable();
+    expect.sort_unstable();
+    assert_eq!(got, expect);
+    assert!(matches!(
+        g.am_request_long(peer, H_LONG, &vec![0; max + 1], 0, &[0]),
+        Err(GasnetError::TooLarge(_))
+    ));
+    g.barrier().unwrap();
+}

@@ -26,6 +26,8 @@ const TABLE_AT: usize = 16 << 20;
 const ERRORS_AT: usize = 12 << 20;
 /// The get-put variant's table is capped at 2^this words: a blocking round trip per update.
 const GET_PUT_MAX_LOG: u32 = 12;
+/// The atomics variant's cap: one network operation (or AM) per update.
+const ATOMICS_MAX_LOG: u32 = 16;
 /// HPCC's look-ahead: at most this many updates in flight.
 const LOOKAHEAD: usize = 1024;
 
@@ -142,10 +144,10 @@ pub fn run(
         ctx.size.is_power_of_two(),
         "RandomAccess needs a power-of-two number of ranks"
     );
-    let log_local = if v == Variant::GetPut {
-        log_local.min(GET_PUT_MAX_LOG)
-    } else {
-        log_local
+    let log_local = match v {
+        Variant::GetPut => log_local.min(GET_PUT_MAX_LOG),
+        Variant::Atomics => log_local.min(ATOMICS_MAX_LOG),
+        Variant::AmBucketed => log_local,
     };
     let local = 1usize << log_local;
     anyhow::ensure!(

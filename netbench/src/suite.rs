@@ -160,6 +160,11 @@ pub fn run(args: &Args) -> anyhow::Result<i32> {
             (c, _) => failed.push(format!("{}: exited with status {c}", s.label)),
         }
         bar.inc(1);
+        // Ctrl-C (the launcher's 130) ends the whole run, not only this job.
+        if code == 130 {
+            failed.push("interrupted: the remaining jobs did not run".into());
+            break;
+        }
     }
     bar.finish_and_clear();
     report::print(&rows, args.json);

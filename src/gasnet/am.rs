@@ -1,5 +1,8 @@
-//! Active Message encoding: `handler u8 | flags u8 (category, reply) | nargs u8 | 0 u8 |
-//! offset u64 (Long) | args nargs × u32 | payload`.
+//! Active Message encoding: `handler u8 | flags u8 (category, reply) | nargs u8 | placement u8
+//! | offset u64 (Long) | args nargs × u32 | payload`.
+//!
+//! Placement 1 marks a Long whose payload the conduit already put into the destination's
+//! segment (at `offset`); its AM payload is then `length u32 | conduit's tag u64`.
 
 use crate::wire::{get_u32, get_u64};
 
@@ -24,10 +27,30 @@ pub struct AmHeader {
     pub nargs: u8,
     pub args: [u32; MAX_ARGS],
     pub offset: u64,
+    /// Long only: the payload is already in place (see the module doc).
+    pub in_place: bool,
 }
+
+/// The AM payload of an in-place Long: the payload's length and the conduit's tag.
+pub const IN_PLACE_LEN: usize = 12;
 
 pub fn encoded_len(nargs: usize, payload: usize) -> usize {
     HEADER_LEN + 4 * nargs + payload
+}
+
+/// An encoded Long header (no payload) turned into an in-place one naming `len` and `tag`.
+pub fn in_place(header: &[u8], len: u32, tag: u64) -> Vec<u8> {
+    let mut am = Vec::with_capacity(header.len() + IN_PLACE_LEN);
+    am.extend_from_slice(header);
+    am[3] = 1;
+    am.extend_from_slice(&len.to_le_bytes());
+    am.extend_from_slice(&tag.to_le_bytes());
+    am
+}
+
+/// The length and tag of an in-place Long's AM payload (decode checked its size).
+pub fn in_place_fields(payload: &[u8]) -> (u32, u64) {
+    (get_u32(payload, 0), get_u64(payload, 4))
 }
 
 /// Appends the encoding of an AM to `out`.
@@ -40,7 +63,7 @@ pub fn encode(h: &AmHeader, payload: &[u8], out: &mut Vec<u8>) {
     out.push(h.handler);
     out.push(cat | if h.reply { 4 } else { 0 });
     out.push(h.nargs);
-    out.push(0);
+    out.push(h.in_place as u8);
     out.extend_from_slice(&h.offset.to_le_bytes());
     for a in &h.args[..h.nargs as usize] {
         out.extend_from_slice(&a.to_le_bytes());
@@ -54,7 +77,7 @@ pub fn decode(b: &[u8]) -> Option<(AmHeader, &[u8])> {
         return None;
     }
     let nargs = b[2] as usize;
-    if nargs > MAX_ARGS || b.len() < HEADER_LEN + 4 * nargs {
+    if nargs > MAX_ARGS || b.len() < HEADER_LEN + 4 * nargs || b[3] > 1 {
         return None;
     }
     let category = match b[1] & 3 {
@@ -74,8 +97,13 @@ pub fn decode(b: &[u8]) -> Option<(AmHeader, &[u8])> {
         nargs: nargs as u8,
         args,
         offset: get_u64(b, 4),
+        in_place: b[3] == 1,
     };
-    Some((h, &b[HEADER_LEN + 4 * nargs..]))
+    let payload = &b[HEADER_LEN + 4 * nargs..];
+    if h.in_place && (category != Category::Long || payload.len() != IN_PLACE_LEN) {
+        return None;
+    }
+    Some((h, payload))
 }
 
 #[cfg(test)]
@@ -94,11 +122,36 @@ mod tests {
             nargs: 3,
             args,
             offset: 77,
+            in_place: false,
         };
         let mut b = Vec::new();
         encode(&h, b"pay", &mut b);
         assert_eq!(b.len(), encoded_len(3, 3));
         assert_eq!(decode(&b), Some((h, &b"pay"[..])));
+    }
+
+    #[test]
+    fn in_place_long_round_trip_and_checks() {
+        let h = AmHeader {
+            handler: 150,
+            category: Category::Long,
+            reply: false,
+            nargs: 1,
+            args: [9; MAX_ARGS],
+            offset: 4096,
+            in_place: false,
+        };
+        let mut b = Vec::new();
+        encode(&h, &[], &mut b);
+        let am = in_place(&b, 100_000, 42);
+        let (got, p) = decode(&am).unwrap();
+        assert!(got.in_place && got.offset == 4096 && got.args[0] == 9);
+        assert_eq!(in_place_fields(p), (100_000, 42));
+        // In place is only for Long, with exactly its fields.
+        assert_eq!(decode(&am[..am.len() - 1]), None);
+        let mut short = am.clone();
+        short[1] = 0;
+        assert_eq!(decode(&short), None);
     }
 
     proptest! {

@@ -27,9 +27,31 @@ pub struct Msg<'a> {
 pub struct Token<'a> {
     pub(crate) src: u32,
     pub(crate) request: bool,
-    pub(crate) reply: Option<Vec<u8>>,
+    pub(crate) reply: Option<Encoded>,
     pub(crate) segment: &'a mut [u8],
-    pub(crate) max_am: usize,
+    pub(crate) limits: Limits,
+}
+
+/// How large an AM may be: the whole encoding (Short, Medium), a Long's payload.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Limits {
+    pub max_am: usize,
+    pub max_long: usize,
+}
+
+/// An encoded AM. A Long keeps its payload apart, so the conduit may move it on its own.
+pub(crate) struct Encoded {
+    pub bytes: Vec<u8>,
+    pub long_payload: Option<Vec<u8>>,
+}
+
+impl Encoded {
+    fn send(&self, conduit: &mut dyn Conduit, dest: u32) -> Result<(), GasnetError> {
+        match &self.long_payload {
+            Some(p) => conduit.send_long(dest, &self.bytes, p),
+            None => conduit.send(dest, &self.bytes),
+        }
+    }
 }
 
 impl Token<'_> {
@@ -61,8 +83,12 @@ impl Token<'_> {
                 "a request handler may reply only once",
             ));
         }
-        let b = encode(handler, category, true, args, payload, offset, self.max_am)?;
-        self.reply = Some(b);
+        let bytes = encode(handler, category, true, args, payload, offset, self.limits)?;
+        let long_payload = (category == Category::Long).then(|| payload.to_vec());
+        self.reply = Some(Encoded {
+            bytes,
+            long_payload,
+        });
         Ok(())
     }
 
@@ -95,6 +121,7 @@ impl Token<'_> {
 
 pub type Handler = Box<dyn FnMut(&mut Token<'_>, Msg<'_>)>;
 
+/// Encodes an AM; a Long's payload is left out (the caller sends it beside the header).
 pub(crate) fn encode(
     handler: u8,
     category: Category,
@@ -102,14 +129,20 @@ pub(crate) fn encode(
     args: &[u32],
     payload: &[u8],
     offset: u64,
-    max_am: usize,
+    limits: Limits,
 ) -> Result<Vec<u8>, GasnetError> {
     if args.len() > MAX_ARGS {
         return Err(GasnetError::TooManyArgs(args.len()));
     }
-    if am::encoded_len(args.len(), payload.len()) > max_am {
+    let long = category == Category::Long;
+    let too_large = match long {
+        true => payload.len() > limits.max_long,
+        false => am::encoded_len(args.len(), payload.len()) > limits.max_am,
+    };
+    if too_large {
         return Err(GasnetError::TooLarge(payload.len()));
     }
+    let payload = if long { &[][..] } else { payload };
     let mut a = [0u32; MAX_ARGS];
     a[..args.len()].copy_from_slice(args);
     let h = AmHeader {
@@ -119,6 +152,7 @@ pub(crate) fn encode(
         nargs: args.len() as u8,
         args: a,
         offset,
+        in_place: false,
     };
     let mut b = Vec::with_capacity(am::encoded_len(args.len(), payload.len()));
     am::encode(&h, payload, &mut b);
@@ -165,6 +199,13 @@ impl Core {
         self.conduit.max_am()
     }
 
+    pub(crate) fn limits(&self) -> Limits {
+        Limits {
+            max_am: self.max_am(),
+            max_long: self.conduit.max_long(),
+        }
+    }
+
     /// AMMaxMedium (and AMMaxLongRequest/Reply: one AM carries one payload).
     pub fn max_payload(&self, nargs: usize) -> usize {
         self.max_am().saturating_sub(am::encoded_len(nargs, 0))
@@ -191,10 +232,13 @@ impl Core {
             args,
             payload,
             offset,
-            self.max_am(),
+            self.limits(),
         )?;
         self.sent += 1;
-        self.conduit.send(dest, &b)
+        match category {
+            Category::Long => self.conduit.send_long(dest, &b, payload),
+            _ => self.conduit.send(dest, &b),
+        }
     }
 
     /// How many polls found something so far.
@@ -226,11 +270,19 @@ impl Core {
             return Ok(());
         };
         let offset = h.offset;
+        // A Long's length: its payload's, or for one the conduit placed, the length it names.
+        let long_len = match h.in_place {
+            true => am::in_place_fields(payload).0 as usize,
+            false => payload.len(),
+        };
         if h.category == Category::Long {
-            // The payload lands in the segment before the handler runs.
-            match offset.checked_add(payload.len() as u64) {
+            match offset.checked_add(long_len as u64) {
                 Some(end) if end <= self.conduit.segment().len() as u64 => {
-                    self.conduit.segment()[offset as usize..end as usize].copy_from_slice(payload);
+                    // The payload lands in the segment before the handler runs.
+                    if !h.in_place {
+                        self.conduit.segment()[offset as usize..end as usize]
+                            .copy_from_slice(payload);
+                    }
                 }
                 _ => {
                     self.dropped += 1;
@@ -238,7 +290,7 @@ impl Core {
                 }
             }
         }
-        let max_am = self.max_am();
+        let limits = self.limits();
         let Some(mut handler) = self
             .handlers
             .get_mut(h.handler as usize)
@@ -252,11 +304,11 @@ impl Core {
             request: !h.reply,
             reply: None,
             segment: self.conduit.segment(),
-            max_am,
+            limits,
         };
         let msg_payload: Vec<u8>;
         let payload = if h.category == Category::Long {
-            msg_payload = token.segment[offset as usize..offset as usize + payload.len()].to_vec();
+            msg_payload = token.segment[offset as usize..offset as usize + long_len].to_vec();
             &msg_payload[..]
         } else {
             payload
@@ -277,7 +329,7 @@ impl Core {
         // Extended layer's own protocols always reply explicitly where completion needs it.
         if let Some(r) = reply {
             self.sent += 1;
-            self.conduit.send(src, &r)?;
+            r.send(self.conduit.as_mut(), src)?;
         }
         Ok(())
     }

@@ -148,11 +148,11 @@ impl Gasnet {
     }
 
     pub fn am_max_long_request(&self) -> usize {
-        self.core.max_payload(am::MAX_ARGS)
+        self.core.conduit.max_long()
     }
 
     pub fn am_max_long_reply(&self) -> usize {
-        self.core.max_payload(am::MAX_ARGS)
+        self.core.conduit.max_long()
     }
 
     /// gasnet_AMRequestShortM.

@@ -32,6 +32,19 @@ pub trait Conduit {
     fn segment(&mut self) -> &mut [u8];
     /// Sends an encoded AM to `dest` (itself included), making progress while it waits for room.
     fn send(&mut self, dest: u32, am: &[u8]) -> Result<(), GasnetError>;
+    /// Largest Long payload (AMMaxLongRequest/Reply): by default what one AM carries.
+    fn max_long(&self) -> usize {
+        self.max_am()
+            .saturating_sub(super::am::encoded_len(super::am::MAX_ARGS, 0))
+    }
+    /// Sends a Long: its encoded header (no payload) and the payload for `dest`'s segment. By
+    /// default the payload rides in the AM; a conduit with RDMA may put it in place first.
+    fn send_long(&mut self, dest: u32, header: &[u8], payload: &[u8]) -> Result<(), GasnetError> {
+        let mut am = Vec::with_capacity(header.len() + payload.len());
+        am.extend_from_slice(header);
+        am.extend_from_slice(payload);
+        self.send(dest, &am)
+    }
     /// Makes progress; hands each arrived AM to `deliver` in arrival order and each finished
     /// direct operation to `done`. Returns whether anything happened.
     fn poll(

@@ -15,6 +15,11 @@
 //!   and get — from or into the segment directly, else through a bounce region — and complete
 //!   from their ACK and REPLY events on SAFE_EQ, never through Active Messages. Remote
 //!   atomics are Portals atomics on the same portal, run by the target's NIC.
+//! - Long: payloads up to `PACKED_MAX` ride in the AM (packed Long). Larger ones are put
+//!   straight into the target's segment through RARAM (the segment again, on its own portal,
+//!   with PUT events on its own EQ) with a Long id (Lid) in `hdr_data`, and the header follows
+//!   as an AM naming the Lid and length; the target runs the handler once both have arrived,
+//!   in whichever order they came.
 
 use std::collections::VecDeque;
 
@@ -42,6 +47,16 @@ const BOUNCE_LEN: usize = 2 * CHUNK;
 const MAX_RMA: usize = 256;
 /// `user_ptr` of direct pieces: tag | op << 16 | piece.
 const RMA_TAG: u64 = 1 << 63;
+/// `user_ptr` of Long payload puts: tag | bounce offset.
+const LONG_TAG: u64 = 1 << 62;
+/// The portal of Long payloads (RARAM).
+const RARAM_PT: u32 = 12;
+/// Long payloads up to this ride inside the AM.
+const PACKED_MAX: usize = 8 * 1024;
+/// Largest Long payload (AMMaxLongRequest/Reply): one piece of the bounce region.
+const MAX_LONG: usize = CHUNK;
+/// RARAM's event queue: one event per Long payload not yet matched with its header.
+const RARAM_EQ_LEN: usize = 16_384;
 
 /// A direct operation in flight.
 struct Rma {
@@ -79,6 +94,12 @@ pub struct PortalsConduit {
     finished: Vec<RmaDone>,
     /// AMs taken out of ReqRB while a send waited for a slot, for the next poll to deliver.
     arrived: VecDeque<(u32, Vec<u8>)>,
+    raram_eq: u32,
+    next_lid: u64,
+    /// Long payload bytes landed per (source, Lid) whose header has not come yet.
+    landed: HashMap<(u32, u64), u64>,
+    /// Long headers whose payload has not fully landed yet: (source, AM, Lid, length).
+    parked: Vec<(u32, Vec<u8>, u64, u64)>,
 }
 
 fn err<E: std::fmt::Display>(e: E) -> GasnetError {
@@ -157,6 +178,13 @@ impl PortalsConduit {
             crate::portals::me_opt::EVENT_COMM_DISABLE | crate::portals::me_opt::EVENT_LINK_DISABLE;
         p.me_append(ni, RAR_PT, &rar, List::Priority, 0)
             .map_err(err)?;
+        let raram_eq = p.eq_alloc(ni, RARAM_EQ_LEN).map_err(err)?;
+        p.pt_alloc(ni, 0, Some(raram_eq), Some(RARAM_PT))
+            .map_err(err)?;
+        let mut raram = rar.clone();
+        raram.options &= !crate::portals::me_opt::EVENT_COMM_DISABLE;
+        p.me_append(ni, RARAM_PT, &raram, List::Priority, 0)
+            .map_err(err)?;
         let me = p.nic().rank();
         let n = p.nic().size();
         let mut c = PortalsConduit {
@@ -183,6 +211,10 @@ impl PortalsConduit {
             rma_in_flight: 0,
             finished: Vec::new(),
             arrived: VecDeque::new(),
+            raram_eq,
+            next_lid: 0,
+            landed: HashMap::default(),
+            parked: Vec::new(),
         };
         for i in 0..RBS {
             c.post_rb(i)?;
@@ -249,7 +281,7 @@ impl PortalsConduit {
                     match at.checked_add(e.mlength as usize) {
                         Some(end) if end <= self.rb.len() => {
                             let data = self.rb.bytes()[at..end].to_vec();
-                            self.arrived.push_back((rank, data));
+                            self.arrive(rank, data);
                         }
                         _ => {}
                     }
@@ -264,11 +296,54 @@ impl PortalsConduit {
         Ok(any)
     }
 
+    /// An AM out of ReqRB: ready for delivery, or — a Long header whose payload is still on
+    /// its way — parked until RARAM reports it.
+    fn arrive(&mut self, rank: u32, am: Vec<u8>) {
+        match crate::gasnet::am::decode(&am) {
+            Some((h, p)) if h.in_place => {
+                let (len, lid) = crate::gasnet::am::in_place_fields(p);
+                self.parked.push((rank, am, lid, len as u64));
+            }
+            _ => self.arrived.push_back((rank, am)),
+        }
+    }
+
+    /// Takes RARAM's PUT events and releases the Long headers whose payload is complete.
+    fn drain_raram(&mut self) -> Result<bool, GasnetError> {
+        let mut any = false;
+        while let Ok((e, dropped)) = self.p.eq_get(self.ni, self.raram_eq) {
+            if dropped {
+                return Err(GasnetError::Wait(format!(
+                    "RARAM event queue overflowed ({RARAM_EQ_LEN}): Long payloads lost track of"
+                )));
+            }
+            any = true;
+            if let (EventKind::Put, NiFail::Ok, ProcessId::Logical { rank }) =
+                (e.kind, e.ni_fail, e.initiator)
+            {
+                *self.landed.entry((rank, e.hdr_data)).or_default() += e.mlength;
+            }
+        }
+        if !self.parked.is_empty() {
+            let parked = std::mem::take(&mut self.parked);
+            for (rank, am, lid, len) in parked {
+                match self.landed.get(&(rank, lid)) {
+                    Some(&got) if got >= len => {
+                        self.landed.remove(&(rank, lid));
+                        self.arrived.push_back((rank, am));
+                    }
+                    _ => self.parked.push((rank, am, lid, len)),
+                }
+            }
+        }
+        Ok(any)
+    }
+
     /// One turn of a wait inside the conduit (for a send slot, bounce space, an RMA slot):
     /// the send side's events, and what arrived in ReqRB taken out and re-posted — a peer may
     /// itself be waiting in a send for room in our ReqRB. No handler runs here.
     fn wait_step(&mut self) -> Result<(), GasnetError> {
-        if !self.poll_safe()? && !self.drain_am()? {
+        if !self.poll_safe()? && !self.drain_am()? && !self.drain_raram()? {
             std::thread::yield_now();
         }
         Ok(())
@@ -281,6 +356,19 @@ impl PortalsConduit {
             any = true;
             if e.user_ptr & RMA_TAG != 0 {
                 self.rma_event(e.user_ptr, e.kind, e.ni_fail);
+                continue;
+            }
+            if e.user_ptr & LONG_TAG != 0 {
+                if e.kind == EventKind::Ack {
+                    // The payload is in place (its bounce copy is free) or could not be.
+                    self.bounce_refs -= 1;
+                    if e.ni_fail != NiFail::Ok {
+                        return Err(GasnetError::Wait(format!(
+                            "a Long payload was refused by its target ({:?})",
+                            e.ni_fail
+                        )));
+                    }
+                }
                 continue;
             }
             if e.kind != EventKind::Ack {
@@ -552,8 +640,58 @@ impl Conduit for PortalsConduit {
             return Ok(());
         }
         self.p
-            .eq_sleep(self.ni, &[self.am_eq, self.safe_eq], max)
+            .eq_sleep(self.ni, &[self.am_eq, self.safe_eq, self.raram_eq], max)
             .map_err(|e| GasnetError::Wait(e.to_string()))
+    }
+
+    fn max_long(&self) -> usize {
+        MAX_LONG
+    }
+
+    fn send_long(&mut self, dest: u32, header: &[u8], payload: &[u8]) -> Result<(), GasnetError> {
+        if payload.len() <= PACKED_MAX {
+            let mut am = Vec::with_capacity(header.len() + payload.len());
+            am.extend_from_slice(header);
+            am.extend_from_slice(payload);
+            return self.send(dest, &am);
+        }
+        if dest >= self.n {
+            return Err(GasnetError::BadNode(dest));
+        }
+        if payload.len() > MAX_LONG {
+            return Err(GasnetError::TooLarge(payload.len()));
+        }
+        let Some((h, _)) = crate::gasnet::am::decode(header) else {
+            return Err(GasnetError::Setup(
+                "send_long: not an encoded AM header".into(),
+            ));
+        };
+        // The payload goes first, from a bounce copy (the caller may reuse its buffer at once).
+        self.next_lid += 1;
+        let lid = self.next_lid;
+        let at = self.bounce_alloc(payload.len())?;
+        self.bounce.bytes()[at as usize..at as usize + payload.len()].copy_from_slice(payload);
+        let t = Target {
+            id: ProcessId::Logical { rank: dest },
+            pt_index: RARAM_PT,
+            match_bits: 0,
+            remote_offset: h.offset,
+        };
+        self.p
+            .put(
+                self.ni,
+                self.bounce_md,
+                at,
+                payload.len() as u64,
+                AckReq::Ack,
+                t,
+                LONG_TAG | at,
+                lid,
+            )
+            .map_err(err)?;
+        // Then the header, marked in place, naming the length and the Lid.
+        let am = crate::gasnet::am::in_place(header, payload.len() as u32, lid);
+        self.send(dest, &am)
     }
 
     fn send(&mut self, dest: u32, am: &[u8]) -> Result<(), GasnetError> {
@@ -587,6 +725,7 @@ impl Conduit for PortalsConduit {
         }
         self.p.nic().progress();
         any |= self.drain_am()?;
+        any |= self.drain_raram()?;
         for (rank, data) in self.arrived.drain(..) {
             deliver(rank, &data);
         }
