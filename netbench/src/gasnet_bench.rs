@@ -49,10 +49,10 @@ pub fn am(
     size: usize,
 ) -> anyhow::Result<Option<Row>> {
     g.barrier()?;
-    let size = if op == "am_short" {
-        0
-    } else {
-        size.min(g.am_max_medium())
+    let size = match op {
+        "am_short" => 0,
+        "am_medium" => size.min(g.am_max_medium()),
+        _ => size.min(g.am_max_long_request()),
     };
     let payload = vec![7u8; size];
     let mut samples = Vec::new();

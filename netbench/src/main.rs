@@ -82,7 +82,7 @@ impl Args {
         match &self.sizes {
             Some(s) => (s.clone(), s.clone()),
             None => (
-                vec![8, 64, 512, 4096, 32768, 262_144, 1 << 20],
+                vec![8, 64, 512, 1024, 4096, 32768, 262_144, 1 << 20],
                 vec![4096, 65536, 1 << 20],
             ),
         }
@@ -315,10 +315,14 @@ fn run_gasnet(args: &Args, ctx: &Ctx) -> anyhow::Result<()> {
     let mut rows = Vec::new();
     if am {
         rows.extend(gasnet_bench::am(ctx, &mut g, &pongs, "am_short", 0)?);
-        let max_medium = g.am_max_medium();
-        for &s in lat_sizes.iter().filter(|&&s| s <= max_medium) {
-            rows.extend(gasnet_bench::am(ctx, &mut g, &pongs, "am_medium", s)?);
-            rows.extend(gasnet_bench::am(ctx, &mut g, &pongs, "am_long", s)?);
+        let (max_medium, max_long) = (g.am_max_medium(), g.am_max_long_request());
+        for &s in &lat_sizes {
+            if s <= max_medium {
+                rows.extend(gasnet_bench::am(ctx, &mut g, &pongs, "am_medium", s)?);
+            }
+            if s <= max_long {
+                rows.extend(gasnet_bench::am(ctx, &mut g, &pongs, "am_long", s)?);
+            }
         }
     }
     if lat {
