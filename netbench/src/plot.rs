@@ -38,11 +38,13 @@ fn group(
     let mut out: Vec<Series> = Vec::new();
     for r in rows.iter().filter(|r| keep(r)) {
         let Some(p) = xy(r) else { continue };
-        let name = match (&r.variant, r.api == r.conduit) {
-            (Some(v), true) => format!("{} {} {v}", r.api, r.op),
-            (Some(v), false) => format!("{}/{} {} {v}", r.api, r.conduit, r.op),
-            (None, true) => format!("{} {}", r.api, r.op),
-            (None, false) => format!("{}/{} {}", r.api, r.conduit, r.op),
+        let who = match r.api == r.conduit {
+            true => r.api.clone(),
+            false => format!("{}/{}", r.api, r.conduit),
+        };
+        let name = match &r.variant {
+            Some(v) => format!("{who} {} {v}", r.op),
+            None => format!("{who} {}", r.op),
         };
         match out.iter_mut().find(|s| s.name == name) {
             Some(s) => s.points.push(p),
@@ -169,12 +171,19 @@ fn font_loaded() -> bool {
     })
 }
 
+/// The smallest and largest of `vals` ((1, 10) when there are none).
+fn bounds(vals: impl Iterator<Item = f64>) -> (f64, f64) {
+    let (lo, hi) = vals.fold((f64::MAX, f64::MIN), |(l, h), v| (l.min(v), h.max(v)));
+    if lo > hi {
+        (1.0, 10.0)
+    } else {
+        (lo, hi)
+    }
+}
+
 /// The axis range covering `vals` (with margins), positive for logarithmic axes.
 fn range(vals: impl Iterator<Item = f64>, log: bool) -> (f64, f64) {
-    let (mut lo, mut hi) = vals.fold((f64::MAX, f64::MIN), |(l, h), v| (l.min(v), h.max(v)));
-    if lo > hi {
-        (lo, hi) = (1.0, 10.0);
-    }
+    let (lo, hi) = bounds(vals);
     if log {
         (lo.max(1e-9) / 1.5, hi * 1.5)
     } else {
@@ -227,9 +236,8 @@ where
     // The legend gets its own strip on the right so it never hides a line.
     let (plot, legend) = root.split_horizontally(root.dim_in_pixel().0 as i32 - LEGEND_W);
     let pts = || f.series.iter().flat_map(|s| s.points.iter());
-    let (x0, x1) = pts()
-        .map(|p| p.0)
-        .fold((f64::MAX, f64::MIN), |(l, h), v| (l.min(v), h.max(v)));
+    // Half a step beyond the first and last size (or rank count).
+    let (x0, x1) = bounds(pts().map(|p| p.0));
     let (x0, x1) = (x0 - 0.5, x1 + 0.5);
     let (y0, y1) = range(pts().map(|p| p.1), f.log_y);
     let xfmt = |x: &f64| {
@@ -302,15 +310,16 @@ mod tests {
     use super::*;
 
     fn row(bench: &str, api: &str, conduit: &str, op: &str, size: usize, lat: f64) -> Row {
+        let ctx = crate::Ctx {
+            rank: 0,
+            size: 2,
+            hosts: 2,
+            job_id: 0,
+            iters: 1,
+        };
         Row {
-            bench: bench.into(),
-            api: api.into(),
-            conduit: conduit.into(),
-            op: op.into(),
-            size,
-            ranks: 2,
             lat_us: Some(lat),
-            ..Default::default()
+            ..ctx.row(bench, api, conduit, op, size)
         }
     }
 

@@ -39,13 +39,11 @@ pub fn encoded_len(nargs: usize, payload: usize) -> usize {
 }
 
 /// An encoded Long header (no payload) turned into an in-place one naming `len` and `tag`.
-pub fn in_place(header: &[u8], len: u32, tag: u64) -> Vec<u8> {
-    let mut am = Vec::with_capacity(header.len() + IN_PLACE_LEN);
-    am.extend_from_slice(header);
-    am[3] = 1;
-    am.extend_from_slice(&len.to_le_bytes());
-    am.extend_from_slice(&tag.to_le_bytes());
-    am
+pub fn in_place(mut header: Vec<u8>, len: u32, tag: u64) -> Vec<u8> {
+    header[3] = 1;
+    header.extend_from_slice(&len.to_le_bytes());
+    header.extend_from_slice(&tag.to_le_bytes());
+    header
 }
 
 /// The length and tag of an in-place Long's AM payload (decode checked its size).
@@ -143,7 +141,7 @@ mod tests {
         };
         let mut b = Vec::new();
         encode(&h, &[], &mut b);
-        let am = in_place(&b, 100_000, 42);
+        let am = in_place(b, 100_000, 42);
         let (got, p) = decode(&am).unwrap();
         assert!(got.in_place && got.offset == 4096 && got.args[0] == 9);
         assert_eq!(in_place_fields(p), (100_000, 42));

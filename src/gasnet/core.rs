@@ -45,12 +45,16 @@ pub(crate) struct Encoded {
     pub long_payload: Option<Vec<u8>>,
 }
 
-impl Encoded {
-    fn send(&self, conduit: &mut dyn Conduit, dest: u32) -> Result<(), GasnetError> {
-        match &self.long_payload {
-            Some(p) => conduit.send_long(dest, &self.bytes, p),
-            None => conduit.send(dest, &self.bytes),
-        }
+/// Hands an encoded AM to the conduit: a Long's payload beside its header, others whole.
+fn send_encoded(
+    conduit: &mut dyn Conduit,
+    dest: u32,
+    bytes: Vec<u8>,
+    long_payload: Option<&[u8]>,
+) -> Result<(), GasnetError> {
+    match long_payload {
+        Some(p) => conduit.send_long(dest, bytes, p),
+        None => conduit.send(dest, &bytes),
     }
 }
 
@@ -142,7 +146,14 @@ pub(crate) fn encode(
     if too_large {
         return Err(GasnetError::TooLarge(payload.len()));
     }
-    let payload = if long { &[][..] } else { payload };
+    let (payload, room) = match long {
+        // Room for a Long's payload when a conduit may pack it behind the header.
+        true => (
+            &[][..],
+            payload.len() * (payload.len() <= limits.max_am) as usize,
+        ),
+        false => (payload, 0),
+    };
     let mut a = [0u32; MAX_ARGS];
     a[..args.len()].copy_from_slice(args);
     let h = AmHeader {
@@ -154,7 +165,7 @@ pub(crate) fn encode(
         offset,
         in_place: false,
     };
-    let mut b = Vec::with_capacity(am::encoded_len(args.len(), payload.len()));
+    let mut b = Vec::with_capacity(am::encoded_len(args.len(), payload.len()) + room);
     am::encode(&h, payload, &mut b);
     Ok(b)
 }
@@ -206,7 +217,7 @@ impl Core {
         }
     }
 
-    /// AMMaxMedium (and AMMaxLongRequest/Reply: one AM carries one payload).
+    /// AMMaxMedium: the payload room of one AM after `nargs` arguments.
     pub fn max_payload(&self, nargs: usize) -> usize {
         self.max_am().saturating_sub(am::encoded_len(nargs, 0))
     }
@@ -235,10 +246,8 @@ impl Core {
             self.limits(),
         )?;
         self.sent += 1;
-        match category {
-            Category::Long => self.conduit.send_long(dest, &b, payload),
-            _ => self.conduit.send(dest, &b),
-        }
+        let long = (category == Category::Long).then_some(payload);
+        send_encoded(self.conduit.as_mut(), dest, b, long)
     }
 
     /// How many polls found something so far.
@@ -329,7 +338,12 @@ impl Core {
         // Extended layer's own protocols always reply explicitly where completion needs it.
         if let Some(r) = reply {
             self.sent += 1;
-            r.send(self.conduit.as_mut(), src)?;
+            send_encoded(
+                self.conduit.as_mut(),
+                src,
+                r.bytes,
+                r.long_payload.as_deref(),
+            )?;
         }
         Ok(())
     }

@@ -78,6 +78,25 @@ impl ExtState {
         }
     }
 
+    /// Moves the finished operations of the implicit puts (or gets) to `finished`.
+    fn retire_nbi(&mut self, gets: bool, finished: &mut Vec<u64>) {
+        let mut list = std::mem::take(match gets {
+            true => &mut self.nbi_gets,
+            false => &mut self.nbi_puts,
+        });
+        list.retain(|&o| {
+            let done = self.done(o);
+            if done {
+                finished.push(o);
+            }
+            !done
+        });
+        match gets {
+            true => self.nbi_gets = list,
+            false => self.nbi_puts = list,
+        }
+    }
+
     fn done(&self, op: u64) -> bool {
         match self.regions.get(&op) {
             Some(ops) => ops.iter().all(|o| !self.remaining.contains_key(o)),
@@ -537,23 +556,11 @@ impl Gasnet {
             let finished = {
                 let mut s = self.ext.borrow_mut();
                 let mut finished = Vec::new();
-                for (on, gets) in [(puts, false), (gets, true)] {
-                    if on {
-                        let list = if gets {
-                            &mut s.nbi_gets
-                        } else {
-                            &mut s.nbi_puts
-                        };
-                        let list = std::mem::take(list);
-                        let (fin, open): (Vec<u64>, Vec<u64>) =
-                            list.into_iter().partition(|&o| s.done(o));
-                        finished.extend(fin);
-                        *(if gets {
-                            &mut s.nbi_gets
-                        } else {
-                            &mut s.nbi_puts
-                        }) = open;
-                    }
+                if puts {
+                    s.retire_nbi(false, &mut finished);
+                }
+                if gets {
+                    s.retire_nbi(true, &mut finished);
                 }
                 finished
             };

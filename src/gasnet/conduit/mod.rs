@@ -38,12 +38,16 @@ pub trait Conduit {
             .saturating_sub(super::am::encoded_len(super::am::MAX_ARGS, 0))
     }
     /// Sends a Long: its encoded header (no payload) and the payload for `dest`'s segment. By
-    /// default the payload rides in the AM; a conduit with RDMA may put it in place first.
-    fn send_long(&mut self, dest: u32, header: &[u8], payload: &[u8]) -> Result<(), GasnetError> {
-        let mut am = Vec::with_capacity(header.len() + payload.len());
-        am.extend_from_slice(header);
-        am.extend_from_slice(payload);
-        self.send(dest, &am)
+    /// default the payload rides in the AM behind the header (packed); a conduit with RDMA may
+    /// put it in place first.
+    fn send_long(
+        &mut self,
+        dest: u32,
+        mut header: Vec<u8>,
+        payload: &[u8],
+    ) -> Result<(), GasnetError> {
+        header.extend_from_slice(payload);
+        self.send(dest, &header)
     }
     /// Makes progress; hands each arrived AM to `deliver` in arrival order and each finished
     /// direct operation to `done`. Returns whether anything happened.

@@ -450,6 +450,15 @@ impl PortalsConduit {
         Ok(at as u64)
     }
 
+    /// Bounce space for piece `piece` of direct operation `op`, released when it completes.
+    fn bounce_piece(&mut self, op: u64, piece: usize, len: usize) -> Result<u64, GasnetError> {
+        let b = self.bounce_alloc(len)?;
+        if let Some(r) = self.rma.get_mut(&op) {
+            r.pieces[piece] = Some(b);
+        }
+        Ok(b)
+    }
+
     /// Waits for room for one more direct piece.
     fn rma_slot(&mut self) -> Result<(), GasnetError> {
         while self.rma_in_flight >= MAX_RMA {
@@ -513,11 +522,8 @@ impl Conduit for PortalsConduit {
             let (md, off) = if in_seg {
                 (self.seg_md, (part.as_ptr() as usize - base) as u64)
             } else {
-                let b = self.bounce_alloc(part.len())?;
+                let b = self.bounce_piece(op, i, part.len())?;
                 self.bounce.bytes()[b as usize..b as usize + part.len()].copy_from_slice(part);
-                if let Some(r) = self.rma.get_mut(&op) {
-                    r.pieces[i] = Some(b);
-                }
                 (self.bounce_md, b)
             };
             let t = self.rar(node, dest_offset + (i * CHUNK) as u64);
@@ -556,13 +562,7 @@ impl Conduit for PortalsConduit {
             self.rma_slot()?;
             let (md, off) = match dest {
                 GetDest::Segment(base) => (self.seg_md, base + (i * CHUNK) as u64),
-                GetDest::Buffer => {
-                    let b = self.bounce_alloc(n)?;
-                    if let Some(r) = self.rma.get_mut(&op) {
-                        r.pieces[i] = Some(b);
-                    }
-                    (self.bounce_md, b)
-                }
+                GetDest::Buffer => (self.bounce_md, self.bounce_piece(op, i, n)?),
             };
             let t = self.rar(node, src_offset + (i * CHUNK) as u64);
             self.p
@@ -596,12 +596,9 @@ impl Conduit for PortalsConduit {
         self.rma_slot()?;
         // Bounce bytes [prior value | operand]: the NIC reads the operand and writes the prior
         // value back, which completion copies out.
-        let at = self.bounce_alloc(16)?;
+        let at = self.bounce_piece(op, 0, 16)?;
         self.bounce.bytes()[at as usize + 8..at as usize + 16]
             .copy_from_slice(&p.operand.to_le_bytes());
-        if let Some(r) = self.rma.get_mut(&op) {
-            r.pieces[0] = Some(at);
-        }
         let (t, up, md) = (self.rar(node, offset), RMA_TAG | (op << 16), self.bounce_md);
         match p.call {
             PortalsCall::Atomic => {
@@ -648,12 +645,15 @@ impl Conduit for PortalsConduit {
         MAX_LONG
     }
 
-    fn send_long(&mut self, dest: u32, header: &[u8], payload: &[u8]) -> Result<(), GasnetError> {
+    fn send_long(
+        &mut self,
+        dest: u32,
+        mut header: Vec<u8>,
+        payload: &[u8],
+    ) -> Result<(), GasnetError> {
         if payload.len() <= PACKED_MAX {
-            let mut am = Vec::with_capacity(header.len() + payload.len());
-            am.extend_from_slice(header);
-            am.extend_from_slice(payload);
-            return self.send(dest, &am);
+            header.extend_from_slice(payload);
+            return self.send(dest, &header);
         }
         if dest >= self.n {
             return Err(GasnetError::BadNode(dest));
@@ -661,7 +661,7 @@ impl Conduit for PortalsConduit {
         if payload.len() > MAX_LONG {
             return Err(GasnetError::TooLarge(payload.len()));
         }
-        let Some((h, _)) = crate::gasnet::am::decode(header) else {
+        let Some((h, _)) = crate::gasnet::am::decode(&header) else {
             return Err(GasnetError::Setup(
                 "send_long: not an encoded AM header".into(),
             ));
