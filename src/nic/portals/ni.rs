@@ -662,6 +662,13 @@ impl PortalsNi {
             return self.deliver_to(h, req, false);
         }
         if let Some(h) = self.find_match(req, List::Overflow) {
+            let keeps_header = self
+                .entries
+                .get(h)
+                .is_some_and(|l| !l.entry.has(me::UNEXPECTED_HDR_DISABLE));
+            if !keeps_header {
+                return self.deliver_to(h, req, false);
+            }
             if self.unexpected_total >= self.limits.max_unexpected_headers {
                 if flowctrl {
                     return self.flow_control(req.pt_index);

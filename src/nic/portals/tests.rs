@@ -814,3 +814,29 @@ mod hostile {
         }
     }
 }
+
+#[test]
+fn a_catch_basin_takes_what_nothing_matched_without_unexpected_headers() {
+    let (mut n, eq) = ni(0, 64);
+    let r = region(64);
+    let basin = me::OP_PUT | me::UNEXPECTED_HDR_DISABLE;
+    n.append(0, entry(&r, 0, 0, basin, 0, u64::MAX), List::Overflow, 7)
+        .unwrap();
+    let resp = n.deliver(&put(0, 5, b"hello"));
+    assert_eq!(
+        (resp.ni_fail, resp.mlength),
+        (NiFail::Ok, 0),
+        "truncated to nothing"
+    );
+    assert_eq!(n.unexpected_len(0), 0, "no header kept");
+    let ev = events(&mut n, eq);
+    let ev = ev.last().unwrap();
+    assert_eq!((ev.kind, ev.user_ptr, ev.rlength), (EventKind::Put, 7, 5));
+    // A later priority entry finds nothing to take over (no PUT_OVERFLOW).
+    n.append(0, entry(&r, 0, 64, ME_ALL, 0, u64::MAX), List::Priority, 8)
+        .unwrap();
+    assert!(kinds(&mut n, eq)
+        .iter()
+        .all(|k| *k != EventKind::PutOverflow));
+    assert_eq!(n.deliver(&put(0, 5, b"hello")).mlength, 5);
+}

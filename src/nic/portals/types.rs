@@ -52,6 +52,9 @@ pub mod me {
     pub const EVENT_CT_COMM: u32 = 1 << 10;
     pub const EVENT_CT_OVERFLOW: u32 = 1 << 11;
     pub const EVENT_CT_BYTES: u32 = 1 << 12;
+    /// An overflow-list entry that takes messages without recording unexpected headers (no
+    /// later PUT_OVERFLOW): a catch-basin for what nothing else matched.
+    pub const UNEXPECTED_HDR_DISABLE: u32 = 1 << 13;
     pub const MANAGE_LOCAL: u32 = 1 << 14;
     pub const NO_TRUNCATE: u32 = 1 << 15;
     pub const MAY_ALIGN: u32 = 1 << 16;
