@@ -531,3 +531,63 @@ fn long_payloads_up_to_the_maximum_both_ways() {
     ));
     g.barrier().unwrap();
 }
+
+/// AM flow control: seven nodes flood node 0 with maximal Mediums while it computes without
+/// polling. Every request arrives exactly once. Over portals with credits (the default) the
+/// senders stall on credit and borrow, and nothing reaches node 0's catch-basin; with credits
+/// off (`SOFTNIC_PORTALS_CREDITS=off`, a diagnostic) the catch-basin takes the overflow and
+/// the senders send it again.
+#[test]
+fn a_flood_at_a_node_that_does_not_poll_is_flow_controlled() {
+    const TEST: &str = "a_flood_at_a_node_that_does_not_poll_is_flow_controlled";
+    if !in_job() {
+        run(TEST, 8);
+        let off = [ENV_SEG, ("SOFTNIC_PORTALS_CREDITS", "off")];
+        return launch_ok_env(TEST, 8, 2, &["--conduit", "portals"], &off);
+    }
+    const M: u32 = 200;
+    let seen = Rc::new(RefCell::new(std::collections::HashSet::new()));
+    let s2 = seen.clone();
+    let count: Handler = Box::new(move |_: &mut Token<'_>, m: Msg<'_>| {
+        assert!(m.payload.iter().all(|&b| b == m.args[1] as u8));
+        assert!(
+            s2.borrow_mut().insert((m.src, m.args[0])),
+            "delivered twice"
+        );
+    });
+    let mut g = Gasnet::init(vec![(150, count)]).unwrap();
+    let len = g.am_max_medium();
+    g.barrier().unwrap();
+    if g.mynode() == 0 {
+        // Computing: no GASNet call while the others send.
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        let want = M as usize * (g.nodes() as usize - 1);
+        let s3 = seen.clone();
+        g.block_until(|| s3.borrow().len() == want).unwrap();
+    } else {
+        for k in 0..M {
+            let b = (k * 7 + g.mynode()) % 251;
+            g.am_request_medium(0, 150, &vec![b as u8; len], &[k, b])
+                .unwrap();
+        }
+    }
+    g.barrier().unwrap();
+    let f = g.flow_stats();
+    if g.conduit_name() != "portals" {
+        return;
+    }
+    let credits = std::env::var("SOFTNIC_PORTALS_CREDITS").map_or(true, |v| v != "off");
+    match (g.mynode(), credits) {
+        (0, true) => {
+            assert_eq!(
+                f.caught, 0,
+                "credited requests always find a receive buffer"
+            );
+            assert!(f.loans_granted > 0, "{f:?}");
+        }
+        (_, true) => assert!(f.credit_stalls > 0 && f.loans_asked > 0, "{f:?}"),
+        (0, false) => assert!(f.caught > 0, "{f:?}"),
+        (_, false) => assert_eq!(f.credit_stalls, 0, "{f:?}"),
+    }
+    assert_eq!(f.protocol_errors, 0, "{f:?}");
+}

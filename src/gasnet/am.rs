@@ -38,12 +38,13 @@ pub fn encoded_len(nargs: usize, payload: usize) -> usize {
     HEADER_LEN + 4 * nargs + payload
 }
 
-/// An encoded Long header (no payload) turned into an in-place one naming `len` and `tag`.
-pub fn in_place(mut header: Vec<u8>, len: u32, tag: u64) -> Vec<u8> {
-    header[3] = 1;
-    header.extend_from_slice(&len.to_le_bytes());
-    header.extend_from_slice(&tag.to_le_bytes());
-    header
+/// Marks `am` — an encoded Long header followed by `IN_PLACE_LEN` bytes of room — as an
+/// in-place Long naming `len` and `tag`.
+pub fn mark_in_place(am: &mut [u8], len: u32, tag: u64) {
+    let at = am.len() - IN_PLACE_LEN;
+    am[3] = 1;
+    am[at..at + 4].copy_from_slice(&len.to_le_bytes());
+    am[at + 4..].copy_from_slice(&tag.to_le_bytes());
 }
 
 /// The length and tag of an in-place Long's AM payload (decode checked its size).
@@ -139,9 +140,9 @@ mod tests {
             offset: 4096,
             in_place: false,
         };
-        let mut b = Vec::new();
-        encode(&h, &[], &mut b);
-        let am = in_place(b, 100_000, 42);
+        let mut am = Vec::new();
+        encode(&h, &[0; IN_PLACE_LEN], &mut am);
+        mark_in_place(&mut am, 100_000, 42);
         let (got, p) = decode(&am).unwrap();
         assert!(got.in_place && got.offset == 4096 && got.args[0] == 9);
         assert_eq!(in_place_fields(p), (100_000, 42));

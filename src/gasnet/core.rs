@@ -45,19 +45,6 @@ pub(crate) struct Encoded {
     pub long_payload: Option<Vec<u8>>,
 }
 
-/// Hands an encoded AM to the conduit: a Long's payload beside its header, others whole.
-fn send_encoded(
-    conduit: &mut dyn Conduit,
-    dest: u32,
-    bytes: Vec<u8>,
-    long_payload: Option<&[u8]>,
-) -> Result<(), GasnetError> {
-    match long_payload {
-        Some(p) => conduit.send_long(dest, bytes, p),
-        None => conduit.send(dest, &bytes),
-    }
-}
-
 impl Token<'_> {
     /// The node that sent the message being handled.
     pub fn src(&self) -> u32 {
@@ -176,8 +163,9 @@ pub struct Core {
     handlers: Vec<Option<Handler>>,
     /// Direct operations the conduit finished, for the Extended layer to account.
     pub(crate) rma_done: Vec<RmaDone>,
-    /// Messages that arrived but were not handled yet (delivered by `poll`).
-    inbox: Vec<(u32, Vec<u8>)>,
+    /// Messages that arrived but were not handled yet (delivered by `poll`): source, what the
+    /// conduit needs to answer it, the AM.
+    inbox: Vec<(u32, u64, Vec<u8>)>,
     pub(crate) dropped: u64,
     /// Active Messages sent (requests and replies).
     pub(crate) sent: u64,
@@ -236,7 +224,7 @@ impl Core {
         if handler == 0 {
             return Err(GasnetError::BadHandler(handler));
         }
-        let b = encode(
+        let bytes = encode(
             handler,
             category,
             false,
@@ -247,7 +235,17 @@ impl Core {
         )?;
         self.sent += 1;
         let long = (category == Category::Long).then_some(payload);
-        send_encoded(self.conduit.as_mut(), dest, b, long)
+        // No room (credit, send buffers): run handlers — replies give credit back, and peers
+        // waiting on us need our replies — then try again.
+        let mut b = super::backoff::Backoff::default();
+        while !self.conduit.request(dest, &bytes, long)? {
+            if self.poll()? {
+                b.progressed();
+            } else {
+                b.idle(self.conduit.as_mut())?;
+            }
+        }
+        Ok(())
     }
 
     /// How many polls found something so far.
@@ -259,24 +257,38 @@ impl Core {
     pub fn poll(&mut self) -> Result<bool, GasnetError> {
         let mut inbox = std::mem::take(&mut self.inbox);
         let mut done = std::mem::take(&mut self.rma_done);
-        self.conduit
-            .poll(&mut |src, b| inbox.push((src, b.to_vec())), &mut |d| {
-                done.push(d)
-            })?;
+        self.conduit.poll(
+            &mut |src, reply_to, b| inbox.push((src, reply_to, b.to_vec())),
+            &mut |d| done.push(d),
+        )?;
         self.rma_done = done;
         let any = !inbox.is_empty() || !self.rma_done.is_empty();
         self.fruitful_polls += any as u64;
-        for (src, b) in inbox.drain(..) {
-            self.handle(src, &b)?;
+        for (src, reply_to, b) in inbox.drain(..) {
+            // Every request is answered — with the handler's reply or the implicit one —
+            // and so is what cannot be read, so that its sender's credit comes back.
+            let answer = am::decode(&b).is_none_or(|(h, _)| !h.reply);
+            let reply = self.handle(src, &b);
+            if answer {
+                if reply.is_some() {
+                    self.sent += 1;
+                }
+                let r = reply
+                    .as_ref()
+                    .map(|r| (&r.bytes[..], r.long_payload.as_deref()));
+                self.conduit.reply(src, reply_to, r)?;
+            }
         }
         self.inbox = inbox;
         Ok(any)
     }
 
-    fn handle(&mut self, src: u32, b: &[u8]) -> Result<(), GasnetError> {
+    /// Runs the handler of one message; returns the reply it made. Malformed messages, Longs
+    /// outside the segment and unregistered handlers are counted and dropped.
+    fn handle(&mut self, src: u32, b: &[u8]) -> Option<Encoded> {
         let Some((h, payload)) = am::decode(b) else {
             self.dropped += 1;
-            return Ok(());
+            return None;
         };
         let offset = h.offset;
         // A Long's length: its payload's, or for one the conduit placed, the length it names.
@@ -295,7 +307,7 @@ impl Core {
                 }
                 _ => {
                     self.dropped += 1;
-                    return Ok(());
+                    return None;
                 }
             }
         }
@@ -306,7 +318,7 @@ impl Core {
             .and_then(|x| x.take())
         else {
             self.dropped += 1;
-            return Ok(());
+            return None;
         };
         let mut token = Token {
             src,
@@ -334,17 +346,6 @@ impl Core {
         );
         let reply = token.reply.take();
         self.handlers[h.handler as usize] = Some(handler);
-        // A request handler that did not reply gets no implicit message on the wire: the
-        // Extended layer's own protocols always reply explicitly where completion needs it.
-        if let Some(r) = reply {
-            self.sent += 1;
-            send_encoded(
-                self.conduit.as_mut(),
-                src,
-                r.bytes,
-                r.long_payload.as_deref(),
-            )?;
-        }
-        Ok(())
+        reply
     }
 }

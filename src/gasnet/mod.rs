@@ -15,6 +15,7 @@ mod extended;
 
 pub use self::am::Category;
 pub use self::atomic::AdOp;
+pub use self::conduit::FlowStats;
 pub use self::core::{Handler, Msg, Token, HANDLER_USER_MIN};
 pub use self::extended::{BarrierFlags, Handle};
 
@@ -228,6 +229,11 @@ impl Gasnet {
             }
         }
         Ok(())
+    }
+
+    /// How Active Message flow control went on this node (credits, loans, the catch-basin).
+    pub fn flow_stats(&self) -> FlowStats {
+        self.core.conduit.flow_stats()
     }
 
     /// Active Messages this node sent (requests and replies).

@@ -23,6 +23,25 @@ pub struct RmaDone {
     pub data: Vec<u8>,
 }
 
+/// How Active Message flow control went on this node.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct FlowStats {
+    /// Requests that waited for credit (once per wait).
+    pub credit_stalls: u64,
+    /// Requests that asked their target for a credit loan.
+    pub loans_asked: u64,
+    /// Loans this node granted as a target.
+    pub loans_granted: u64,
+    /// Loans this node gave back.
+    pub loans_repaid: u64,
+    /// Requests that found no receive buffer at this node (caught by the catch-basin).
+    pub caught: u64,
+    /// Requests this node sent again because their target caught them.
+    pub resent: u64,
+    /// Flow-control fields from peers that broke the protocol (ignored).
+    pub protocol_errors: u64,
+}
+
 pub trait Conduit {
     fn node(&self) -> u32;
     fn nodes(&self) -> u32;
@@ -30,34 +49,40 @@ pub trait Conduit {
     fn max_am(&self) -> usize;
     /// This node's segment (memory the network can reach, where the conduit needs that).
     fn segment(&mut self) -> &mut [u8];
-    /// Sends an encoded AM to `dest` (itself included), making progress while it waits for room.
-    fn send(&mut self, dest: u32, am: &[u8]) -> Result<(), GasnetError>;
+    /// Sends a request to `dest` (itself included): the encoded AM and, for a Long, its
+    /// payload for `dest`'s segment (packed behind the header, or put in place first where the
+    /// network can). `Ok(false)`: no room for it now (credit, send buffers) and nothing was
+    /// sent — the Core runs handlers and tries again, as GASNet lets AMRequest poll.
+    fn request(&mut self, dest: u32, am: &[u8], long: Option<&[u8]>) -> Result<bool, GasnetError>;
+    /// Answers the request from `dest` that [`Conduit::poll`] delivered with `reply_to`: the
+    /// handler's reply (encoded, and a Long's payload), or `None` when the handler sent none —
+    /// a conduit that must answer every request then sends its implicit reply. Waits for room
+    /// making progress, and runs no handler.
+    fn reply(
+        &mut self,
+        dest: u32,
+        reply_to: u64,
+        reply: Option<(&[u8], Option<&[u8]>)>,
+    ) -> Result<(), GasnetError>;
     /// Largest Long payload (AMMaxLongRequest/Reply): by default what one AM carries.
     fn max_long(&self) -> usize {
         self.max_am()
             .saturating_sub(super::am::encoded_len(super::am::MAX_ARGS, 0))
     }
-    /// Sends a Long: its encoded header (no payload) and the payload for `dest`'s segment. By
-    /// default the payload rides in the AM behind the header (packed); a conduit with RDMA may
-    /// put it in place first.
-    fn send_long(
-        &mut self,
-        dest: u32,
-        mut header: Vec<u8>,
-        payload: &[u8],
-    ) -> Result<(), GasnetError> {
-        header.extend_from_slice(payload);
-        self.send(dest, &header)
-    }
-    /// Makes progress; hands each arrived AM to `deliver` in arrival order and each finished
-    /// direct operation to `done`. Returns whether anything happened.
+    /// Makes progress; hands each arrived AM to `deliver` (source, what [`Conduit::reply`]
+    /// needs to answer it, the AM) in arrival order, and each finished direct operation to
+    /// `done`. Returns whether anything happened.
     fn poll(
         &mut self,
-        deliver: &mut dyn FnMut(u32, &[u8]),
+        deliver: &mut dyn FnMut(u32, u64, &[u8]),
         done: &mut dyn FnMut(RmaDone),
     ) -> Result<bool, GasnetError>;
     /// The conduit's name (`udp`, `portals`, …).
     fn name(&self) -> &'static str;
+    /// AM flow-control counters (conduits without credits of their own report zeros).
+    fn flow_stats(&self) -> FlowStats {
+        FlowStats::default()
+    }
     /// Blocks until something may have arrived for [`Conduit::poll`], or `max` passed, or the
     /// conduit has timers due. Returns at once when news is already there.
     fn wait_news(&mut self, max: std::time::Duration) -> Result<(), GasnetError>;

@@ -79,6 +79,37 @@ impl UdpConduit {
         self.clock.elapsed().as_nanos() as u64
     }
 
+    /// Queues an AM for `dest`; `Ok(false)` when its window is full.
+    fn push(&mut self, dest: u32, am: &[u8]) -> Result<bool, GasnetError> {
+        if dest >= self.n as u32 {
+            return Err(GasnetError::BadNode(dest));
+        }
+        if dest == self.me as u32 {
+            self.local.push_back((dest, am.to_vec()));
+            return Ok(true);
+        }
+        let op = OpRef::Am {
+            h: OpHeader {
+                job: self.job,
+                src_rank: self.me as u32,
+                dst_rank: dest,
+                req: 0,
+            },
+            data: am,
+        };
+        match self.t.push_op(dest as u16, &op) {
+            Ok(()) => {}
+            Err(PushError::Full(_)) => {
+                self.transmit();
+                return Ok(false);
+            }
+            Err(PushError::Dead(p)) => return Err(GasnetError::NodeDead(p as u32)),
+            Err(e) => return Err(GasnetError::Setup(e.to_string())),
+        }
+        self.transmit();
+        Ok(true)
+    }
+
     fn transmit(&mut self) {
         let now = self.now();
         self.t.flush(now);
@@ -86,6 +117,14 @@ impl UdpConduit {
             self.d.send(to, dg);
         }
         self.d.flush();
+    }
+}
+
+/// An AM whole: a Long's payload rides behind its header.
+fn packed<'a>(am: &'a [u8], long: Option<&[u8]>) -> std::borrow::Cow<'a, [u8]> {
+    match long {
+        Some(p) => [am, p].concat().into(),
+        None => am.into(),
     }
 }
 
@@ -132,48 +171,39 @@ impl Conduit for UdpConduit {
         }
     }
 
-    fn send(&mut self, dest: u32, am: &[u8]) -> Result<(), GasnetError> {
-        if dest >= self.n as u32 {
-            return Err(GasnetError::BadNode(dest));
-        }
-        if dest == self.me as u32 {
-            self.local.push_back((dest, am.to_vec()));
+    fn request(&mut self, dest: u32, am: &[u8], long: Option<&[u8]>) -> Result<bool, GasnetError> {
+        // A full window: the Core runs handlers (acks come with progress) and tries again.
+        self.push(dest, &packed(am, long))
+    }
+
+    fn reply(
+        &mut self,
+        dest: u32,
+        _reply_to: u64,
+        reply: Option<(&[u8], Option<&[u8]>)>,
+    ) -> Result<(), GasnetError> {
+        // The udp conduit answers only the requests whose handlers replied.
+        let Some((am, long)) = reply else {
             return Ok(());
-        }
-        let op = OpRef::Am {
-            h: OpHeader {
-                job: self.job,
-                src_rank: self.me as u32,
-                dst_rank: dest,
-                req: 0,
-            },
-            data: am,
         };
-        loop {
-            match self.t.push_op(dest as u16, &op) {
-                Ok(()) => break,
-                // No credit: make progress (acks free the window) and try again.
-                Err(PushError::Full(_)) => {
-                    let mut stash = Vec::new();
-                    self.poll(&mut |src, b| stash.push((src, b.to_vec())), &mut |_| {})?;
-                    self.local.extend(stash);
-                }
-                Err(PushError::Dead(p)) => return Err(GasnetError::NodeDead(p as u32)),
-                Err(e) => return Err(GasnetError::Setup(e.to_string())),
-            }
+        let am = packed(am, long);
+        while !self.push(dest, &am)? {
+            // No credit: make progress (acks free the window), keeping what arrives for later.
+            let mut stash = Vec::new();
+            self.poll(&mut |src, _, b| stash.push((src, b.to_vec())), &mut |_| {})?;
+            self.local.extend(stash);
         }
-        self.transmit();
         Ok(())
     }
 
     fn poll(
         &mut self,
-        deliver: &mut dyn FnMut(u32, &[u8]),
+        deliver: &mut dyn FnMut(u32, u64, &[u8]),
         _done: &mut dyn FnMut(super::RmaDone),
     ) -> Result<bool, GasnetError> {
         let mut any = false;
         while let Some((src, b)) = self.local.pop_front() {
-            deliver(src, &b);
+            deliver(src, 0, &b);
             any = true;
         }
         let now = self.now();
@@ -186,7 +216,7 @@ impl Conduit for UdpConduit {
             let mut handle = |body: &[u8]| {
                 for op in OpIter::new(body).flatten() {
                     if let OpRef::Am { h, data } = op {
-                        deliver(h.src_rank, data);
+                        deliver(h.src_rank, 0, data);
                     }
                 }
             };

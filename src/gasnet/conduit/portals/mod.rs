@@ -1,0 +1,433 @@
+//! The portals conduit: Active Messages through the soft NIC's Portals engine, after the
+//! GASNet-over-Portals design. Matching, data placement and events happen in the NIC; the
+//! process only handles the events.
+//!
+//! - ReqRB: two locally managed receive buffers on the AM portal (`MANAGE_LOCAL`, `min_free`
+//!   = one maximal AM) reporting to AM_EQ. Requests pack into them; a full one unlinks itself
+//!   and is re-posted once its events are handled, so one is always linked (double buffering).
+//! - ReqSB: request slots and reply slots in one region. A request is a put with ACK from its
+//!   slot; the slot is also exposed on the reply portal, where the target puts its reply (or
+//!   an empty implicit one), so a reply always has room and lands on SAFE_EQ — never among
+//!   requests, so waiting for a reply never runs request handlers. A request slot is a send
+//!   token until its reply; a reply slot until its ACK.
+//! - Flow control (see `credit`): credits bound each sender's unanswered request bytes at a
+//!   target by a share of its ReqRB; a sender running short asks for a loan, lent in the reply.
+//!   Behind it, a catch-basin (an overflow entry that truncates to nothing and keeps no header)
+//!   takes what finds no ReqRB linked, and PTL_PT_FLOWCTRL disables the AM portal before
+//!   AM_EQ could overflow; the sender learns either from its ACK and sends again after a
+//!   back-off.
+//! - Request fields in `hdr_data`: slot | ask << 16 | repaid credit << 32; a reply's
+//!   `hdr_data` is the credit it grants.
+//! - RAR: the segment, exposed on its own portal (ignore-all match bits, puts and gets, no
+//!   target events). Extended puts and gets go straight to Portals put and get — from or into
+//!   the segment directly, else through a bounce region — and complete from their ACK and
+//!   REPLY events on SAFE_EQ, never through Active Messages. Remote atomics are Portals
+//!   atomics on the same portal, run by the target's NIC.
+//! - Long: payloads up to `PACKED_MAX` ride in the AM (packed Long). Larger ones are put
+//!   straight into the target's segment through RARAM (the segment again, on its own portal,
+//!   with PUT events on its own EQ) with a Long id (Lid) in `hdr_data`, and the header follows
+//!   naming the Lid and length; the target runs the handler once both have arrived, in
+//!   whichever order they came. An unanswered header holds its sender's credit, so headers
+//!   waiting for payloads are bounded like any request.
+
+mod am;
+mod credit;
+mod rma;
+
+use std::collections::VecDeque;
+use std::time::Instant;
+
+use rustc_hash::FxHashMap as HashMap;
+
+use self::credit::Credits;
+use super::{Conduit, FlowStats, GetDest, RmaDone};
+use crate::gasnet::{AdOp, GasnetError};
+use crate::gni::MemRegion;
+use crate::nic::memory::Perms;
+use crate::portals::{
+    md_opt, me_opt, pt_opt, Buffer, List, Md, Me, NiHandle, Portals, ProcessId, Target,
+};
+
+const AM_PT: u32 = 10;
+const RAR_PT: u32 = 11;
+/// The portal of Long payloads (RARAM).
+const RARAM_PT: u32 = 12;
+/// The portal of replies: the request slots of ReqSB.
+const REPLY_PT: u32 = 13;
+const MAX_AM: usize = 16 * 1024;
+/// ReqRB: at least this large, more for many nodes (see `credit::Credits::capacity_for`).
+const RB_MIN: usize = 2 << 20;
+const RBS: usize = 2;
+/// Requests awaiting their reply, and replies awaiting their ACK.
+const REQ_SLOTS: usize = 256;
+const REP_SLOTS: usize = 64;
+const BITS_AM: u64 = 0xa11;
+/// Largest piece of one direct transfer, and the bounce region (two pieces).
+const CHUNK: usize = 1 << 20;
+const BOUNCE_LEN: usize = 2 * CHUNK;
+/// Most direct pieces in flight (SAFE_EQ holds their completions).
+const MAX_RMA: usize = 256;
+/// Long payloads up to this ride inside the AM.
+const PACKED_MAX: usize = 8 * 1024;
+/// Largest Long payload (AMMaxLongRequest/Reply): one piece of the bounce region.
+const MAX_LONG: usize = CHUNK;
+/// RARAM's event queue: one event per Long payload not yet matched with its header.
+const RARAM_EQ_LEN: usize = 16_384;
+
+// `user_ptr`s. SAFE_EQ: request ACKs carry the slot; the others a tag.
+/// Direct pieces: tag | op << 16 | piece.
+const RMA_TAG: u64 = 1 << 63;
+/// Long payload puts: tag | bounce offset.
+const LONG_TAG: u64 = 1 << 62;
+/// Replies sent: tag | reply slot.
+const REP_TAG: u64 = 1 << 61;
+/// The reply entry over our request slots (PUT events of replies arriving).
+const REPLY_ME: u64 = 1 << 60;
+/// The catch-basin on the AM portal (counted, not reported: it has no full events).
+const CATCH_ME: u64 = 1 << 59;
+
+/// A request slot in use.
+#[derive(Debug, Clone, Copy)]
+struct ReqSlot {
+    dest: u32,
+    len: usize,
+    hdr: u64,
+    /// The target's NIC took it (ACK), and the target answered (reply): free when both.
+    acked: bool,
+    answered: bool,
+    /// Times the target could not take it.
+    refused: u32,
+}
+
+/// A direct operation in flight.
+struct Rma {
+    remaining: usize,
+    ok: bool,
+    /// Gets into a caller's buffer: the data, and per piece its bounce offset.
+    data: Option<Vec<u8>>,
+    pieces: Vec<Option<u64>>,
+}
+
+/// A Long header whose payload has not fully landed yet.
+struct Parked {
+    src: u32,
+    reply_to: u64,
+    am: Vec<u8>,
+    lid: u64,
+    len: u64,
+}
+
+pub struct PortalsConduit {
+    p: Portals,
+    ni: NiHandle,
+    me: u32,
+    n: u32,
+    am_eq: u32,
+    safe_eq: u32,
+    raram_eq: u32,
+    rb: MemRegion,
+    rb_len: usize,
+    catch_ct: u32,
+    sb: MemRegion,
+    sb_md: u32,
+    req: Vec<Option<ReqSlot>>,
+    free_req: Vec<usize>,
+    free_rep: Vec<usize>,
+    /// Requests their target could not take: when to send each again.
+    resend: Vec<(Instant, usize)>,
+    credits: Credits,
+    /// Off only to test the catch-basin (`SOFTNIC_PORTALS_CREDITS=off`).
+    credits_on: bool,
+    resent: u64,
+    protocol_errors: u64,
+    /// AMs ready for delivery: (source, reply_to, AM).
+    arrived: VecDeque<(u32, u64, Vec<u8>)>,
+    next_lid: u64,
+    /// Long payload bytes landed per (source, Lid) whose header has not come yet.
+    landed: HashMap<(u32, u64), u64>,
+    parked: Vec<Parked>,
+    seg: MemRegion,
+    seg_md: u32,
+    bounce: MemRegion,
+    bounce_md: u32,
+    bounce_used: usize,
+    bounce_refs: usize,
+    rma: HashMap<u64, Rma>,
+    rma_in_flight: usize,
+    finished: Vec<RmaDone>,
+}
+
+fn err<E: std::fmt::Display>(e: E) -> GasnetError {
+    GasnetError::Setup(format!("portals conduit: {e}"))
+}
+
+/// An entry over all of `region`'s first `len` bytes, any match bits, no link events.
+fn whole(region: &MemRegion, len: usize, options: u32) -> Me {
+    let mut e = Me::new(
+        Buffer {
+            region: region.clone(),
+            offset: 0,
+            len: len as u64,
+        },
+        0,
+    );
+    e.ignore_bits = u64::MAX;
+    e.options = options | me_opt::EVENT_LINK_DISABLE;
+    e
+}
+
+impl PortalsConduit {
+    pub fn new(segment_len: usize) -> Result<PortalsConduit, GasnetError> {
+        let mut p = Portals::init().map_err(err)?;
+        let (ni, _) = p.ni_init(true, true).map_err(err)?;
+        let (me, n) = (p.nic().rank(), p.nic().size());
+        let rb_len = RB_MIN.max(Credits::capacity_for(n, MAX_AM) as usize + MAX_AM);
+        let capacity = (rb_len - MAX_AM) as u64;
+        // Credited requests cost at least MIN_COST each: this many can wait undrained.
+        let am_eq_len = (capacity / credit::MIN_COST) as usize + 64;
+        let am_eq = p.eq_alloc(ni, am_eq_len).map_err(err)?;
+        let safe_eq_len = 2 * REQ_SLOTS + REP_SLOTS + MAX_RMA + BOUNCE_LEN / PACKED_MAX + 64;
+        let safe_eq = p.eq_alloc(ni, safe_eq_len).map_err(err)?;
+        let raram_eq = p.eq_alloc(ni, RARAM_EQ_LEN).map_err(err)?;
+        p.pt_alloc(ni, pt_opt::FLOWCTRL, Some(am_eq), Some(AM_PT))
+            .map_err(err)?;
+        p.pt_alloc(ni, 0, Some(safe_eq), Some(RAR_PT))
+            .map_err(err)?;
+        p.pt_alloc(ni, 0, Some(raram_eq), Some(RARAM_PT))
+            .map_err(err)?;
+        p.pt_alloc(ni, 0, Some(safe_eq), Some(REPLY_PT))
+            .map_err(err)?;
+        let reg = |p: &mut Portals, len: usize, perms| p.nic().mem_register(len, perms);
+        let rb = reg(&mut p, rb_len * RBS, Perms::WRITE).map_err(err)?;
+        let sb_len = (REQ_SLOTS + REP_SLOTS) * MAX_AM;
+        let sb = reg(&mut p, sb_len, Perms::WRITE).map_err(err)?;
+        let seg = reg(&mut p, segment_len.max(8), Perms::READ_WRITE).map_err(err)?;
+        let bounce = reg(&mut p, BOUNCE_LEN, Perms(0)).map_err(err)?;
+        let md = |p: &mut Portals, region: &MemRegion| {
+            p.md_bind(
+                ni,
+                &Md {
+                    region: region.clone(),
+                    segments: vec![(0, region.len() as u64)],
+                    options: md_opt::EVENT_SEND_DISABLE,
+                    eq: Some(safe_eq),
+                    ct: None,
+                },
+            )
+        };
+        let sb_md = md(&mut p, &sb).map_err(err)?;
+        let seg_md = md(&mut p, &seg).map_err(err)?;
+        let bounce_md = md(&mut p, &bounce).map_err(err)?;
+        // Replies land in the request slots.
+        let reply = whole(&sb, REQ_SLOTS * MAX_AM, me_opt::OP_PUT);
+        p.me_append(ni, REPLY_PT, &reply, List::Priority, REPLY_ME)
+            .map_err(err)?;
+        // RAR: puts, gets and atomics on the segment, silently; RARAM: the same with events.
+        let quiet = me_opt::OP_PUT | me_opt::OP_GET | me_opt::EVENT_COMM_DISABLE;
+        let rar = whole(&seg, seg.len(), quiet);
+        p.me_append(ni, RAR_PT, &rar, List::Priority, 0)
+            .map_err(err)?;
+        let raram = whole(&seg, seg.len(), me_opt::OP_PUT);
+        p.me_append(ni, RARAM_PT, &raram, List::Priority, 0)
+            .map_err(err)?;
+        // The catch-basin: takes (as nothing) what finds no ReqRB, counting it.
+        let catch_ct = p.ct_alloc(ni).map_err(err)?;
+        let mut basin = whole(
+            &rb,
+            0,
+            me_opt::OP_PUT
+                | me_opt::UNEXPECTED_HDR_DISABLE
+                | me_opt::EVENT_COMM_DISABLE
+                | me_opt::EVENT_CT_COMM,
+        );
+        basin.ct = Some(catch_ct);
+        p.me_append(ni, AM_PT, &basin, List::Overflow, CATCH_ME)
+            .map_err(err)?;
+        let credits_on = std::env::var("SOFTNIC_PORTALS_CREDITS").map_or(true, |v| v != "off");
+        let mut c = PortalsConduit {
+            p,
+            ni,
+            me,
+            n,
+            am_eq,
+            safe_eq,
+            raram_eq,
+            rb,
+            rb_len,
+            catch_ct,
+            sb,
+            sb_md,
+            req: vec![None; REQ_SLOTS],
+            free_req: (0..REQ_SLOTS).rev().collect(),
+            free_rep: (0..REP_SLOTS).rev().collect(),
+            resend: Vec::new(),
+            credits: Credits::new(n, capacity, MAX_AM),
+            credits_on,
+            resent: 0,
+            protocol_errors: 0,
+            arrived: VecDeque::new(),
+            next_lid: 0,
+            landed: HashMap::default(),
+            parked: Vec::new(),
+            seg,
+            seg_md,
+            bounce,
+            bounce_md,
+            bounce_used: 0,
+            bounce_refs: 0,
+            rma: HashMap::default(),
+            rma_in_flight: 0,
+            finished: Vec::new(),
+        };
+        for i in 0..RBS {
+            c.post_rb(i)?;
+        }
+        // Everyone's receive buffers are posted before anyone sends.
+        c.p.nic().barrier().map_err(err)?;
+        Ok(c)
+    }
+
+    fn rar(&self, node: u32, offset: u64) -> Target {
+        Target {
+            id: ProcessId::Logical { rank: node },
+            pt_index: RAR_PT,
+            match_bits: 0,
+            remote_offset: offset,
+        }
+    }
+
+    /// One turn of a wait inside the conduit (for a reply slot, bounce space, an RMA slot):
+    /// the send side's events, and what arrived taken out of the receive buffers (a peer may
+    /// be waiting for our replies, or for room in our ReqRB). No handler runs here.
+    fn wait_step(&mut self) -> Result<(), GasnetError> {
+        if !self.poll_safe()? && !self.drain_am()? && !self.drain_raram()? {
+            std::thread::yield_now();
+        }
+        Ok(())
+    }
+}
+
+impl Conduit for PortalsConduit {
+    fn node(&self) -> u32 {
+        self.me
+    }
+
+    fn nodes(&self) -> u32 {
+        self.n
+    }
+
+    fn max_am(&self) -> usize {
+        MAX_AM
+    }
+
+    fn max_long(&self) -> usize {
+        MAX_LONG
+    }
+
+    fn segment(&mut self) -> &mut [u8] {
+        self.seg.bytes()
+    }
+
+    fn name(&self) -> &'static str {
+        "portals"
+    }
+
+    fn request(&mut self, dest: u32, am: &[u8], long: Option<&[u8]>) -> Result<bool, GasnetError> {
+        self.try_request(dest, am, long)
+    }
+
+    fn reply(
+        &mut self,
+        dest: u32,
+        reply_to: u64,
+        reply: Option<(&[u8], Option<&[u8]>)>,
+    ) -> Result<(), GasnetError> {
+        self.send_reply(dest, reply_to, reply)
+    }
+
+    fn poll(
+        &mut self,
+        deliver: &mut dyn FnMut(u32, u64, &[u8]),
+        done: &mut dyn FnMut(RmaDone),
+    ) -> Result<bool, GasnetError> {
+        let mut any = self.poll_safe()?;
+        for d in self.finished.drain(..) {
+            any = true;
+            done(d);
+        }
+        self.p.nic().progress();
+        any |= self.drain_am()?;
+        any |= self.drain_raram()?;
+        for (src, reply_to, am) in self.arrived.drain(..) {
+            deliver(src, reply_to, &am);
+        }
+        Ok(any)
+    }
+
+    fn wait_news(&mut self, max: std::time::Duration) -> Result<(), GasnetError> {
+        if !self.finished.is_empty() || !self.arrived.is_empty() {
+            return Ok(());
+        }
+        // A request to send again wakes us when it is due.
+        let now = Instant::now();
+        let max = self
+            .resend
+            .iter()
+            .map(|&(due, _)| due.saturating_duration_since(now))
+            .fold(max, |m, d| m.min(d));
+        self.p
+            .eq_sleep(self.ni, &[self.am_eq, self.safe_eq, self.raram_eq], max)
+            .map_err(|e| GasnetError::Wait(e.to_string()))
+    }
+
+    fn flow_stats(&self) -> FlowStats {
+        let c = self.credits.stats;
+        let caught = self
+            .p
+            .ct_get(self.ni, self.catch_ct)
+            .map_or(0, |ct| ct.success);
+        FlowStats {
+            credit_stalls: c.stalls,
+            loans_asked: c.asks,
+            loans_granted: c.loans,
+            loans_repaid: c.repaid,
+            caught,
+            resent: self.resent,
+            protocol_errors: self.protocol_errors + c.bad,
+        }
+    }
+
+    fn rma_put(
+        &mut self,
+        node: u32,
+        dest_offset: u64,
+        src: &[u8],
+        op: u64,
+    ) -> Result<bool, GasnetError> {
+        self.direct_put(node, dest_offset, src, op).map(|()| true)
+    }
+
+    fn rma_get(
+        &mut self,
+        node: u32,
+        src_offset: u64,
+        len: usize,
+        dest: GetDest,
+        op: u64,
+    ) -> Result<bool, GasnetError> {
+        self.direct_get(node, src_offset, len, dest, op)
+            .map(|()| true)
+    }
+
+    fn rma_atomic(
+        &mut self,
+        node: u32,
+        offset: u64,
+        atomic: AdOp,
+        operands: [u64; 2],
+        op: u64,
+    ) -> Result<bool, GasnetError> {
+        self.direct_atomic(node, offset, atomic, operands, op)
+            .map(|()| true)
+    }
+}
