@@ -256,7 +256,7 @@ impl PortalsConduit {
             } else if up & LONG_TAG != 0 {
                 if e.kind == EventKind::Ack {
                     // The payload is in place (its bounce copy is free) or could not be.
-                    self.bounce_refs -= 1;
+                    self.ring.free(up & !LONG_TAG);
                     if e.ni_fail != NiFail::Ok {
                         return Err(GasnetError::Wait(format!(
                             "a Long payload was refused by its target ({:?})",

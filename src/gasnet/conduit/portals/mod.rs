@@ -31,6 +31,7 @@
 //!   waiting for payloads are bounded like any request.
 
 mod am;
+mod bounce;
 mod credit;
 mod rma;
 
@@ -62,9 +63,9 @@ const RBS: usize = 2;
 const REQ_SLOTS: usize = 256;
 const REP_SLOTS: usize = 64;
 const BITS_AM: u64 = 0xa11;
-/// Largest piece of one direct transfer, and the bounce region (two pieces).
+/// Largest piece of one direct transfer, and the bounce region (eight pieces in flight).
 const CHUNK: usize = 1 << 20;
-const BOUNCE_LEN: usize = 2 * CHUNK;
+const BOUNCE_LEN: usize = 8 * CHUNK;
 /// Most direct pieces in flight (SAFE_EQ holds their completions).
 const MAX_RMA: usize = 256;
 /// Long payloads up to this ride inside the AM.
@@ -150,8 +151,7 @@ pub struct PortalsConduit {
     seg_md: u32,
     bounce: MemRegion,
     bounce_md: u32,
-    bounce_used: usize,
-    bounce_refs: usize,
+    ring: bounce::Ring,
     rma: HashMap<u64, Rma>,
     rma_in_flight: usize,
     finished: Vec<RmaDone>,
@@ -273,8 +273,7 @@ impl PortalsConduit {
             seg_md,
             bounce,
             bounce_md,
-            bounce_used: 0,
-            bounce_refs: 0,
+            ring: bounce::Ring::new(BOUNCE_LEN),
             rma: HashMap::default(),
             rma_in_flight: 0,
             finished: Vec::new(),

@@ -34,7 +34,7 @@ impl PortalsConduit {
         self.rma_in_flight -= 1;
         r.ok &= fail == NiFail::Ok;
         if let Some(Some(b)) = r.pieces.get(piece).copied() {
-            self.bounce_refs -= 1;
+            self.ring.free(b);
             if let Some(data) = r.data.as_mut() {
                 let at = piece * CHUNK;
                 let n = (data.len() - at).min(CHUNK);
@@ -52,18 +52,16 @@ impl PortalsConduit {
         }
     }
 
-    /// `len` bytes of bounce space, waiting for earlier pieces to drain when it is short.
+    /// `len` bytes of bounce space (at most a piece), waiting for the oldest pieces to finish
+    /// when it is short.
     pub(super) fn bounce_alloc(&mut self, len: usize) -> Result<u64, GasnetError> {
-        if self.bounce_used + len > BOUNCE_LEN {
-            while self.bounce_refs > 0 {
-                self.wait_step()?;
+        debug_assert!(len <= CHUNK && CHUNK <= BOUNCE_LEN);
+        loop {
+            if let Some(at) = self.ring.alloc(len) {
+                return Ok(at);
             }
-            self.bounce_used = 0;
+            self.wait_step()?;
         }
-        let at = self.bounce_used;
-        self.bounce_used += len;
-        self.bounce_refs += 1;
-        Ok(at as u64)
     }
 
     /// Bounce space for piece `piece` of direct operation `op`, released when it completes.
