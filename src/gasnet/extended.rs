@@ -42,6 +42,8 @@ pub struct ExtState {
     next_op: u64,
     /// Acks or replies still due per operation (removed when none are).
     remaining: HashMap<u64, usize>,
+    /// Operations finished so far: an NBI sync rescans its lists only when this moved.
+    finished_ops: u64,
     /// Operations that failed at the target (out of segment).
     pub(super) failed: HashSet<u64>,
     /// Gets into a caller's buffer: data assembled here.
@@ -74,6 +76,7 @@ impl ExtState {
             *n -= 1;
             if *n == 0 {
                 self.remaining.remove(&op);
+                self.finished_ops += 1;
             }
         }
     }
@@ -551,31 +554,44 @@ impl Gasnet {
     /// reports whether none of the chosen kinds are left; a failed one is the error.
     fn sync_nbi(&mut self, puts: bool, gets: bool, wait: bool) -> Result<bool, GasnetError> {
         let mut r = Ok(());
+        let mut b = super::backoff::Backoff::default();
+        let mut seen = None;
         loop {
-            self.poll_once()?;
+            let polled = self.poll_once()?;
             let finished = {
                 let mut s = self.ext.borrow_mut();
                 let mut finished = Vec::new();
-                if puts {
-                    s.retire_nbi(false, &mut finished);
-                }
-                if gets {
-                    s.retire_nbi(true, &mut finished);
+                // Thousands may be outstanding: look again only when some operation finished.
+                if seen != Some(s.finished_ops) {
+                    seen = Some(s.finished_ops);
+                    if puts {
+                        s.retire_nbi(false, &mut finished);
+                    }
+                    if gets {
+                        s.retire_nbi(true, &mut finished);
+                    }
                 }
                 finished
             };
+            let progressed = polled || !finished.is_empty();
             for o in finished {
                 if let Err(e) = self.finish_op(o) {
                     r = Err(e);
                 }
             }
-            let s = self.ext.borrow();
-            let open = (puts && !s.nbi_puts.is_empty()) || (gets && !s.nbi_gets.is_empty());
-            if !open {
-                return r.map(|_| true);
+            {
+                let s = self.ext.borrow();
+                let open = (puts && !s.nbi_puts.is_empty()) || (gets && !s.nbi_gets.is_empty());
+                if !open {
+                    return r.map(|_| true);
+                }
+                if !wait {
+                    return r.map(|_| false);
+                }
             }
-            if !wait {
-                return r.map(|_| false);
+            match progressed {
+                true => b.progressed(),
+                false => b.idle(self.core.conduit.as_mut())?,
             }
         }
     }
