@@ -2,7 +2,11 @@
 //! command rings, the Gemini engine and the transport. One daemon process may run several
 //! (the local default simulates hosts on 127.0.0.x, each with its own socket).
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
+
+// Fx: the daemon looks these up per operation; keys are small ids from its own clients and
+// authenticated peers.
+use rustc_hash::FxHashMap as HashMap;
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::path::PathBuf;
@@ -183,11 +187,11 @@ impl HostNic {
             initiator: Initiator::default(),
             sessions: Vec::new(),
             next_gen: 1,
-            jobs: HashMap::new(),
+            jobs: HashMap::default(),
             out: (0..nhosts).map(|_| VecDeque::new()).collect(),
             completions: Vec::new(),
             raw_completions: Vec::new(),
-            portals: HashMap::new(),
+            portals: HashMap::default(),
             ptl_asm: Default::default(),
             rx: vec![0; 65_536],
             cmd_buf: Vec::with_capacity(8192),

@@ -2,7 +2,7 @@
 //! through the command ring, Portals messages to and from peers, triggered operations, and the
 //! mirroring of event queues and counting events into the processes' memory.
 
-use std::collections::HashMap;
+use rustc_hash::FxHashMap as HashMap;
 
 use crate::nic::memory::Region;
 use crate::nic::portals::matching::ReqKind;
@@ -116,8 +116,8 @@ impl HostNic {
                         ni: PortalsNi::new(matching, Default::default()),
                         logical: ni & 0x80 == 0,
                         logical_of: None,
-                        eq_rings: HashMap::new(),
-                        ct_slots: HashMap::new(),
+                        eq_rings: HashMap::default(),
+                        ct_slots: HashMap::default(),
                     });
                 }
                 return Ok(0);
@@ -283,7 +283,7 @@ impl HostNic {
             }
             PtlCall::SetMap { ni, ranks } => {
                 let s = self.ni_state(job, rank, ni)?;
-                let mut m = HashMap::with_capacity(ranks.len());
+                let mut m = HashMap::with_capacity_and_hasher(ranks.len(), Default::default());
                 for (i, r) in ranks.iter().enumerate() {
                     m.entry(*r).or_insert(i as u32);
                 }

@@ -5,7 +5,7 @@
 //! buffer in tests). The owning process may read and write it concurrently, as with a hardware
 //! NIC; atomics go through real CPU atomic instructions so they are coherent with the owner's.
 
-use std::collections::HashMap;
+use rustc_hash::FxHashMap as HashMap;
 use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 

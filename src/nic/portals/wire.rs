@@ -3,7 +3,7 @@
 //! message is whole when its last fragment arrives, and messages between a pair of NIs are
 //! matched in the order they were sent whatever the network reorders, drops or duplicates.
 
-use std::collections::HashMap;
+use rustc_hash::FxHashMap as HashMap;
 
 use super::atomic::{AtomicOp, Datatype};
 use super::matching::ReqKind;
