@@ -3,15 +3,14 @@
 //! (the local default simulates hosts on 127.0.0.x, each with its own socket).
 
 use std::collections::VecDeque;
-
-// Fx: the daemon looks these up per operation; keys are small ids from its own clients and
-// authenticated peers.
-use rustc_hash::FxHashMap as HashMap;
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::path::PathBuf;
 use std::sync::Arc;
 
+// Fx: the daemon looks these up per operation; keys are small ids from its own clients and
+// authenticated peers.
+use rustc_hash::FxHashMap as HashMap;
 use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
 
 use crate::config::Config;

@@ -133,14 +133,8 @@ pub(crate) fn encode(
     if too_large {
         return Err(GasnetError::TooLarge(payload.len()));
     }
-    let (payload, room) = match long {
-        // Room for a Long's payload when a conduit may pack it behind the header.
-        true => (
-            &[][..],
-            payload.len() * (payload.len() <= limits.max_am) as usize,
-        ),
-        false => (payload, 0),
-    };
+    // A Long's payload travels beside the encoding (the conduit places it).
+    let payload = if long { &[][..] } else { payload };
     let mut a = [0u32; MAX_ARGS];
     a[..args.len()].copy_from_slice(args);
     let h = AmHeader {
@@ -152,7 +146,7 @@ pub(crate) fn encode(
         offset,
         in_place: false,
     };
-    let mut b = Vec::with_capacity(am::encoded_len(args.len(), payload.len()) + room);
+    let mut b = Vec::with_capacity(am::encoded_len(args.len(), payload.len()));
     am::encode(&h, payload, &mut b);
     Ok(b)
 }

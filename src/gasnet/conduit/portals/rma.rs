@@ -34,12 +34,12 @@ impl PortalsConduit {
         self.rma_in_flight -= 1;
         r.ok &= fail == NiFail::Ok;
         if let Some(Some(b)) = r.pieces.get(piece).copied() {
-            self.ring.free(b);
             if let Some(data) = r.data.as_mut() {
                 let at = piece * CHUNK;
                 let n = (data.len() - at).min(CHUNK);
                 data[at..at + n].copy_from_slice(&self.bounce.bytes()[b as usize..b as usize + n]);
             }
+            self.ring.free(b);
         }
         r.remaining -= 1;
         if r.remaining == 0 {
