@@ -741,23 +741,60 @@ impl Portals {
 
     // ------------------------------------------------------------------ data movement
 
-    #[allow(clippy::too_many_arguments)]
     fn op(
         &mut self,
         ni: NiHandle,
-        kind: u8,
-        aop: Option<(AtomicOp, Datatype)>,
-        md: u32,
-        offset: u64,
-        length: u64,
-        get: Option<(u32, u64)>,
-        ack_req: AckReq,
-        t: Target,
-        user_ptr: u64,
-        hdr_data: u64,
-        operand: &[u8],
+        m: Movement<'_>,
         trigger: Option<(u32, u64)>,
     ) -> Result<(), PortalsError> {
+        // Atomics longer than max_atomic_size go as several operations (triggered ones too).
+        let max = match m.aop {
+            Some((_, dt)) if m.kind == 2 => {
+                let w = dt.size() as u64;
+                (self.info(ni)?.limits.max_atomic_size / w * w).max(w)
+            }
+            _ => u64::MAX,
+        };
+        if m.length <= max {
+            return self.op_one(ni, m, trigger);
+        }
+        let mut done = 0;
+        while done < m.length {
+            let t = Target {
+                remote_offset: m.t.remote_offset + done,
+                ..m.t
+            };
+            let part = Movement {
+                offset: m.offset + done,
+                length: (m.length - done).min(max),
+                t,
+                ..m
+            };
+            self.op_one(ni, part, trigger)?;
+            done += part.length;
+        }
+        Ok(())
+    }
+
+    fn op_one(
+        &mut self,
+        ni: NiHandle,
+        m: Movement<'_>,
+        trigger: Option<(u32, u64)>,
+    ) -> Result<(), PortalsError> {
+        let Movement {
+            kind,
+            aop,
+            md,
+            offset,
+            length,
+            get,
+            ack_req,
+            t,
+            user_ptr,
+            hdr_data,
+            operand,
+        } = m;
         let wni = self.wire_ni(ni)?;
         let info = self.info(ni)?;
         let (host, rank) = self.locate(ni, t.id)?;
@@ -830,21 +867,8 @@ impl Portals {
         user_ptr: u64,
         hdr_data: u64,
     ) -> Result<(), PortalsError> {
-        self.op(
-            ni,
-            0,
-            None,
-            md,
-            offset,
-            length,
-            None,
-            ack_req,
-            t,
-            user_ptr,
-            hdr_data,
-            &[],
-            None,
-        )
+        let m = Movement::put(md, offset, length, ack_req, t, user_ptr, hdr_data);
+        self.op(ni, m, None)
     }
 
     /// PtlGet: the reply lands in `md` at `offset`.
@@ -857,21 +881,7 @@ impl Portals {
         t: Target,
         user_ptr: u64,
     ) -> Result<(), PortalsError> {
-        self.op(
-            ni,
-            1,
-            None,
-            md,
-            offset,
-            length,
-            Some((md, offset)),
-            AckReq::NoAck,
-            t,
-            user_ptr,
-            0,
-            &[],
-            None,
-        )
+        self.op(ni, Movement::get(md, offset, length, t, user_ptr), None)
     }
 
     /// PtlAtomic, split at max_atomic_size into several operations when longer.
@@ -889,34 +899,12 @@ impl Portals {
         op: AtomicOp,
         dt: Datatype,
     ) -> Result<(), PortalsError> {
-        let max = self.info(ni)?.limits.max_atomic_size / dt.size() as u64 * dt.size() as u64;
-        let mut done = 0;
-        loop {
-            let n = (length - done).min(max.max(dt.size() as u64));
-            let t2 = Target {
-                remote_offset: t.remote_offset + done,
-                ..t
-            };
-            self.op(
-                ni,
-                2,
-                Some((op, dt)),
-                md,
-                offset + done,
-                n,
-                None,
-                ack_req,
-                t2,
-                user_ptr,
-                hdr_data,
-                &[],
-                None,
-            )?;
-            done += n;
-            if done >= length {
-                return Ok(());
-            }
-        }
+        let m = Movement {
+            kind: 2,
+            aop: Some((op, dt)),
+            ..Movement::put(md, offset, length, ack_req, t, user_ptr, hdr_data)
+        };
+        self.op(ni, m, None)
     }
 
     /// PtlFetchAtomic: old values land in `get_md` at `get_offset`.
@@ -935,21 +923,9 @@ impl Portals {
         op: AtomicOp,
         dt: Datatype,
     ) -> Result<(), PortalsError> {
-        self.op(
-            ni,
-            3,
-            Some((op, dt)),
-            put_md,
-            put_offset,
-            length,
-            Some((get_md, get_offset)),
-            AckReq::NoAck,
-            t,
-            user_ptr,
-            hdr_data,
-            &[],
-            None,
-        )
+        let m = Movement::fetch(3, (get_md, get_offset), (put_md, put_offset), length, t);
+        let m = m.with(user_ptr, hdr_data, (op, dt), &[]);
+        self.op(ni, m, None)
     }
 
     /// PtlSwap (SWAP, CSWAP*, MSWAP): `operand` is the comparand or mask.
@@ -969,21 +945,9 @@ impl Portals {
         op: AtomicOp,
         dt: Datatype,
     ) -> Result<(), PortalsError> {
-        self.op(
-            ni,
-            4,
-            Some((op, dt)),
-            put_md,
-            put_offset,
-            length,
-            Some((get_md, get_offset)),
-            AckReq::NoAck,
-            t,
-            user_ptr,
-            hdr_data,
-            operand,
-            None,
-        )
+        let m = Movement::fetch(4, (get_md, get_offset), (put_md, put_offset), length, t);
+        let m = m.with(user_ptr, hdr_data, (op, dt), operand);
+        self.op(ni, m, None)
     }
 
     /// PtlAtomicSync: atomics issued before it are ordered before operations after it. The NIC
@@ -1007,21 +971,8 @@ impl Portals {
         ct: u32,
         threshold: u64,
     ) -> Result<(), PortalsError> {
-        self.op(
-            ni,
-            0,
-            None,
-            md,
-            offset,
-            length,
-            None,
-            ack_req,
-            t,
-            user_ptr,
-            hdr_data,
-            &[],
-            Some((ct, threshold)),
-        )
+        let m = Movement::put(md, offset, length, ack_req, t, user_ptr, hdr_data);
+        self.op(ni, m, Some((ct, threshold)))
     }
 
     /// PtlTriggeredGet.
@@ -1037,21 +988,8 @@ impl Portals {
         ct: u32,
         threshold: u64,
     ) -> Result<(), PortalsError> {
-        self.op(
-            ni,
-            1,
-            None,
-            md,
-            offset,
-            length,
-            Some((md, offset)),
-            AckReq::NoAck,
-            t,
-            user_ptr,
-            0,
-            &[],
-            Some((ct, threshold)),
-        )
+        let m = Movement::get(md, offset, length, t, user_ptr);
+        self.op(ni, m, Some((ct, threshold)))
     }
 
     /// PtlTriggeredAtomic.
@@ -1071,21 +1009,12 @@ impl Portals {
         ct: u32,
         threshold: u64,
     ) -> Result<(), PortalsError> {
-        self.op(
-            ni,
-            2,
-            Some((op, dt)),
-            md,
-            offset,
-            length,
-            None,
-            ack_req,
-            t,
-            user_ptr,
-            hdr_data,
-            &[],
-            Some((ct, threshold)),
-        )
+        let m = Movement {
+            kind: 2,
+            aop: Some((op, dt)),
+            ..Movement::put(md, offset, length, ack_req, t, user_ptr, hdr_data)
+        };
+        self.op(ni, m, Some((ct, threshold)))
     }
 
     /// PtlTriggeredFetchAtomic.
@@ -1106,21 +1035,9 @@ impl Portals {
         ct: u32,
         threshold: u64,
     ) -> Result<(), PortalsError> {
-        self.op(
-            ni,
-            3,
-            Some((op, dt)),
-            put_md,
-            put_offset,
-            length,
-            Some((get_md, get_offset)),
-            AckReq::NoAck,
-            t,
-            user_ptr,
-            hdr_data,
-            &[],
-            Some((ct, threshold)),
-        )
+        let m = Movement::fetch(3, (get_md, get_offset), (put_md, put_offset), length, t);
+        let m = m.with(user_ptr, hdr_data, (op, dt), &[]);
+        self.op(ni, m, Some((ct, threshold)))
     }
 
     /// PtlTriggeredSwap.
@@ -1142,26 +1059,91 @@ impl Portals {
         ct: u32,
         threshold: u64,
     ) -> Result<(), PortalsError> {
-        self.op(
-            ni,
-            4,
-            Some((op, dt)),
-            put_md,
-            put_offset,
-            length,
-            Some((get_md, get_offset)),
-            AckReq::NoAck,
-            t,
-            user_ptr,
-            hdr_data,
-            operand,
-            Some((ct, threshold)),
-        )
+        let m = Movement::fetch(4, (get_md, get_offset), (put_md, put_offset), length, t);
+        let m = m.with(user_ptr, hdr_data, (op, dt), operand);
+        self.op(ni, m, Some((ct, threshold)))
     }
 
     /// Whether interface `ni` matches (PTL_NI_MATCHING).
     pub fn is_matching(&self, ni: NiHandle) -> Result<bool, PtlError> {
         Ok(self.info(ni)?.matching)
+    }
+}
+
+/// One data-movement operation as the Portals calls describe it (kind 0 put, 1 get, 2 atomic,
+/// 3 fetch-atomic, 4 swap); triggered calls carry the same and a trigger.
+#[derive(Clone, Copy)]
+struct Movement<'a> {
+    kind: u8,
+    aop: Option<(AtomicOp, Datatype)>,
+    md: u32,
+    offset: u64,
+    length: u64,
+    /// Where replied data lands (gets, fetching atomics, swaps).
+    get: Option<(u32, u64)>,
+    ack_req: AckReq,
+    t: Target,
+    user_ptr: u64,
+    hdr_data: u64,
+    operand: &'a [u8],
+}
+
+impl<'a> Movement<'a> {
+    fn put(
+        md: u32,
+        offset: u64,
+        length: u64,
+        ack_req: AckReq,
+        t: Target,
+        user_ptr: u64,
+        hdr_data: u64,
+    ) -> Movement<'a> {
+        Movement {
+            kind: 0,
+            aop: None,
+            md,
+            offset,
+            length,
+            get: None,
+            ack_req,
+            t,
+            user_ptr,
+            hdr_data,
+            operand: &[],
+        }
+    }
+
+    fn get(md: u32, offset: u64, length: u64, t: Target, user_ptr: u64) -> Movement<'a> {
+        Movement {
+            kind: 1,
+            get: Some((md, offset)),
+            ..Movement::put(md, offset, length, AckReq::NoAck, t, user_ptr, 0)
+        }
+    }
+
+    /// A fetch-atomic (3) or swap (4): `put` is read, old values land in `get`.
+    fn fetch(kind: u8, get: (u32, u64), put: (u32, u64), length: u64, t: Target) -> Movement<'a> {
+        Movement {
+            kind,
+            get: Some(get),
+            ..Movement::put(put.0, put.1, length, AckReq::NoAck, t, 0, 0)
+        }
+    }
+
+    fn with(
+        self,
+        user_ptr: u64,
+        hdr_data: u64,
+        aop: (AtomicOp, Datatype),
+        operand: &'a [u8],
+    ) -> Movement<'a> {
+        Movement {
+            user_ptr,
+            hdr_data,
+            aop: Some(aop),
+            operand,
+            ..self
+        }
     }
 }
 
