@@ -424,46 +424,35 @@ mod tests {
         Some(wrap(r))
     }
 
+    /// The floating-point ops on values widened to f64 (for f32 the same as computing in f32:
+    /// one sum or product of two f32 rounds alike either way); `None`: nothing stored.
+    fn model_float(op: AtomicOp, tv: f64, dv: f64, ov: f64) -> Option<f64> {
+        match op {
+            AtomicOp::Min => Some(tv.min(dv)),
+            AtomicOp::Max => Some(tv.max(dv)),
+            AtomicOp::Sum => Some(tv + dv),
+            AtomicOp::Prod => Some(tv * dv),
+            AtomicOp::Swap => Some(dv),
+            AtomicOp::Cswap => (ov == tv).then_some(dv),
+            AtomicOp::CswapNe => (ov != tv).then_some(dv),
+            AtomicOp::CswapLe => (ov <= tv).then_some(dv),
+            AtomicOp::CswapLt => (ov < tv).then_some(dv),
+            AtomicOp::CswapGe => (ov >= tv).then_some(dv),
+            AtomicOp::CswapGt => (ov > tv).then_some(dv),
+            _ => unreachable!(),
+        }
+    }
+
     fn model_f64(op: AtomicOp, t: &[u8], d: &[u8], o: &[u8]) -> Option<Vec<u8>> {
         let f = |b: &[u8]| f64::from_le_bytes(b[..8].try_into().unwrap());
-        let (tv, dv) = (f(t), f(d));
         let ov = if o.len() >= 8 { f(o) } else { 0.0 };
-        let r = match op {
-            AtomicOp::Min => tv.min(dv),
-            AtomicOp::Max => tv.max(dv),
-            AtomicOp::Sum => tv + dv,
-            AtomicOp::Prod => tv * dv,
-            AtomicOp::Swap => dv,
-            AtomicOp::Cswap => return (ov == tv).then(|| d.to_vec()),
-            AtomicOp::CswapNe => return (ov != tv).then(|| d.to_vec()),
-            AtomicOp::CswapLe => return (ov <= tv).then(|| d.to_vec()),
-            AtomicOp::CswapLt => return (ov < tv).then(|| d.to_vec()),
-            AtomicOp::CswapGe => return (ov >= tv).then(|| d.to_vec()),
-            AtomicOp::CswapGt => return (ov > tv).then(|| d.to_vec()),
-            _ => unreachable!(),
-        };
-        Some(r.to_le_bytes().to_vec())
+        model_float(op, f(t), f(d), ov).map(|r| r.to_le_bytes().to_vec())
     }
 
     fn model_f32(op: AtomicOp, t: &[u8], d: &[u8], o: &[u8]) -> Option<Vec<u8>> {
-        let f = |b: &[u8]| f32::from_le_bytes(b[..4].try_into().unwrap());
-        let (tv, dv) = (f(t), f(d));
+        let f = |b: &[u8]| f32::from_le_bytes(b[..4].try_into().unwrap()) as f64;
         let ov = if o.len() >= 4 { f(o) } else { 0.0 };
-        let r = match op {
-            AtomicOp::Min => tv.min(dv),
-            AtomicOp::Max => tv.max(dv),
-            AtomicOp::Sum => tv + dv,
-            AtomicOp::Prod => tv * dv,
-            AtomicOp::Swap => dv,
-            AtomicOp::Cswap => return (ov == tv).then(|| d.to_vec()),
-            AtomicOp::CswapNe => return (ov != tv).then(|| d.to_vec()),
-            AtomicOp::CswapLe => return (ov <= tv).then(|| d.to_vec()),
-            AtomicOp::CswapLt => return (ov < tv).then(|| d.to_vec()),
-            AtomicOp::CswapGe => return (ov >= tv).then(|| d.to_vec()),
-            AtomicOp::CswapGt => return (ov > tv).then(|| d.to_vec()),
-            _ => unreachable!(),
-        };
-        Some(r.to_le_bytes().to_vec())
+        model_float(op, f(t), f(d), ov).map(|r| (r as f32).to_le_bytes().to_vec())
     }
 
     /// Small values (so that sums, products and comparisons exercise interesting cases) as the
