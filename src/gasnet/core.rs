@@ -252,7 +252,7 @@ impl Core {
         let mut inbox = std::mem::take(&mut self.inbox);
         let mut done = std::mem::take(&mut self.rma_done);
         self.conduit.poll(
-            &mut |src, reply_to, b| inbox.push((src, reply_to, b.to_vec())),
+            &mut |src, reply_to, b| inbox.push((src, reply_to, b)),
             &mut |d| done.push(d),
         )?;
         self.rma_done = done;

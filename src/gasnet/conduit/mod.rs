@@ -69,12 +69,12 @@ pub trait Conduit {
         self.max_am()
             .saturating_sub(super::am::encoded_len(super::am::MAX_ARGS, 0))
     }
-    /// Makes progress; hands each arrived AM to `deliver` (source, what [`Conduit::reply`]
+    /// Makes progress; hands each arrived AM (owned) to `deliver` (source, what [`Conduit::reply`]
     /// needs to answer it, the AM) in arrival order, and each finished direct operation to
     /// `done`. Returns whether anything happened.
     fn poll(
         &mut self,
-        deliver: &mut dyn FnMut(u32, u64, &[u8]),
+        deliver: &mut dyn FnMut(u32, u64, Vec<u8>),
         done: &mut dyn FnMut(RmaDone),
     ) -> Result<bool, GasnetError>;
     /// The conduit's name (`udp`, `portals`, …).

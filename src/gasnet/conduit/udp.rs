@@ -190,7 +190,7 @@ impl Conduit for UdpConduit {
         while !self.push(dest, &am)? {
             // No credit: make progress (acks free the window), keeping what arrives for later.
             let mut stash = Vec::new();
-            self.poll(&mut |src, _, b| stash.push((src, b.to_vec())), &mut |_| {})?;
+            self.poll(&mut |src, _, b| stash.push((src, b)), &mut |_| {})?;
             self.local.extend(stash);
         }
         Ok(())
@@ -198,12 +198,12 @@ impl Conduit for UdpConduit {
 
     fn poll(
         &mut self,
-        deliver: &mut dyn FnMut(u32, u64, &[u8]),
+        deliver: &mut dyn FnMut(u32, u64, Vec<u8>),
         _done: &mut dyn FnMut(super::RmaDone),
     ) -> Result<bool, GasnetError> {
         let mut any = false;
         while let Some((src, b)) = self.local.pop_front() {
-            deliver(src, 0, &b);
+            deliver(src, 0, b);
             any = true;
         }
         let now = self.now();
@@ -216,7 +216,7 @@ impl Conduit for UdpConduit {
             let mut handle = |body: &[u8]| {
                 for op in OpIter::new(body).flatten() {
                     if let OpRef::Am { h, data } = op {
-                        deliver(h.src_rank, 0, data);
+                        deliver(h.src_rank, 0, data.to_vec());
                     }
                 }
             };

@@ -346,7 +346,7 @@ impl Conduit for PortalsConduit {
 
     fn poll(
         &mut self,
-        deliver: &mut dyn FnMut(u32, u64, &[u8]),
+        deliver: &mut dyn FnMut(u32, u64, Vec<u8>),
         done: &mut dyn FnMut(RmaDone),
     ) -> Result<bool, GasnetError> {
         let mut any = self.poll_safe()?;
@@ -358,7 +358,7 @@ impl Conduit for PortalsConduit {
         any |= self.drain_am()?;
         any |= self.drain_raram()?;
         for (src, reply_to, am) in self.arrived.drain(..) {
-            deliver(src, reply_to, &am);
+            deliver(src, reply_to, am);
         }
         Ok(any)
     }
