@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use super::credit::{self, Carry};
 use super::{
     err, Parked, PortalsConduit, ReqSlot, AM_PT, BITS_AM, CATCH_ME, LONG_TAG, MAX_AM, MAX_LONG,
-    PACKED_MAX, RARAM_EQ_LEN, RARAM_PT, REPLY_ME, REPLY_PT, REP_SLOTS, REP_TAG, REQ_SLOTS, RMA_TAG,
+    PACKED_MAX, RARAM_PT, REPLY_ME, REPLY_PT, REP_SLOTS, REP_TAG, REQ_SLOTS, RMA_TAG,
 };
 use crate::gasnet::am::{self, IN_PLACE_LEN};
 use crate::gasnet::GasnetError;
@@ -239,16 +239,23 @@ impl PortalsConduit {
             .map_err(err)
     }
 
+    /// The next event of `eq`; its overflow (PTL_EQ_DROPPED: events lost) is an error, since
+    /// every queue here is sized or flow-controlled never to overflow.
+    fn next_event(&mut self, eq: u32, name: &str) -> Result<Option<Event>, GasnetError> {
+        match self.p.eq_get(self.ni, eq) {
+            Ok((_, true)) => Err(GasnetError::Wait(format!(
+                "{name} overflowed: events were lost"
+            ))),
+            Ok((e, false)) => Ok(Some(e)),
+            Err(_) => Ok(None),
+        }
+    }
+
     /// Handles the send side's events (ACKs, replies, direct operations) and sends again the
     /// refused requests that are due. Returns whether anything happened.
     pub(super) fn poll_safe(&mut self) -> Result<bool, GasnetError> {
         let mut any = false;
-        while let Ok((e, dropped)) = self.p.eq_get(self.ni, self.safe_eq) {
-            if dropped {
-                return Err(GasnetError::Wait(
-                    "SAFE_EQ overflowed: it is sized for every operation in flight".into(),
-                ));
-            }
+        while let Some(e) = self.next_event(self.safe_eq, "SAFE_EQ (sized for all in flight)")? {
             any = true;
             let up = e.user_ptr;
             if up & RMA_TAG != 0 {
@@ -361,12 +368,7 @@ impl PortalsConduit {
         let mut any = false;
         let mut repost = Vec::new();
         let mut enable = false;
-        while let Ok((e, dropped)) = self.p.eq_get(self.ni, self.am_eq) {
-            if dropped {
-                return Err(GasnetError::Wait(
-                    "AM_EQ overflowed despite flow control: requests were lost".into(),
-                ));
-            }
+        while let Some(e) = self.next_event(self.am_eq, "AM_EQ (despite flow control)")? {
             any = true;
             match e.kind {
                 EventKind::Put if e.user_ptr != CATCH_ME => self.request_arrived(&e),
@@ -425,12 +427,7 @@ impl PortalsConduit {
     /// Takes RARAM's PUT events and releases the Long headers whose payload is complete.
     pub(super) fn drain_raram(&mut self) -> Result<bool, GasnetError> {
         let mut any = false;
-        while let Ok((e, dropped)) = self.p.eq_get(self.ni, self.raram_eq) {
-            if dropped {
-                return Err(GasnetError::Wait(format!(
-                    "RARAM event queue overflowed ({RARAM_EQ_LEN}): Long payloads lost track of"
-                )));
-            }
+        while let Some(e) = self.next_event(self.raram_eq, "RARAM's EQ (Long payloads)")? {
             any = true;
             if let (EventKind::Put, NiFail::Ok, ProcessId::Logical { rank }) =
                 (e.kind, e.ni_fail, e.initiator)
