@@ -103,6 +103,31 @@ pub struct Fault {
     pub seed: u64,
 }
 
+/// The fault-injection flags of the binaries that start daemons (testing only).
+#[derive(Debug, Clone, clap::Args)]
+pub struct FaultArgs {
+    /// Fault injection: probability of dropping each datagram sent (testing only).
+    #[arg(long, default_value_t = 0.0)]
+    pub fault_drop: f64,
+    /// Fault injection: probability of sending a datagram twice (testing only).
+    #[arg(long, default_value_t = 0.0)]
+    pub fault_duplicate: f64,
+    /// Seed of the fault injector, for repeatable runs.
+    #[arg(long, default_value_t = 1)]
+    pub fault_seed: u64,
+}
+
+impl FaultArgs {
+    /// The faults asked for, if any.
+    pub fn fault(&self) -> Option<Fault> {
+        (self.fault_drop > 0.0 || self.fault_duplicate > 0.0).then_some(Fault {
+            drop: self.fault_drop,
+            duplicate: self.fault_duplicate,
+            seed: self.fault_seed,
+        })
+    }
+}
+
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Host {

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use clap::{Parser, Subcommand};
-use softnic::config::{Config, Fault};
+use softnic::config::{Config, FaultArgs};
 use softnic::job::local::{self, Launch};
 use softnic::shm::attach::{self, Request, Response};
 
@@ -36,14 +36,9 @@ enum Cmd {
         /// Conduit for GASNet programs (exported as SOFTNIC_CONDUIT).
         #[arg(long)]
         conduit: Option<String>,
-        /// Fault injection in the started daemons: drop probability per datagram.
-        #[arg(long, default_value_t = 0.0)]
-        fault_drop: f64,
-        /// Fault injection: duplicate probability per datagram.
-        #[arg(long, default_value_t = 0.0)]
-        fault_duplicate: f64,
-        #[arg(long, default_value_t = 1)]
-        fault_seed: u64,
+        /// Fault injection in the daemons started here.
+        #[command(flatten)]
+        faults: FaultArgs,
         /// The program and its arguments (after --).
         #[arg(last = true, required = true)]
         program: Vec<OsString>,
@@ -68,16 +63,10 @@ fn main() -> anyhow::Result<()> {
             config,
             attach,
             conduit,
-            fault_drop,
-            fault_duplicate,
-            fault_seed,
+            faults,
             program,
         } => {
-            let fault = (fault_drop > 0.0 || fault_duplicate > 0.0).then_some(Fault {
-                drop: fault_drop,
-                duplicate: fault_duplicate,
-                seed: fault_seed,
-            });
+            let fault = faults.fault();
             let mut program = program.into_iter();
             let l = Launch {
                 ranks: n,

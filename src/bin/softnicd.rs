@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use anyhow::Context;
 use clap::Parser;
-use softnic::config::{Config, Fault};
+use softnic::config::{Config, FaultArgs};
 use softnic::daemon::Daemon;
 
 const ENV_HELP: &str = "Environment:
@@ -28,15 +28,8 @@ struct Args {
     /// Which [[host]] of the config this daemon serves; repeat to serve several in one process.
     #[arg(long = "host", required = true)]
     hosts: Vec<String>,
-    /// Fault injection: probability of dropping each datagram sent (testing only).
-    #[arg(long, default_value_t = 0.0)]
-    fault_drop: f64,
-    /// Fault injection: probability of sending a datagram twice (testing only).
-    #[arg(long, default_value_t = 0.0)]
-    fault_duplicate: f64,
-    /// Seed of the fault injector, for repeatable runs.
-    #[arg(long, default_value_t = 1)]
-    fault_seed: u64,
+    #[command(flatten)]
+    faults: FaultArgs,
     /// Print the effective settings at start (SOFTNIC_LOG sets the log filter, e.g. debug).
     #[arg(short, long)]
     verbose: bool,
@@ -47,12 +40,8 @@ fn main() -> anyhow::Result<()> {
     let default = if args.verbose { "info" } else { "warn" };
     softnic::logging::init(default);
     let mut cfg = Config::load(&args.config)?;
-    if args.fault_drop > 0.0 || args.fault_duplicate > 0.0 {
-        cfg.fault = Some(Fault {
-            drop: args.fault_drop,
-            duplicate: args.fault_duplicate,
-            seed: args.fault_seed,
-        });
+    if let Some(f) = args.faults.fault() {
+        cfg.fault = Some(f);
         cfg.validate()?;
     }
     let indices = args
