@@ -412,6 +412,8 @@ impl HostNic {
                     .endpoints
                     .region(job, rank, c.local_region)
                     .and_then(|r| r.check_local(c.local_off, c.len).map(|_| r.clone()))
+                    // BTE streams straight from and into mapped memory.
+                    .and_then(|r| r.is_mapped().then_some(r).ok_or(Status::Permission))
                 {
                     Ok(r) => Some(r),
                     Err(s) => {
@@ -574,11 +576,10 @@ impl HostNic {
         let action = match c.kind {
             CommandKind::Portals => return (Status::BadRequest, 0),
             CommandKind::PutInline => serve(&self.endpoints, &put(h, c, inline)),
-            CommandKind::PutFrom => match own(&self.endpoints) {
-                Ok(src) => serve(
-                    &self.endpoints,
-                    &put(h, c, src.bytes(c.local_off, c.len as usize)),
-                ),
+            CommandKind::PutFrom => match own(&self.endpoints)
+                .and_then(|src| src.read(c.local_off, c.len as usize).map(|d| d.into_owned()))
+            {
+                Ok(data) => serve(&self.endpoints, &put(h, c, &data)),
                 Err(s) => return (s, 0),
             },
             CommandKind::Get => {
@@ -601,8 +602,10 @@ impl HostNic {
                         len,
                         ..
                     } => {
-                        dst.write(c.local_off, region.bytes(offset, len as usize));
-                        return (Status::Ok, 0);
+                        let moved = region
+                            .read(offset, len as usize)
+                            .and_then(|d| dst.write(c.local_off, &d));
+                        return (moved.err().unwrap_or(Status::Ok), 0);
                     }
                     other => other,
                 }
@@ -783,7 +786,16 @@ impl HostNic {
                         };
                         let n = (remaining as usize).min(max);
                         let last = st.sent + n as u64 == st.len;
-                        let data = st.src.bytes(st.src_off + st.sent, n);
+                        let data = match st.src.read(st.src_off + st.sent, n) {
+                            Ok(d) => d,
+                            Err(s) => {
+                                // Streams are mapped (checked at the command); never expected.
+                                if let Some(c) = self.initiator.complete(st.h.req, s, 0) {
+                                    self.completions.push(c);
+                                }
+                                break;
+                            }
+                        };
                         let op = match st.kind {
                             StreamKind::Put {
                                 region,
@@ -797,14 +809,14 @@ impl HostNic {
                                 total_len: st.len,
                                 last,
                                 lazy_ack,
-                                data,
+                                data: &data,
                             },
                             StreamKind::GetReply => OpRef::GetReply {
                                 h: st.h,
                                 status: Status::Ok,
                                 frag_off: st.sent,
                                 last,
-                                data,
+                                data: &data,
                             },
                         };
                         match self.transport.push_op(peer, &op) {

@@ -59,6 +59,10 @@ impl HostNic {
 
     fn match_entry(&self, job: u32, rank: u32, m: &MeArgs) -> Result<MatchEntry, PtlError> {
         let region = self.region_of(job, rank, m.buf.region)?;
+        // Targets are written in place by remote peers: list entries need mapped memory.
+        if !region.is_mapped() {
+            return Err(PtlError::ArgInvalid);
+        }
         let match_id = match m.match_id {
             (0, r, _) => ProcessId::Logical { rank: r },
             (_, nid, pid) => ProcessId::Physical { nid, pid },

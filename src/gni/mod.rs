@@ -54,6 +54,7 @@ fn explain(s: Status) -> &'static str {
         Status::NoSuchEndpoint => "the target rank is not attached (exited or killed)",
         Status::PeerDead => "the target host's daemon stopped answering",
         Status::BadRequest => "malformed request (misaligned AMO, bad size)",
+        Status::Fault => "local memory reached by copy is gone (unmapped, or its process exited)",
     }
 }
 

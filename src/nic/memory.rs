@@ -4,20 +4,36 @@
 //! A region is memory shared with a client process (a memfd mapping in the daemon, a heap
 //! buffer in tests). The owning process may read and write it concurrently, as with a hardware
 //! NIC; atomics go through real CPU atomic instructions so they are coherent with the owner's.
+//!
+//! A region may also be memory the NIC reaches only by copying (a client's private pages, the
+//! registration cache's regions): such a region serves as the local side of operations (the
+//! source of a put, the landing place of a reply) but can hold no atomics, event rings or
+//! list entries, because those need the bytes mapped here.
 
 use rustc_hash::FxHashMap as HashMap;
+use std::borrow::Cow;
 use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 
 use crate::wire::Status;
 
-/// Memory a region lives in. Implementors guarantee `ptr()..ptr()+len()` stays mapped and
-/// 8-byte aligned at `ptr()` for their whole lifetime.
+/// Memory a region lives in: mapped into this process (`ptr` is `Some`), or reached by copy
+/// through `read_at`/`write_at`. Implementors of a mapped backing guarantee
+/// `ptr()..ptr()+len()` stays mapped and 8-byte aligned at `ptr()` for their whole lifetime.
 pub trait Backing: Send + Sync {
-    fn ptr(&self) -> *mut u8;
+    fn ptr(&self) -> Option<*mut u8>;
     fn len(&self) -> usize;
     fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+    /// Copies `out.len()` bytes at `off` out of a backing that is not mapped (bounds checked by
+    /// the caller). `Status::Fault` when the memory is gone.
+    fn read_at(&self, _off: usize, _out: &mut [u8]) -> Result<(), Status> {
+        Err(Status::Fault)
+    }
+    /// Copies `data` in at `off` of a backing that is not mapped.
+    fn write_at(&self, _off: usize, _data: &[u8]) -> Result<(), Status> {
+        Err(Status::Fault)
     }
 }
 
@@ -33,8 +49,8 @@ impl HeapBacking {
 }
 
 impl Backing for HeapBacking {
-    fn ptr(&self) -> *mut u8 {
-        self.0.as_ptr() as *mut u8
+    fn ptr(&self) -> Option<*mut u8> {
+        Some(self.0.as_ptr() as *mut u8)
     }
     fn len(&self) -> usize {
         self.0.len() * 8
@@ -90,33 +106,71 @@ impl Region {
         self.check(off, len, Perms(0))
     }
 
-    /// Copies `data` in at `off`. Bounds must have been checked.
-    pub fn write(&self, off: u64, data: &[u8]) {
+    /// Whether the bytes are mapped here (needed for atomics, event rings, list entries).
+    pub fn is_mapped(&self) -> bool {
+        self.backing.ptr().is_some()
+    }
+
+    /// Copies `data` in at `off`. Bounds must have been checked (asserted); `Status::Fault` when
+    /// memory reached by copy is gone.
+    pub fn write(&self, off: u64, data: &[u8]) -> Result<(), Status> {
         assert!(
             off as usize + data.len() <= self.len(),
             "write past a checked region"
         );
+        let Some(base) = self.backing.ptr() else {
+            return self.backing.write_at(off as usize, data);
+        };
         // SAFETY: in bounds (asserted); the backing stays mapped while `self` holds it. The owner
         // process may touch these bytes concurrently, which is the contract of NIC memory.
         // `copy` (memmove): a put from a rank to itself may overlap.
-        unsafe {
-            std::ptr::copy(
-                data.as_ptr(),
-                self.backing.ptr().add(off as usize),
-                data.len(),
-            )
+        unsafe { std::ptr::copy(data.as_ptr(), base.add(off as usize), data.len()) }
+        Ok(())
+    }
+
+    /// The bytes at `[off, off+len)`: borrowed when mapped, copied otherwise. Bounds must have
+    /// been checked (asserted). The owner may change them while they are read, exactly as under
+    /// a hardware NIC's DMA.
+    pub fn read(&self, off: u64, len: usize) -> Result<Cow<'_, [u8]>, Status> {
+        assert!(
+            off as usize + len <= self.len(),
+            "read past a checked region"
+        );
+        match self.backing.ptr() {
+            // SAFETY: in bounds (asserted) and mapped for the lifetime of `self`.
+            Some(base) => Ok(Cow::Borrowed(unsafe {
+                std::slice::from_raw_parts(base.add(off as usize), len)
+            })),
+            None => {
+                let mut v = vec![0; len];
+                self.backing.read_at(off as usize, &mut v)?;
+                Ok(Cow::Owned(v))
+            }
         }
     }
 
-    /// The bytes at `[off, off+len)`. Bounds must have been checked. The owner may change them
-    /// while they are read, exactly as under a hardware NIC's DMA.
+    /// The bytes at `[off, off+len)` of a mapped region (tests and diagnostics; the engines use
+    /// [`Region::read`]).
+    ///
+    /// # Panics
+    /// Out of bounds, or on a region reached by copy.
     pub fn bytes(&self, off: u64, len: usize) -> &[u8] {
         assert!(
             off as usize + len <= self.len(),
             "read past a checked region"
         );
+        let base = self.backing.ptr().expect("bytes() of a region reached by copy");
         // SAFETY: in bounds (asserted) and mapped for the lifetime of `self`.
-        unsafe { std::slice::from_raw_parts(self.backing.ptr().add(off as usize), len) }
+        unsafe { std::slice::from_raw_parts(base.add(off as usize), len) }
+    }
+
+    /// Where `[off, off+len)` is mapped, for atomics applied in place: bounds checked, and
+    /// `Status::Permission` on a region reached by copy.
+    pub fn mapped_at(&self, off: u64, len: u64) -> Result<*mut u8, Status> {
+        self.check_local(off, len)?;
+        let base = self.backing.ptr().ok_or(Status::Permission)?;
+        // SAFETY: in bounds (checked).
+        Ok(unsafe { base.add(off as usize) })
     }
 
     /// The 64-bit word at `off` for an atomic operation: 8-byte aligned and in bounds, or an error.
@@ -125,8 +179,9 @@ impl Region {
         if !off.is_multiple_of(8) {
             return Err(Status::BadRequest);
         }
+        let p = self.mapped_at(off, 8)?;
         // SAFETY: in bounds, 8-aligned (the backing base is 8-aligned), mapped while `self` lives.
-        Ok(unsafe { &*(self.backing.ptr().add(off as usize) as *const AtomicU64) })
+        Ok(unsafe { &*(p as *const AtomicU64) })
     }
 }
 

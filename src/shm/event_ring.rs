@@ -123,6 +123,7 @@ impl EventRing {
     pub fn new(region: Region, base: u64, len: u64) -> Option<EventRing> {
         if !base.is_multiple_of(64)
             || len < FIRST + EVENT_LEN
+            || !region.is_mapped()
             || region.check_local(base, len).is_err()
         {
             return None;
@@ -163,7 +164,9 @@ impl EventRing {
         let mut b = [0u8; EVENT_LEN as usize];
         encode(e, dropped, &mut b);
         let at = self.base + FIRST + (self.mine % self.cap) * EVENT_LEN;
-        self.region.write(at, &b);
+        if self.region.write(at, &b).is_err() {
+            return false; // never: the ring is mapped and in bounds (checked at `new`)
+        }
         self.mine += 1;
         self.index(TAIL).store(self.mine, Ordering::Release);
         true
@@ -197,7 +200,7 @@ pub struct CtSlot {
 
 impl CtSlot {
     pub fn new(region: Region, at: u64) -> Option<CtSlot> {
-        (at.is_multiple_of(8) && region.check_local(at, 16).is_ok())
+        (at.is_multiple_of(8) && region.is_mapped() && region.check_local(at, 16).is_ok())
             .then_some(CtSlot { region, at })
     }
 

@@ -100,8 +100,8 @@ impl Mapping {
 }
 
 impl Backing for Mapping {
-    fn ptr(&self) -> *mut u8 {
-        self.as_ptr()
+    fn ptr(&self) -> Option<*mut u8> {
+        Some(self.as_ptr())
     }
     fn len(&self) -> usize {
         self.len

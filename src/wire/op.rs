@@ -79,6 +79,9 @@ pub enum Status {
     PeerDead = 5,
     /// The request itself was malformed (bad size, misaligned atomic, bad host index…).
     BadRequest = 6,
+    /// Memory the NIC reaches by copy (a process's private pages) could not be read or
+    /// written: unmapped, or its process is gone.
+    Fault = 7,
 }
 
 impl Status {
@@ -90,6 +93,7 @@ impl Status {
             3 => Status::NoSuchRegion,
             4 => Status::NoSuchEndpoint,
             5 => Status::PeerDead,
+            7 => Status::Fault,
             _ => Status::BadRequest,
         }
     }

@@ -126,7 +126,9 @@ impl Initiator {
                         .checked_add(data.len() as u64)
                         .is_some_and(|e| e <= *len);
                     if fits {
-                        region.write(offset + frag_off, data);
+                        if let Err(s) = region.write(offset + frag_off, data) {
+                            st = s;
+                        }
                     } else {
                         st = Status::BadRequest;
                     }

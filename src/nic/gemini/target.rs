@@ -218,8 +218,7 @@ fn put_fragment(
     if offset < total_off || frag_end > total_off + total_len {
         return Err(Status::BadRequest);
     }
-    r.write(offset, data);
-    Ok(())
+    r.write(offset, data)
 }
 
 #[cfg(test)]

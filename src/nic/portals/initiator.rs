@@ -13,6 +13,7 @@ use super::matching::ReqKind;
 use super::ni::{PortalsNi, Response};
 use super::types::{Event, EventKind, NiFail, ProcessId, PtlError};
 use crate::nic::memory::Region;
+use crate::wire::Status;
 
 /// Memory descriptor options (`ptl_md_t.options`).
 pub mod md {
@@ -58,7 +59,7 @@ pub struct Md {
 
 impl Md {
     /// Copies `len` bytes at MD offset `off` out (gather).
-    fn gather(&self, mut off: u64, len: u64, out: &mut Vec<u8>) {
+    fn gather(&self, mut off: u64, len: u64, out: &mut Vec<u8>) -> Result<(), Status> {
         let mut left = len;
         for &(start, slen) in &self.segments {
             if left == 0 {
@@ -69,14 +70,15 @@ impl Md {
                 continue;
             }
             let n = (slen - off).min(left);
-            out.extend_from_slice(self.region.bytes(start + off, n as usize));
+            out.extend_from_slice(&self.region.read(start + off, n as usize)?);
             left -= n;
             off = 0;
         }
+        Ok(())
     }
 
     /// Copies `data` in at MD offset `off` (scatter).
-    fn scatter(&self, mut off: u64, mut data: &[u8]) {
+    fn scatter(&self, mut off: u64, mut data: &[u8]) -> Result<(), Status> {
         for &(start, slen) in &self.segments {
             if data.is_empty() {
                 break;
@@ -86,10 +88,11 @@ impl Md {
                 continue;
             }
             let n = ((slen - off) as usize).min(data.len());
-            self.region.write(start + off, &data[..n]);
+            self.region.write(start + off, &data[..n])?;
             data = &data[n..];
             off = 0;
         }
+        Ok(())
     }
 }
 
@@ -209,7 +212,9 @@ impl PortalsNi {
         }
         let mut payload = Vec::new();
         if sends {
-            pay.gather(spec.offset, spec.length, &mut payload);
+            // Memory reached by copy that is gone: the MD names no memory any more.
+            pay.gather(spec.offset, spec.length, &mut payload)
+                .map_err(|_| PtlError::ArgInvalid)?;
         }
         let (eq, ct, opts) = (pay.eq, pay.ct, pay.options);
         self.mds.get_mut(spec.md).expect("checked").pending += 1;
@@ -257,11 +262,14 @@ impl PortalsNi {
         let Some(m) = self.mds.get_mut(mdh) else {
             return;
         };
+        let mut segv = false;
         if reply {
             m.pending = m.pending.saturating_sub(1);
             if resp.ni_fail == NiFail::Ok {
                 let n = resp.data.len().min(s.length as usize);
-                m.scatter(s.get_offset, &resp.data[..n]);
+                if m.scatter(s.get_offset, &resp.data[..n]).is_err() {
+                    segv = true;
+                }
             }
         }
         let (eq, ct, opts) = (m.eq, m.ct, m.options);
@@ -277,9 +285,11 @@ impl PortalsNi {
                 AckReq::NoAck => (false, false),
             }
         };
-        let failed = resp.ni_fail != NiFail::Ok;
+        // A reply that could not land (its memory is gone) fails as a segmentation violation.
+        let ni_fail = if segv { NiFail::Segv } else { resp.ni_fail };
+        let failed = ni_fail != NiFail::Ok;
         if full && (failed || opts & md::EVENT_SUCCESS_DISABLE == 0) {
-            let e = self.initiator_event(kind, &s, resp.mlength, resp.ni_fail);
+            let e = self.initiator_event(kind, &s, resp.mlength, ni_fail);
             self.post(
                 eq,
                 Event {

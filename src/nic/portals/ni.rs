@@ -736,9 +736,14 @@ impl PortalsNi {
             _ if mlength == 0 => {}
             ReqKind::Put => {
                 mlength = mlength.min(req.data.len() as u64);
-                e.region.write(at, &req.data[..mlength as usize]);
+                if e.region.write(at, &req.data[..mlength as usize]).is_err() {
+                    return fail(self, NiFail::Segv);
+                }
             }
-            ReqKind::Get => data = e.region.bytes(at, mlength as usize).to_vec(),
+            ReqKind::Get => match e.region.read(at, mlength as usize) {
+                Ok(d) => data = d.into_owned(),
+                Err(_) => return fail(self, NiFail::Segv),
+            },
             ReqKind::Atomic(op, dt) | ReqKind::FetchAtomic(op, dt) | ReqKind::Swap(op, dt) => {
                 let w = dt.size() as u64;
                 mlength = mlength.min(req.data.len() as u64) / w * w;
@@ -746,7 +751,9 @@ impl PortalsNi {
                 if fetch {
                     data = vec![0; mlength as usize];
                 }
-                let ptr = e.region.bytes(at, mlength as usize).as_ptr() as *mut u8;
+                let Ok(ptr) = e.region.mapped_at(at, mlength) else {
+                    return fail(self, NiFail::Segv);
+                };
                 // SAFETY: [at, at+mlength) lies inside the entry (placement) and so inside its
                 // region (checked at append); the region stays mapped while `e` holds it.
                 let r = unsafe {
