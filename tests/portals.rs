@@ -87,7 +87,7 @@ fn put_is_matched_by_the_target_nic_and_acknowledged() {
             s.p.md_bind(
                 s.ni,
                 &Md {
-                    region: mem.clone(),
+                    region: mem.handle,
                     segments: vec![(0, 4096)],
                     options: 0,
                     eq: Some(s.eq),
@@ -149,7 +149,7 @@ fn md_all(s: &mut Setup, mem: &softnic::gni::MemRegion, options: u32, ct: Option
     s.p.md_bind(
         s.ni,
         &Md {
-            region: mem.clone(),
+            region: mem.handle,
             segments: vec![(0, mem.len() as u64)],
             options,
             eq: Some(s.eq),
@@ -384,7 +384,7 @@ fn counting_event_completion_and_triggered_put_at_the_target_nic() {
             s.p.md_bind(
                 s.ni,
                 &Md {
-                    region: mem.clone(),
+                    region: mem.handle,
                     segments: vec![(0, 64)],
                     options: md_opt::EVENT_CT_ACK | md_opt::EVENT_SEND_DISABLE,
                     eq: None,
@@ -483,7 +483,7 @@ fn event_queue_overflow_is_reported() {
             .md_bind(
                 ni,
                 &Md {
-                    region: mem.clone(),
+                    region: mem.handle,
                     segments: vec![(0, 64)],
                     options: 0,
                     eq: Some(eq),
@@ -576,7 +576,7 @@ fn physical_addressing_and_match_id() {
             .md_bind(
                 ni,
                 &Md {
-                    region: mem.clone(),
+                    region: mem.handle,
                     segments: vec![(0, 64)],
                     options: 0,
                     eq: Some(eq),
@@ -753,7 +753,7 @@ fn messages_are_matched_in_send_order_under_faults() {
             s.p.md_bind(
                 s.ni,
                 &Md {
-                    region: mem.clone(),
+                    region: mem.handle,
                     segments: vec![(0, 8000)],
                     options: md_opt::EVENT_CT_ACK | md_opt::EVENT_SEND_DISABLE,
                     eq: None,
@@ -1175,6 +1175,85 @@ fn set_map_renames_processes_logically() {
             wait_kind(&mut s, EventKind::Put).initiator,
             ProcessId::Logical { rank: 1 }
         );
+    }
+    s.p.nic().barrier().unwrap();
+}
+
+#[test]
+fn an_md_over_private_process_memory_is_reached_by_copy() {
+    if !in_job() {
+        return launch_ok(
+            "an_md_over_private_process_memory_is_reached_by_copy",
+            2,
+            2,
+            &[],
+        );
+    }
+    let mut s = setup();
+    let me = my_rank(&s);
+    let mem = s.p.nic().mem_register(1 << 20, Perms::READ_WRITE).unwrap();
+    let pt = s.p.pt_alloc(s.ni, 0, Some(s.eq), None).unwrap();
+    if me == 1 {
+        s.p.me_append(s.ni, pt, &Me::new(whole(&mem), 1), List::Priority, 0)
+            .unwrap();
+    }
+    s.p.nic().barrier().unwrap();
+    if me == 0 {
+        let n = 300_000usize;
+        let src: Vec<u8> = (0..n).map(|i| (i * 7 % 251) as u8).collect();
+        let mut back = vec![0u8; n];
+        let r_src =
+            s.p.nic()
+                .client()
+                .register_process(src.as_ptr() as u64, n as u64)
+                .unwrap();
+        let r_back =
+            s.p.nic()
+                .client()
+                .register_process(back.as_mut_ptr() as u64, n as u64)
+                .unwrap();
+        let md = |s: &mut Setup, r: u32| {
+            s.p.md_bind(
+                s.ni,
+                &Md {
+                    region: softnic::gni::MemHandle(r),
+                    segments: vec![(0, n as u64)],
+                    options: 0,
+                    eq: Some(s.eq),
+                    ct: None,
+                },
+            )
+            .unwrap()
+        };
+        let (md_src, md_back) = (md(&mut s, r_src), md(&mut s, r_back));
+        s.p.put(
+            s.ni,
+            md_src,
+            0,
+            n as u64,
+            AckReq::Ack,
+            target(1, pt, 1, 8),
+            1,
+            0,
+        )
+        .unwrap();
+        let ack = wait_kind(&mut s, EventKind::Ack);
+        assert_eq!((ack.ni_fail, ack.mlength), (NiFail::Ok, n as u64));
+        s.p.get(s.ni, md_back, 0, n as u64, target(1, pt, 1, 8), 2)
+            .unwrap();
+        let reply = wait_kind(&mut s, EventKind::Reply);
+        assert_eq!((reply.ni_fail, reply.mlength), (NiFail::Ok, n as u64));
+        // The daemon wrote `back` by copy, outside this process's view.
+        let got: Vec<u8> = (0..n)
+            .map(|i| unsafe { std::ptr::read_volatile(back.as_ptr().add(i)) })
+            .collect();
+        assert!(
+            got == src,
+            "the round trip through private memory changed the bytes"
+        );
+        // Memory the daemon cannot reach is refused at registration, with the reason.
+        let err = s.p.nic().client().register_process(8, 4096).unwrap_err();
+        assert!(err.to_string().contains("cannot reach"), "{err}");
     }
     s.p.nic().barrier().unwrap();
 }

@@ -209,10 +209,10 @@ fn matching_order_and_exactly_once_under_loss_duplication_reordering() {
         let ieq = i.eq_alloc(4096).unwrap();
         let src = region(8 * 400 + 20_000);
         for k in 0..400u64 {
-            src.write(k * 8, &k.to_le_bytes());
+            src.write(k * 8, &k.to_le_bytes()).unwrap();
         }
         let pattern: Vec<u8> = (0..20_000u32).map(|x| (x * 7 % 251) as u8).collect();
-        src.write(3200, &pattern);
+        src.write(3200, &pattern).unwrap();
         let md = i
             .md_bind(src.clone(), vec![(0, 8 * 400 + 20_000)], 0, Some(ieq), None)
             .unwrap();

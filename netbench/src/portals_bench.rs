@@ -42,7 +42,7 @@ pub fn setup(p: &mut Portals, max: usize) -> anyhow::Result<Setup> {
     let md = p.md_bind(
         ni,
         &Md {
-            region: out.clone(),
+            region: out.handle,
             segments: vec![(0, (max + 64) as u64)],
             options: md_opt::EVENT_CT_ACK,
             eq: Some(eq),

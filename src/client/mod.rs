@@ -112,6 +112,32 @@ impl Client {
         }
     }
 
+    /// Registers `[addr, addr+len)` of this process's own memory, which the daemon reaches by
+    /// copy: usable as the local side of operations (a put's source, a get's destination),
+    /// never by remote peers. The daemon is named this process's ptrace tracer first, as
+    /// Linux's Yama module asks where it is enabled.
+    pub fn register_process(&self, addr: u64, len: u64) -> Result<u32, ClientError> {
+        if let Ok(c) = rustix::net::sockopt::get_socket_peercred(&self.sock) {
+            // SAFETY: PR_SET_PTRACER takes a pid; it fails harmlessly (EINVAL) without Yama.
+            unsafe {
+                libc::prctl(
+                    libc::PR_SET_PTRACER,
+                    c.pid.as_raw_nonzero().get() as libc::c_ulong,
+                    0,
+                    0,
+                    0,
+                );
+            }
+        }
+        match attach::call(&self.sock, &Request::RegisterProcess { addr, len }, &[])?.0 {
+            Response::Registered { region } => Ok(region),
+            Response::Error(e) => Err(ClientError::Refused(e)),
+            other => Err(ClientError::Protocol(format!(
+                "unexpected answer to register: {other:?}"
+            ))),
+        }
+    }
+
     pub fn deregister(&self, region: u32) -> Result<(), ClientError> {
         match attach::call(&self.sock, &Request::Deregister { region }, &[])?.0 {
             Response::Done => Ok(()),

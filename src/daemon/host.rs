@@ -18,6 +18,7 @@ use crate::config::TransportKind;
 use crate::nic::gemini::{serve, Completion, Initiator, Pending, PendingKind, Reply, TargetAction};
 use crate::nic::memory::{Endpoints, Perms, Region};
 use crate::shm::attach::{self, Request, Response};
+use crate::shm::process_memory::ProcessMemory;
 use crate::shm::{Command, CommandKind, CqEntry, Mapping, CMD_IMPLICIT};
 use crate::transport::tcp::TcpDriver;
 use crate::transport::udp::UdpDriver;
@@ -576,9 +577,10 @@ impl HostNic {
         let action = match c.kind {
             CommandKind::Portals => return (Status::BadRequest, 0),
             CommandKind::PutInline => serve(&self.endpoints, &put(h, c, inline)),
-            CommandKind::PutFrom => match own(&self.endpoints)
-                .and_then(|src| src.read(c.local_off, c.len as usize).map(|d| d.into_owned()))
-            {
+            CommandKind::PutFrom => match own(&self.endpoints).and_then(|src| {
+                src.read(c.local_off, c.len as usize)
+                    .map(|d| d.into_owned())
+            }) {
                 Ok(data) => serve(&self.endpoints, &put(h, c, &data)),
                 Err(s) => return (s, 0),
             },
@@ -865,8 +867,9 @@ impl HostNic {
                     break;
                 }
             };
-            match rustix::net::sockopt::get_socket_peercred(&fd) {
+            let pid = match rustix::net::sockopt::get_socket_peercred(&fd) {
                 Ok(c) if c.uid.as_raw() == self.uid || Some(c.gid.as_raw()) == self.allowed_gid => {
+                    c.pid.as_raw_nonzero().get()
                 }
                 Ok(c) => {
                     self.stats.attach_refused += 1;
@@ -885,7 +888,7 @@ impl HostNic {
                     tracing::warn!("SO_PEERCRED failed: {e}");
                     continue;
                 }
-            }
+            };
             let slot = self
                 .sessions
                 .iter()
@@ -899,6 +902,7 @@ impl HostNic {
             self.sessions[slot] = Some(Session {
                 id,
                 sock: fd,
+                pid,
                 attached: None,
             });
             new.push(slot);
@@ -1026,6 +1030,33 @@ impl HostNic {
                 match self
                     .endpoints
                     .register(job, rank, Region::new(Arc::new(map), Perms(perms)))
+                {
+                    Ok(region) => (Response::Registered { region }, Vec::new()),
+                    Err(st) => err(format!("register failed: {st:?}")),
+                }
+            }
+            Request::RegisterProcess { addr, len } => {
+                let Some(a) = s.attached.as_ref() else {
+                    return err("register before hello".into());
+                };
+                if len > MAX_REGION as u64 {
+                    return err(format!("cannot register {len} bytes: at most {MAX_REGION}"));
+                }
+                let mem = match ProcessMemory::new(s.pid, addr, len) {
+                    Ok(m) => m,
+                    Err(e) => {
+                        return err(format!(
+                            "cannot reach [{addr:#x}, +{len}) of process {}: {e} (ptrace \
+                             access: same user, and Yama's ptrace_scope allows it or the \
+                             client named the daemon its tracer)",
+                            s.pid
+                        ))
+                    }
+                };
+                // Local side only: no remote peer may name it.
+                match self
+                    .endpoints
+                    .register(a.job, a.rank, Region::new(Arc::new(mem), Perms(0)))
                 {
                     Ok(region) => (Response::Registered { region }, Vec::new()),
                     Err(st) => err(format!("register failed: {st:?}")),

@@ -14,6 +14,8 @@ pub const CQ_ENTRIES: usize = 4096;
 pub struct Session {
     pub id: u64,
     pub sock: OwnedFd,
+    /// The client's process (SO_PEERCRED), whose private pages process regions reach.
+    pub pid: libc::pid_t,
     pub attached: Option<Attached>,
 }
 

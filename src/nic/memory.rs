@@ -159,7 +159,10 @@ impl Region {
             off as usize + len <= self.len(),
             "read past a checked region"
         );
-        let base = self.backing.ptr().expect("bytes() of a region reached by copy");
+        let base = self
+            .backing
+            .ptr()
+            .expect("bytes() of a region reached by copy");
         // SAFETY: in bounds (asserted) and mapped for the lifetime of `self`.
         unsafe { std::slice::from_raw_parts(base.add(off as usize), len) }
     }

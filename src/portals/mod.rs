@@ -12,7 +12,7 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use crate::gni::{GniError, MemRegion, Nic};
+use crate::gni::{GniError, MemHandle, MemRegion, Nic};
 use crate::nic::memory::Perms;
 use crate::shm::event_ring::{ring_bytes, CtSlot, EventRing};
 use crate::shm::ptl_call::{result_of, Buf, MeArgs, OpArgs, PtlCall};
@@ -79,7 +79,9 @@ impl Me {
 /// A memory descriptor (`ptl_md_t`): pieces of one region (one piece unless `md_opt::IOVEC`).
 #[derive(Clone)]
 pub struct Md {
-    pub region: MemRegion,
+    /// A registered region: shared memory, or this process's own memory registered with
+    /// [`crate::client::Client::register_process`].
+    pub region: MemHandle,
     pub segments: Vec<(u64, u64)>,
     pub options: u32,
     pub eq: Option<u32>,
@@ -721,7 +723,7 @@ impl Portals {
         let len: u64 = md.segments.iter().map(|s| s.1).sum();
         let h = self.call(&PtlCall::MdBind {
             ni: wni,
-            region: md.region.handle.0,
+            region: md.region.0,
             segments: md.segments.clone(),
             options: md.options,
             eq: md.eq,

@@ -40,6 +40,12 @@ pub enum Request {
     },
     Stat,
     Ping,
+    /// Register `[addr, addr+len)` of the client's own address space, reached by the daemon by
+    /// copy (process_vm_readv/writev), as memory for the local side of operations only.
+    RegisterProcess {
+        addr: u64,
+        len: u64,
+    },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -107,6 +113,7 @@ impl Request {
             Request::Deregister { region } => pack(3, [region as u64, 0, 0, 0, 0, 0], ""),
             Request::Stat => pack(4, [0; FIELDS], ""),
             Request::Ping => pack(5, [0; FIELDS], ""),
+            Request::RegisterProcess { addr, len } => pack(6, [addr, len, 0, 0, 0, 0], ""),
         }
     }
 
@@ -133,6 +140,10 @@ impl Request {
             },
             4 => Request::Stat,
             5 => Request::Ping,
+            6 => Request::RegisterProcess {
+                addr: f[0],
+                len: f[1],
+            },
             _ => return Err(bad("unknown attach request")),
         })
     }
@@ -252,6 +263,10 @@ mod tests {
             },
             Request::Register { perms: 3 },
             Request::Deregister { region: 5 },
+            Request::RegisterProcess {
+                addr: 0x7f00_0000_1000,
+                len: 1 << 20,
+            },
             Request::Stat,
             Request::Ping,
         ] {

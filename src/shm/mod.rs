@@ -6,6 +6,7 @@ pub mod attach;
 pub mod control;
 pub mod event_ring;
 pub mod mapping;
+pub mod process_memory;
 pub mod ptl_call;
 
 pub use control::{Command, CommandKind, Control, ControlError, CqEntry, CMD_IMPLICIT};

@@ -442,7 +442,7 @@ fn operation_and_user_permissions() {
 fn get_atomic_fetch_and_swap_at_the_target() {
     let (mut n, eq) = ni(0, 64);
     let r = region(64);
-    r.write(0, &10u64.to_le_bytes());
+    r.write(0, &10u64.to_le_bytes()).unwrap();
     n.append(0, entry(&r, 0, 64, ME_ALL, 0, u64::MAX), List::Priority, 0)
         .unwrap();
     let get = Request {

@@ -113,7 +113,7 @@ fn put_event_sequences_for_every_ack_request() {
         let tr = region(64);
         let mut p = pair(&tr, 0);
         let src = region(16);
-        src.write(0, b"sixteen bytes!!!");
+        src.write(0, b"sixteen bytes!!!").unwrap();
         let m =
             p.a.md_bind(
                 src,
@@ -151,7 +151,7 @@ fn ack_disabled_at_the_target_means_no_ack() {
 #[test]
 fn get_replies_scatter_into_an_iovec_md() {
     let tr = region(64);
-    tr.write(0, b"abcdefghij");
+    tr.write(0, b"abcdefghij").unwrap();
     let mut p = pair(&tr, 0);
     let dst = region(64);
     // Two pieces: 4 bytes at 40, 6 bytes at 10.
@@ -206,10 +206,10 @@ fn failures_reach_the_initiator_event_and_failure_count() {
 #[test]
 fn fetch_atomic_and_swap_reply_with_the_old_value() {
     let tr = region(64);
-    tr.write(0, &40u64.to_le_bytes());
+    tr.write(0, &40u64.to_le_bytes()).unwrap();
     let mut p = pair(&tr, 0);
     let buf = region(32);
-    buf.write(0, &2u64.to_le_bytes());
+    buf.write(0, &2u64.to_le_bytes()).unwrap();
     let m =
         p.a.md_bind(buf.clone(), vec![(0, 32)], 0, Some(p.a_eq), None)
             .unwrap();

@@ -207,7 +207,7 @@ impl PortalsConduit {
             p.md_bind(
                 ni,
                 &Md {
-                    region: region.clone(),
+                    region: region.handle,
                     segments: vec![(0, region.len() as u64)],
                     options: md_opt::EVENT_SEND_DISABLE,
                     eq: Some(safe_eq),
