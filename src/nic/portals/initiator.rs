@@ -211,10 +211,27 @@ impl PortalsNi {
             }
         }
         let mut payload = Vec::new();
-        if sends {
-            // Memory reached by copy that is gone: the MD names no memory any more.
-            pay.gather(spec.offset, spec.length, &mut payload)
-                .map_err(|_| PtlError::ArgInvalid)?;
+        if sends && pay.gather(spec.offset, spec.length, &mut payload).is_err() {
+            // Memory reached by copy is gone (a process region unmapped): the operation fails
+            // as a segmentation violation where its completion would be reported, since a
+            // one-way call has no other way back.
+            let (kind, md) = match needs_reply {
+                true => (EventKind::Reply, spec.get_md.expect("checked")),
+                false => (EventKind::Ack, spec.md),
+            };
+            let (eq, ct) = self.mds.get(md).map_or((None, None), |m| (m.eq, m.ct));
+            let e = self.initiator_event(kind, &spec, 0, NiFail::Segv);
+            self.post(eq, e);
+            if let Some(c) = ct {
+                self.bump_ct(
+                    c,
+                    CtEvent {
+                        success: 0,
+                        failure: 1,
+                    },
+                );
+            }
+            return Err(PtlError::ArgInvalid);
         }
         let (eq, ct, opts) = (pay.eq, pay.ct, pay.options);
         self.mds.get_mut(spec.md).expect("checked").pending += 1;

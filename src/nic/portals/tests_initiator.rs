@@ -483,3 +483,45 @@ fn target_counting_events_release_triggered_operations() {
         "the second arrival releases the put"
     );
 }
+
+/// Memory reached by copy whose reads and writes fail (its process unmapped it).
+struct Gone;
+
+impl crate::nic::memory::Backing for Gone {
+    fn ptr(&self) -> Option<*mut u8> {
+        None
+    }
+    fn len(&self) -> usize {
+        64
+    }
+}
+
+#[test]
+fn memory_that_is_gone_fails_as_a_segmentation_violation() {
+    let tr = region(64);
+    let mut p = pair(&tr, 0);
+    let gone = Region::new(std::sync::Arc::new(Gone), Perms(0));
+    let m =
+        p.a.md_bind(
+            gone,
+            vec![(0, 64)],
+            md::EVENT_CT_ACK | md::EVENT_CT_REPLY,
+            Some(p.a_eq),
+            Some(p.a_ct),
+        )
+        .unwrap();
+    // A put whose source cannot be read starts nothing and reports where its ACK would.
+    assert_eq!(
+        p.a.start(spec(ReqKind::Put, m, 8, AckReq::Ack)).err(),
+        Some(PtlError::ArgInvalid)
+    );
+    let (e, _) = p.a.eq_get(p.a_eq).unwrap();
+    assert_eq!((e.kind, e.ni_fail), (EventKind::Ack, NiFail::Segv));
+    assert_eq!(p.a.ct_get(p.a_ct).unwrap().failure, 1);
+    // A reply that cannot land fails the same way.
+    let r = p.run(spec(ReqKind::Get, m, 8, AckReq::NoAck));
+    assert_eq!(r.ni_fail, NiFail::Ok, "the target served it");
+    let (e, _) = p.a.eq_get(p.a_eq).unwrap();
+    assert_eq!((e.kind, e.ni_fail), (EventKind::Reply, NiFail::Segv));
+    assert_eq!(p.a.ct_get(p.a_ct).unwrap().failure, 2);
+}
