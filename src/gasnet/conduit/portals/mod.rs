@@ -33,6 +33,7 @@
 mod am;
 mod bounce;
 mod credit;
+mod firehose;
 mod rma;
 
 use std::collections::VecDeque;
