@@ -236,6 +236,88 @@ fn put_get_sizes_offsets_and_handles() {
 }
 
 #[test]
+fn large_local_buffers_and_non_bulk_local_completion() {
+    if !in_job() {
+        // Two cached regions at most, so the cache must evict.
+        for conduit in CONDUITS {
+            launch_ok_env(
+                "large_local_buffers_and_non_bulk_local_completion",
+                2,
+                2,
+                &["--conduit", conduit],
+                &[ENV_SEG, ("GASNET_FIREHOSE_R", "2")],
+            );
+        }
+        return;
+    }
+    let mut g = Gasnet::init(vec![]).unwrap();
+    let (me, n) = (g.mynode(), g.nodes());
+    let peer = (me + 1) % n;
+    let pat = |len: usize, seed: usize| -> Vec<u8> {
+        (0..len)
+            .map(|i| ((i * 13 + seed * 5) % 253) as u8)
+            .collect()
+    };
+    // Large plain buffers, each used twice (the second time from the cache), then more
+    // buffers than the cache holds.
+    let sizes = [40_000usize, 300_000, (1 << 20) + 5];
+    let bufs: Vec<Vec<u8>> = sizes.iter().enumerate().map(|(i, &s)| pat(s, i)).collect();
+    let mut backs: Vec<Vec<u8>> = sizes.iter().map(|&s| vec![0u8; s]).collect();
+    for round in 0..2 {
+        for (i, data) in bufs.iter().enumerate() {
+            g.put(peer, 5 + i as u64 * 1_100_000, data).unwrap();
+            backs[i].fill(0);
+            g.get(&mut backs[i], peer, 5 + i as u64 * 1_100_000)
+                .unwrap();
+            assert!(backs[i] == *data, "round {round}, size {}", data.len());
+        }
+    }
+    let stats = g.firehose_stats();
+    if g.conduit_name() == "portals" {
+        assert!(stats.misses > 0 && stats.hits > 0, "{stats:?}");
+        assert!(
+            stats.evicted > 0,
+            "six buffers through two regions: {stats:?}"
+        );
+    } else {
+        assert_eq!(stats.misses + stats.hits, 0, "no cache without the daemon");
+    }
+    g.barrier().unwrap();
+    // Non-bulk puts: the source may be changed the moment the call returns, whether it lies
+    // in the segment (sent from in place after local completion) or not.
+    let big = pat(200_000, 9);
+    g.segment()[3_000_000..3_200_000].copy_from_slice(&big);
+    let local = g.segment()[3_000_000..3_200_000].to_vec();
+    let h = {
+        let seg = g.segment().as_ptr();
+        // SAFETY: the segment outlives the call; put_nb reads it only until it returns.
+        let src = unsafe { std::slice::from_raw_parts(seg.add(3_000_000), 200_000) };
+        g.put_nb(peer, 1_000_000, src).unwrap()
+    };
+    g.segment()[3_000_000..3_200_000].fill(0xee);
+    let mut heap = big.clone();
+    g.put_nbi(peer, 2_000_000, &heap).unwrap();
+    heap.fill(0xdd);
+    g.wait_syncnb(h).unwrap();
+    g.wait_syncnbi_all().unwrap();
+    let mut back = vec![0u8; 200_000];
+    g.get(&mut back, peer, 1_000_000).unwrap();
+    assert!(back == local, "put_nb sent bytes changed after it returned");
+    g.get(&mut back, peer, 2_000_000).unwrap();
+    assert!(back == big, "put_nbi sent bytes changed after it returned");
+    // Bulk: the source stays untouched until the sync.
+    let h = g.put_nb_bulk(peer, 2_500_000, &big).unwrap();
+    g.put_nbi_bulk(peer, 2_800_000, &big[..100_000]).unwrap();
+    g.wait_syncnb(h).unwrap();
+    g.wait_syncnbi_puts().unwrap();
+    g.get(&mut back, peer, 2_500_000).unwrap();
+    assert!(back == big);
+    g.get(&mut back[..100_000], peer, 2_800_000).unwrap();
+    assert!(back[..100_000] == big[..100_000]);
+    g.barrier().unwrap();
+}
+
+#[test]
 fn barriers_with_ids_anonymous_and_mismatch() {
     if !in_job() {
         return run("barriers_with_ids_anonymous_and_mismatch", 8);

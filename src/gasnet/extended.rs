@@ -267,11 +267,22 @@ impl Gasnet {
         self.core.max_payload(super::am::MAX_ARGS).max(1)
     }
 
-    fn put_op(&mut self, node: u32, dest_offset: u64, src: &[u8]) -> Result<u64, GasnetError> {
+    /// A put; `bulk`: the caller leaves `src` unchanged until the operation completes.
+    fn put_op(
+        &mut self,
+        node: u32,
+        dest_offset: u64,
+        src: &[u8],
+        bulk: bool,
+    ) -> Result<u64, GasnetError> {
         self.check_remote(dest_offset, src.len() as u64)?;
         let op = self.ext.borrow_mut().new_op(1);
         // Straight through the network where the conduit can (Portals put, ACK completes it).
-        if self.core.conduit.rma_put(node, dest_offset, src, op)? {
+        if self
+            .core
+            .conduit
+            .rma_put(node, dest_offset, src, op, bulk)?
+        {
             self.track(op);
             return Ok(op);
         }
@@ -289,26 +300,25 @@ impl Gasnet {
         Ok(op)
     }
 
+    /// A get into this node's segment, or into the caller's memory (`GetDest::Local`, which
+    /// must stay valid until the operation completes; over Active Messages the data waits in
+    /// the operation's `get_data` instead).
     fn get_op(
         &mut self,
         node: u32,
         src_offset: u64,
         len: usize,
-        into_segment: Option<u64>,
+        dest: GetDest,
     ) -> Result<u64, GasnetError> {
         self.check_remote(src_offset, len as u64)?;
-        if let Some(base) = into_segment {
-            self.check_remote(base, len as u64)?;
-        }
-        let direct = {
-            let mut s = self.ext.borrow_mut();
-            let op = s.new_op(1);
-            if into_segment.is_none() {
-                s.get_data.insert(op, vec![0; len]);
+        let into_segment = match dest {
+            GetDest::Segment(base) => {
+                self.check_remote(base, len as u64)?;
+                Some(base)
             }
-            op
+            GetDest::Local(_) => None,
         };
-        let dest = into_segment.map_or(GetDest::Buffer, GetDest::Segment);
+        let direct = self.ext.borrow_mut().new_op(1);
         if self
             .core
             .conduit
@@ -317,11 +327,7 @@ impl Gasnet {
             self.track(direct);
             return Ok(direct);
         }
-        {
-            let mut s = self.ext.borrow_mut();
-            s.remaining.remove(&direct);
-            s.get_data.remove(&direct);
-        }
+        self.ext.borrow_mut().remaining.remove(&direct);
         let chunk = self.chunk();
         let parts = len.div_ceil(chunk).max(1);
         let op = {
@@ -375,23 +381,25 @@ impl Gasnet {
 
     /// gasnet_put: returns when the data is in `node`'s segment.
     pub fn put(&mut self, node: u32, dest_offset: u64, src: &[u8]) -> Result<(), GasnetError> {
-        let op = self.put_op(node, dest_offset, src)?;
+        // `src` is borrowed until the put completes: bulk rules hold.
+        let op = self.put_op(node, dest_offset, src, true)?;
         self.wait_op(op)
     }
 
-    /// gasnet_get into any local buffer.
+    /// gasnet_get into any local buffer (the network writes it in place where it can).
     pub fn get(&mut self, dst: &mut [u8], node: u32, src_offset: u64) -> Result<(), GasnetError> {
-        let op = self.get_op(node, src_offset, dst.len(), None)?;
+        let at = GetDest::Local(dst.as_mut_ptr() as u64);
+        let op = self.get_op(node, src_offset, dst.len(), at)?;
         let st = self.ext.clone();
-        self.block_until(|| st.borrow().done(op))?;
-        let data = self
-            .ext
-            .borrow_mut()
-            .get_data
-            .remove(&op)
-            .unwrap_or_default();
+        if let Err(e) = self.block_until(|| st.borrow().done(op)) {
+            self.core.conduit.abandon(op);
+            return Err(e);
+        }
+        let data = self.ext.borrow_mut().get_data.remove(&op);
         self.finish_op(op)?;
-        dst.copy_from_slice(&data);
+        if let Some(data) = data {
+            dst.copy_from_slice(&data);
+        }
         Ok(())
     }
 
@@ -409,23 +417,25 @@ impl Gasnet {
 
     // ---------------------------------------------------------------- explicit handles
 
-    /// gasnet_put_nb (and _bulk: the source is copied at once, so either rule holds).
+    /// gasnet_put_nb: `src` may be reused as soon as this returns.
     pub fn put_nb(
         &mut self,
         node: u32,
         dest_offset: u64,
         src: &[u8],
     ) -> Result<Handle, GasnetError> {
-        self.put_op(node, dest_offset, src).map(Handle)
+        self.put_op(node, dest_offset, src, false).map(Handle)
     }
 
+    /// gasnet_put_nb_bulk: the caller leaves `src` unchanged (and allocated) until the handle
+    /// is synchronised, so large sources are sent from in place without waiting.
     pub fn put_nb_bulk(
         &mut self,
         node: u32,
         dest_offset: u64,
         src: &[u8],
     ) -> Result<Handle, GasnetError> {
-        self.put_nb(node, dest_offset, src)
+        self.put_op(node, dest_offset, src, true).map(Handle)
     }
 
     /// gasnet_get_nb into this node's segment at `local_offset`.
@@ -436,7 +446,7 @@ impl Gasnet {
         src_offset: u64,
         len: usize,
     ) -> Result<Handle, GasnetError> {
-        self.get_op(node, src_offset, len, Some(local_offset))
+        self.get_op(node, src_offset, len, GetDest::Segment(local_offset))
             .map(Handle)
     }
 
@@ -530,9 +540,22 @@ impl Gasnet {
 
     // ---------------------------------------------------------------- implicit handles
 
-    /// gasnet_put_nbi.
+    /// gasnet_put_nbi: `src` may be reused as soon as this returns.
     pub fn put_nbi(&mut self, node: u32, dest_offset: u64, src: &[u8]) -> Result<(), GasnetError> {
-        let op = self.put_op(node, dest_offset, src)?;
+        let op = self.put_op(node, dest_offset, src, false)?;
+        self.ext.borrow_mut().nbi_puts.push(op);
+        Ok(())
+    }
+
+    /// gasnet_put_nbi_bulk: the caller leaves `src` unchanged (and allocated) until the
+    /// implicit operations are synchronised.
+    pub fn put_nbi_bulk(
+        &mut self,
+        node: u32,
+        dest_offset: u64,
+        src: &[u8],
+    ) -> Result<(), GasnetError> {
+        let op = self.put_op(node, dest_offset, src, true)?;
         self.ext.borrow_mut().nbi_puts.push(op);
         Ok(())
     }
@@ -545,7 +568,7 @@ impl Gasnet {
         src_offset: u64,
         len: usize,
     ) -> Result<(), GasnetError> {
-        let op = self.get_op(node, src_offset, len, Some(local_offset))?;
+        let op = self.get_op(node, src_offset, len, GetDest::Segment(local_offset))?;
         self.ext.borrow_mut().nbi_gets.push(op);
         Ok(())
     }

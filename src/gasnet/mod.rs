@@ -15,7 +15,7 @@ mod extended;
 
 pub use self::am::Category;
 pub use self::atomic::AdOp;
-pub use self::conduit::FlowStats;
+pub use self::conduit::{FirehoseStats, FlowStats};
 pub use self::core::{Handler, Msg, Token, HANDLER_USER_MIN};
 pub use self::extended::{BarrierFlags, Handle};
 
@@ -69,23 +69,23 @@ pub struct Gasnet {
     pub(crate) ext: Rc<RefCell<ExtState>>,
 }
 
+/// A size from the first of `names` that is set (a count; k/m/g suffixes as GASNet reads
+/// them). A value that does not parse counts as unset.
+pub(crate) fn env_size(names: &[&str]) -> Option<usize> {
+    let v = names.iter().find_map(|n| std::env::var(n).ok())?;
+    let v = v.trim().to_ascii_lowercase();
+    let (n, m) = match v.chars().last() {
+        Some('k') => (&v[..v.len() - 1], 1 << 10),
+        Some('m') => (&v[..v.len() - 1], 1 << 20),
+        Some('g') => (&v[..v.len() - 1], 1 << 30),
+        _ => (&v[..], 1),
+    };
+    n.trim().parse::<usize>().ok()?.checked_mul(m)
+}
+
 /// The segment size from `SOFTNIC_SEGMENT` or `GASNET_SEGMENT_SIZE` (bytes; k/m/g suffixes).
 fn segment_from_env() -> usize {
-    let parse = |v: String| {
-        let v = v.trim().to_ascii_lowercase();
-        let (n, m) = match v.chars().last() {
-            Some('k') => (&v[..v.len() - 1], 1 << 10),
-            Some('m') => (&v[..v.len() - 1], 1 << 20),
-            Some('g') => (&v[..v.len() - 1], 1 << 30),
-            _ => (&v[..], 1),
-        };
-        n.parse::<usize>().ok().map(|n| n * m)
-    };
-    std::env::var("SOFTNIC_SEGMENT")
-        .ok()
-        .or_else(|| std::env::var("GASNET_SEGMENT_SIZE").ok())
-        .and_then(parse)
-        .unwrap_or(64 << 20)
+    env_size(&["SOFTNIC_SEGMENT", "GASNET_SEGMENT_SIZE"]).unwrap_or(64 << 20)
 }
 
 impl Gasnet {
@@ -234,6 +234,11 @@ impl Gasnet {
     /// How Active Message flow control went on this node (credits, loans, the catch-basin).
     pub fn flow_stats(&self) -> FlowStats {
         self.core.conduit.flow_stats()
+    }
+
+    /// How the registration cache for large local buffers outside the segment went.
+    pub fn firehose_stats(&self) -> FirehoseStats {
+        self.core.conduit.firehose_stats()
     }
 
     /// Active Messages this node sent (requests and replies).

@@ -11,8 +11,10 @@ use super::{AdOp, GasnetError};
 pub enum GetDest {
     /// This node's segment, at an offset.
     Segment(u64),
-    /// A buffer of the caller: the data comes back in [`RmaDone::data`].
-    Buffer,
+    /// The caller's buffer at this address, of the get's length: the conduit fills it. The
+    /// caller keeps it valid and does not touch it until the operation completes, or until it
+    /// gives the operation up with [`Conduit::abandon`].
+    Local(u64),
 }
 
 /// A direct put or get that finished.
@@ -21,6 +23,17 @@ pub struct RmaDone {
     pub op: u64,
     pub ok: bool,
     pub data: Vec<u8>,
+}
+
+/// How the registration cache for local memory outside the segment went on this node.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct FirehoseStats {
+    pub hits: u64,
+    pub misses: u64,
+    /// Idle registrations released for the budget.
+    pub evicted: u64,
+    /// Idle registrations merged into a new, larger one.
+    pub coalesced: u64,
 }
 
 /// How Active Message flow control went on this node.
@@ -83,20 +96,30 @@ pub trait Conduit {
     fn flow_stats(&self) -> FlowStats {
         FlowStats::default()
     }
+    /// Registration-cache counters (conduits without one report zeros).
+    fn firehose_stats(&self) -> FirehoseStats {
+        FirehoseStats::default()
+    }
     /// Blocks until something may have arrived for [`Conduit::poll`], or `max` passed, or the
     /// conduit has timers due. Returns at once when news is already there.
     fn wait_news(&mut self, max: std::time::Duration) -> Result<(), GasnetError>;
     /// A put straight through the network (completion later as `RmaDone { op }`); `Ok(false)`
     /// when the conduit has none, and the Extended layer uses Active Messages instead.
+    /// `bulk`: the caller leaves `src` unchanged until completion; otherwise it may reuse `src`
+    /// as soon as this returns (GASNet's bulk and non-bulk rules).
     fn rma_put(
         &mut self,
         _node: u32,
         _dest_offset: u64,
         _src: &[u8],
         _op: u64,
+        _bulk: bool,
     ) -> Result<bool, GasnetError> {
         Ok(false)
     }
+    /// The caller stops waiting for direct operation `op` (an error ended its wait): nothing
+    /// may be written into its local buffer any more.
+    fn abandon(&mut self, _op: u64) {}
     /// A get straight through the network; `Ok(false)` as for [`Conduit::rma_put`].
     fn rma_get(
         &mut self,

@@ -34,16 +34,7 @@ pub struct Miss {
     pub release: Vec<Registration>,
 }
 
-/// Cache counters.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct FirehoseStats {
-    pub hits: u64,
-    pub misses: u64,
-    /// Idle registrations released for the budget.
-    pub evicted: u64,
-    /// Idle registrations merged into a new, larger one.
-    pub coalesced: u64,
-}
+use crate::gasnet::conduit::FirehoseStats;
 
 struct Entry {
     id: u64,
@@ -170,11 +161,6 @@ impl Firehose {
         if let Some(e) = self.entries.iter_mut().find(|e| e.id == id) {
             e.busy = e.busy.saturating_sub(1);
         }
-    }
-
-    /// Every registration, to release at exit.
-    pub fn drain(&mut self) -> Vec<Registration> {
-        self.entries.drain(..).map(|e| e.reg).collect()
     }
 }
 

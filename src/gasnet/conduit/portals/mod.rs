@@ -42,8 +42,8 @@ use std::time::Instant;
 use rustc_hash::FxHashMap as HashMap;
 
 use self::credit::Credits;
-use super::{Conduit, FlowStats, GetDest, RmaDone};
-use crate::gasnet::{AdOp, GasnetError};
+use super::{Conduit, FirehoseStats, FlowStats, GetDest, RmaDone};
+use crate::gasnet::{env_size, AdOp, GasnetError};
 use crate::gni::MemRegion;
 use crate::nic::memory::Perms;
 use crate::portals::{
@@ -69,6 +69,13 @@ const CHUNK: usize = 1 << 20;
 const BOUNCE_LEN: usize = 8 * CHUNK;
 /// Most direct pieces in flight (SAFE_EQ holds their completions).
 const MAX_RMA: usize = 256;
+/// Local buffers up to this size (and non-bulk sources anywhere) are copied through the bounce
+/// region; larger ones go from and to their place through the registration cache.
+const COPY_MAX: usize = 32 * 1024;
+/// Default budget of the registration cache: bytes (`GASNET_FIREHOSE_M`) and regions
+/// (`GASNET_FIREHOSE_R`), as GASNet's firehose names them.
+const FIREHOSE_M: usize = 256 << 20;
+const FIREHOSE_R: usize = 64;
 /// Long payloads up to this ride inside the AM.
 const PACKED_MAX: usize = 8 * 1024;
 /// Largest Long payload (AMMaxLongRequest/Reply): one piece of the bounce region.
@@ -105,9 +112,16 @@ struct ReqSlot {
 struct Rma {
     remaining: usize,
     ok: bool,
-    /// Gets into a caller's buffer: the data, and per piece its bounce offset.
+    /// SEND events still to come before a non-bulk put may return.
+    unsent: usize,
+    /// A get into the caller's memory through bounce pieces: (address, length).
+    dest: Option<(u64, usize)>,
+    /// A fetching atomic's prior value.
     data: Option<Vec<u8>>,
+    /// Per piece, its bounce offset.
     pieces: Vec<Option<u64>>,
+    /// Its use of the registration cache, released at completion.
+    cached: Option<u64>,
 }
 
 /// A Long header whose payload has not fully landed yet.
@@ -150,12 +164,17 @@ pub struct PortalsConduit {
     parked: Vec<Parked>,
     seg: MemRegion,
     seg_md: u32,
+    /// The segment with SEND events, for non-bulk puts that await local completion.
+    seg_send_md: u32,
     bounce: MemRegion,
     bounce_md: u32,
     ring: bounce::Ring,
     rma: HashMap<u64, Rma>,
     rma_in_flight: usize,
     finished: Vec<RmaDone>,
+    firehose: firehose::Firehose,
+    /// Off once the daemon could not reach this process's memory.
+    firehose_on: bool,
 }
 
 fn err<E: std::fmt::Display>(e: E) -> GasnetError {
@@ -187,7 +206,9 @@ impl PortalsConduit {
         // Credited requests cost at least MIN_COST each: this many can wait undrained.
         let am_eq_len = (capacity / credit::MIN_COST) as usize + 64;
         let am_eq = p.eq_alloc(ni, am_eq_len).map_err(err)?;
-        let safe_eq_len = 2 * REQ_SLOTS + REP_SLOTS + MAX_RMA + BOUNCE_LEN / PACKED_MAX + 64;
+        // Per request slot its ACK and reply, per reply slot its ACK, per direct piece its
+        // SEND and completion, per packed Long its ACK.
+        let safe_eq_len = 2 * REQ_SLOTS + REP_SLOTS + 2 * MAX_RMA + BOUNCE_LEN / PACKED_MAX + 64;
         let safe_eq = p.eq_alloc(ni, safe_eq_len).map_err(err)?;
         let raram_eq = p.eq_alloc(ni, RARAM_EQ_LEN).map_err(err)?;
         p.pt_alloc(ni, pt_opt::FLOWCTRL, Some(am_eq), Some(AM_PT))
@@ -204,21 +225,23 @@ impl PortalsConduit {
         let sb = reg(&mut p, sb_len, Perms::WRITE).map_err(err)?;
         let seg = reg(&mut p, segment_len.max(8), Perms::READ_WRITE).map_err(err)?;
         let bounce = reg(&mut p, BOUNCE_LEN, Perms(0)).map_err(err)?;
-        let md = |p: &mut Portals, region: &MemRegion| {
+        let md = |p: &mut Portals, region: &MemRegion, options| {
             p.md_bind(
                 ni,
                 &Md {
                     region: region.handle,
                     segments: vec![(0, region.len() as u64)],
-                    options: md_opt::EVENT_SEND_DISABLE,
+                    options,
                     eq: Some(safe_eq),
                     ct: None,
                 },
             )
         };
-        let sb_md = md(&mut p, &sb).map_err(err)?;
-        let seg_md = md(&mut p, &seg).map_err(err)?;
-        let bounce_md = md(&mut p, &bounce).map_err(err)?;
+        let quiet = md_opt::EVENT_SEND_DISABLE;
+        let sb_md = md(&mut p, &sb, quiet).map_err(err)?;
+        let seg_md = md(&mut p, &seg, quiet).map_err(err)?;
+        let seg_send_md = md(&mut p, &seg, 0).map_err(err)?;
+        let bounce_md = md(&mut p, &bounce, quiet).map_err(err)?;
         // Replies land in the request slots.
         let reply = whole(&sb, REQ_SLOTS * MAX_AM, me_opt::OP_PUT);
         p.me_append(ni, REPLY_PT, &reply, List::Priority, REPLY_ME)
@@ -272,12 +295,18 @@ impl PortalsConduit {
             parked: Vec::new(),
             seg,
             seg_md,
+            seg_send_md,
             bounce,
             bounce_md,
             ring: bounce::Ring::new(BOUNCE_LEN),
             rma: HashMap::default(),
             rma_in_flight: 0,
             finished: Vec::new(),
+            firehose: firehose::Firehose::new(
+                env_size(&["GASNET_FIREHOSE_M"]).unwrap_or(FIREHOSE_M) as u64,
+                env_size(&["GASNET_FIREHOSE_R"]).unwrap_or(FIREHOSE_R),
+            ),
+            firehose_on: true,
         };
         for i in 0..RBS {
             c.post_rb(i)?;
@@ -397,14 +426,24 @@ impl Conduit for PortalsConduit {
         }
     }
 
+    fn firehose_stats(&self) -> FirehoseStats {
+        self.firehose.stats
+    }
+
     fn rma_put(
         &mut self,
         node: u32,
         dest_offset: u64,
         src: &[u8],
         op: u64,
+        bulk: bool,
     ) -> Result<bool, GasnetError> {
-        self.direct_put(node, dest_offset, src, op).map(|()| true)
+        self.direct_put(node, dest_offset, src, op, bulk)
+            .map(|()| true)
+    }
+
+    fn abandon(&mut self, op: u64) {
+        self.abandon_rma(op);
     }
 
     fn rma_get(

@@ -1,49 +1,68 @@
 //! Direct operations of the portals conduit: Extended puts, gets and remote atomics as Portals
 //! put, get and (fetching) atomics on RAR, completed from their ACK and REPLY events on
-//! SAFE_EQ; local buffers outside the segment go through the bounce region.
+//! SAFE_EQ. Local memory outside the segment goes through the bounce region when small and
+//! through the registration cache (firehose.rs) when large; a non-bulk put sent from in place
+//! returns only at local completion (its SEND event: the NIC has taken the bytes).
 
-use super::{err, PortalsConduit, Rma, BOUNCE_LEN, CHUNK, MAX_RMA, RMA_TAG};
+use super::firehose::{Registration, Use};
+use super::{err, PortalsConduit, Rma, BOUNCE_LEN, CHUNK, COPY_MAX, MAX_RMA, RMA_TAG};
 use crate::gasnet::atomic::PortalsCall;
 use crate::gasnet::conduit::{GetDest, RmaDone};
 use crate::gasnet::{AdOp, GasnetError};
-use crate::portals::{AckReq, EventKind, NiFail};
+use crate::gni::MemHandle;
+use crate::portals::{AckReq, EventKind, Md, NiFail};
 
 impl PortalsConduit {
-    /// Starts tracking a direct operation of `pieces` pieces (`data`: a get's destination).
-    fn begin_rma(&mut self, op: u64, pieces: usize, data: Option<Vec<u8>>) {
-        self.rma.insert(
-            op,
-            Rma {
-                remaining: pieces,
-                ok: true,
-                data,
-                pieces: vec![None; pieces],
-            },
-        );
+    /// Starts tracking a direct operation of `pieces` pieces.
+    fn begin_rma(&mut self, op: u64, pieces: usize) -> &mut Rma {
+        self.rma.entry(op).or_insert(Rma {
+            remaining: pieces,
+            ok: true,
+            unsent: 0,
+            dest: None,
+            data: None,
+            pieces: vec![None; pieces],
+            cached: None,
+        })
     }
 
-    /// A direct piece finished (ACK of a put, REPLY of a get).
+    /// A direct piece's event: SEND (local completion), ACK of a put, REPLY of a get.
     pub(super) fn rma_event(&mut self, user_ptr: u64, kind: EventKind, fail: NiFail) {
-        if kind != EventKind::Ack && kind != EventKind::Reply {
-            return;
-        }
         let (op, piece) = ((user_ptr & !RMA_TAG) >> 16, (user_ptr & 0xffff) as usize);
         let Some(r) = self.rma.get_mut(&op) else {
             return;
         };
+        if kind == EventKind::Send {
+            r.unsent = r.unsent.saturating_sub(1);
+            return;
+        }
+        if kind != EventKind::Ack && kind != EventKind::Reply {
+            return;
+        }
         self.rma_in_flight -= 1;
         r.ok &= fail == NiFail::Ok;
         if let Some(Some(b)) = r.pieces.get(piece).copied() {
+            let at = piece * CHUNK;
             if let Some(data) = r.data.as_mut() {
-                let at = piece * CHUNK;
                 let n = (data.len() - at).min(CHUNK);
                 data[at..at + n].copy_from_slice(&self.bounce.bytes()[b as usize..b as usize + n]);
+            } else if let Some((dest, len)) = r.dest {
+                let n = (len - at).min(CHUNK);
+                let from = &self.bounce.bytes()[b as usize..b as usize + n];
+                // SAFETY: `dest` is the caller's buffer of `len` bytes, valid and untouched
+                // until this operation completes (the contract of GetDest::Local).
+                unsafe {
+                    std::ptr::copy_nonoverlapping(from.as_ptr(), (dest as *mut u8).add(at), n)
+                };
             }
             self.ring.free(b);
         }
         r.remaining -= 1;
         if r.remaining == 0 {
             let r = self.rma.remove(&op).expect("present");
+            if let Some(id) = r.cached {
+                self.firehose.release(id);
+            }
             self.finished.push(RmaDone {
                 op,
                 ok: r.ok,
@@ -82,31 +101,116 @@ impl PortalsConduit {
         Ok(())
     }
 
+    /// `[addr, addr+len)` of this process through the registration cache, registering (and
+    /// releasing what the cache gives up) on a miss; `None` when the daemon cannot reach this
+    /// process's memory, after which the bounce region serves everything.
+    fn cached(&mut self, addr: u64, len: u64) -> Option<Use> {
+        if !self.firehose_on {
+            return None;
+        }
+        if let Some(u) = self.firehose.lookup(addr, len) {
+            return Some(u);
+        }
+        let miss = self.firehose.plan(addr, len)?;
+        for r in &miss.release {
+            self.unregister(*r);
+        }
+        // The coalesced range may reach memory unmapped since; the buffer's own pages do not.
+        let own = super::firehose::PAGE;
+        let (lo, hi) = (addr / own * own, (addr + len).next_multiple_of(own));
+        for (start, end) in [(miss.start, miss.end), (lo, hi)] {
+            match self.register(start, end) {
+                Ok(reg) => {
+                    let m = super::firehose::Miss {
+                        start,
+                        end,
+                        release: Vec::new(),
+                    };
+                    return Some(self.firehose.insert(&m, reg, addr));
+                }
+                Err(e) if start == lo && end == hi => {
+                    tracing::warn!("registration cache off, bounce buffers only: {e}");
+                    self.firehose_on = false;
+                }
+                Err(_) => {}
+            }
+        }
+        None
+    }
+
+    fn register(&mut self, start: u64, end: u64) -> Result<Registration, GasnetError> {
+        let region = self
+            .p
+            .nic()
+            .client()
+            .register_process(start, end - start)
+            .map_err(err)?;
+        // SEND events on: a non-bulk put from here completes locally on its SEND.
+        let md = Md {
+            region: MemHandle(region),
+            segments: vec![(0, end - start)],
+            options: 0,
+            eq: Some(self.safe_eq),
+            ct: None,
+        };
+        match self.p.md_bind(self.ni, &md) {
+            Ok(md) => Ok(Registration { region, md }),
+            Err(e) => {
+                let _ = self.p.nic().client().deregister(region);
+                Err(err(e))
+            }
+        }
+    }
+
+    fn unregister(&mut self, r: Registration) {
+        let _ = self.p.md_release(self.ni, r.md);
+        let _ = self.p.nic().client().deregister(r.region);
+    }
+
+    /// A put of `src` to `node`'s segment. `bulk`: the caller keeps `src` unchanged until the
+    /// operation completes, so it may be sent from in place without waiting; otherwise `src`
+    /// may be reused when this returns (copied when small, local completion awaited when not).
     pub(super) fn direct_put(
         &mut self,
         node: u32,
         dest_offset: u64,
         src: &[u8],
         op: u64,
+        bulk: bool,
     ) -> Result<(), GasnetError> {
         if node >= self.n {
             return Err(GasnetError::BadNode(node));
         }
         let pieces = src.len().div_ceil(CHUNK).max(1);
-        // A source inside the segment goes from there; any other from the bounce region.
-        let base = self.seg.as_ptr() as usize;
-        let in_seg = (src.as_ptr() as usize) >= base
-            && (src.as_ptr() as usize) + src.len() <= base + self.seg.len();
-        self.begin_rma(op, pieces, None);
+        let (addr, base) = (src.as_ptr() as u64, self.seg.as_ptr() as u64);
+        let in_seg = addr >= base && addr + src.len() as u64 <= base + self.seg.len() as u64;
+        let small = src.len() <= COPY_MAX;
+        // Where the bytes go from: (MD, offset of src in it), or the bounce region.
+        let from = if small && (!bulk || !in_seg) {
+            None
+        } else if in_seg {
+            let md = if bulk { self.seg_md } else { self.seg_send_md };
+            Some((md, addr - base))
+        } else {
+            let u = self.cached(addr, src.len() as u64);
+            let r = self.begin_rma(op, pieces);
+            r.cached = u.map(|u| u.id);
+            u.map(|u| (u.reg.md, u.offset))
+        };
+        let r = self.begin_rma(op, pieces);
+        if from.is_some() && !bulk {
+            r.unsent = pieces;
+        }
         for i in 0..pieces {
             let part = &src[(i * CHUNK).min(src.len())..((i + 1) * CHUNK).min(src.len())];
             self.rma_slot()?;
-            let (md, off) = if in_seg {
-                (self.seg_md, (part.as_ptr() as usize - base) as u64)
-            } else {
-                let b = self.bounce_piece(op, i, part.len())?;
-                self.bounce.bytes()[b as usize..b as usize + part.len()].copy_from_slice(part);
-                (self.bounce_md, b)
+            let (md, off) = match from {
+                Some((md, at)) => (md, at + (i * CHUNK) as u64),
+                None => {
+                    let b = self.bounce_piece(op, i, part.len())?;
+                    self.bounce.bytes()[b as usize..b as usize + part.len()].copy_from_slice(part);
+                    (self.bounce_md, b)
+                }
             };
             let t = self.rar(node, dest_offset + (i * CHUNK) as u64);
             self.p
@@ -121,6 +225,10 @@ impl PortalsConduit {
                     0,
                 )
                 .map_err(err)?;
+        }
+        // Local completion: the NIC has taken every byte of a source the caller may reuse.
+        while self.rma.get(&op).is_some_and(|r| r.unsent > 0) {
+            self.wait_step()?;
         }
         Ok(())
     }
@@ -137,14 +245,26 @@ impl PortalsConduit {
             return Err(GasnetError::BadNode(node));
         }
         let pieces = len.div_ceil(CHUNK).max(1);
-        let data = matches!(dest, GetDest::Buffer).then(|| vec![0u8; len]);
-        self.begin_rma(op, pieces, data);
+        // Where the reply lands: (MD, offset), or bounce pieces copied out at completion.
+        let to = match dest {
+            GetDest::Segment(base) => Some((self.seg_md, base)),
+            GetDest::Local(_) if len <= COPY_MAX => None,
+            GetDest::Local(addr) => {
+                let u = self.cached(addr, len as u64);
+                self.begin_rma(op, pieces).cached = u.map(|u| u.id);
+                u.map(|u| (u.reg.md, u.offset))
+            }
+        };
+        let r = self.begin_rma(op, pieces);
+        if let (None, GetDest::Local(addr)) = (to, dest) {
+            r.dest = Some((addr, len));
+        }
         for i in 0..pieces {
             let n = (len - (i * CHUNK).min(len)).min(CHUNK);
             self.rma_slot()?;
-            let (md, off) = match dest {
-                GetDest::Segment(base) => (self.seg_md, base + (i * CHUNK) as u64),
-                GetDest::Buffer => (self.bounce_md, self.bounce_piece(op, i, n)?),
+            let (md, off) = match to {
+                Some((md, at)) => (md, at + (i * CHUNK) as u64),
+                None => (self.bounce_md, self.bounce_piece(op, i, n)?),
             };
             let t = self.rar(node, src_offset + (i * CHUNK) as u64);
             self.p
@@ -161,6 +281,13 @@ impl PortalsConduit {
         Ok(())
     }
 
+    /// The caller gives up waiting for `op`: nothing may be copied into its buffer any more.
+    pub(super) fn abandon_rma(&mut self, op: u64) {
+        if let Some(r) = self.rma.get_mut(&op) {
+            r.dest = None;
+        }
+    }
+
     pub(super) fn direct_atomic(
         &mut self,
         node: u32,
@@ -174,7 +301,7 @@ impl PortalsConduit {
         }
         let p = atomic.portals(a, b);
         let fetch = p.call != PortalsCall::Atomic;
-        self.begin_rma(op, 1, fetch.then(|| vec![0; 8]));
+        self.begin_rma(op, 1).data = fetch.then(|| vec![0; 8]);
         self.rma_slot()?;
         // Bounce bytes [prior value | operand]: the NIC reads the operand and writes the prior
         // value back, which completion copies out.
