@@ -101,14 +101,11 @@ impl Firehose {
         self.stats.misses += 1;
         let mut release = Vec::new();
         // Coalesce to a fixed point: a merge may reach further neighbours.
-        loop {
-            let Some(i) = self
-                .entries
-                .iter()
-                .position(|e| e.busy == 0 && e.start <= end && start <= e.end)
-            else {
-                break;
-            };
+        while let Some(i) = self
+            .entries
+            .iter()
+            .position(|e| e.busy == 0 && e.start <= end && start <= e.end)
+        {
             let e = self.entries.swap_remove(i);
             start = start.min(e.start);
             end = end.max(e.end);
