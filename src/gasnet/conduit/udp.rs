@@ -19,8 +19,8 @@ use crate::transport::udp::UdpDriver;
 use crate::transport::{PushError, Transport, TransportConfig};
 use crate::wire::{Key, OpHeader, OpIter, OpRef};
 
-/// Datagram size: authenticated bytes a power-of-two number of BLAKE3 chunks (see transport).
-const MTU: usize = 16_400;
+/// Datagram size outside a cluster configuration (the daemons' default too).
+const MTU: usize = 1472;
 
 pub struct UdpConduit {
     me: u16,
@@ -55,8 +55,14 @@ impl UdpConduit {
             &[job.job_key.to_le_bytes(), (job.job_id as u64).to_le_bytes()].concat(),
         )
         .as_bytes());
+        // The cluster's datagram size, the one its daemons use: the same wire for every conduit.
+        let mtu = match job.config.as_deref().map(crate::config::Config::load) {
+            Some(Ok(c)) => c.cluster.mtu,
+            Some(Err(e)) => return Err(GasnetError::Setup(format!("cluster configuration: {e}"))),
+            None => MTU,
+        };
         let cfg = TransportConfig {
-            mtu: MTU,
+            mtu,
             window: 128,
             max_queued: 256,
             ..Default::default()
