@@ -9,7 +9,7 @@
 //! Region handles count up from 0 in registration order on every rank; handle 0 is the
 //! library's own, so ranks that register alike address each other's regions by the same handle.
 
-use std::collections::HashMap;
+use rustc_hash::FxHashMap as HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
@@ -174,7 +174,7 @@ impl Nic {
             job,
             fma_threshold,
             next_req: 1,
-            explicit: HashMap::with_capacity(256),
+            explicit: HashMap::with_capacity_and_hasher(256, Default::default()),
             implicit: 0,
             implicit_error: None,
             outstanding: 0,

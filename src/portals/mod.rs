@@ -9,7 +9,7 @@
 //! Process identifiers: logical NIs name ranks; physical NIs name `(nid, pid)` = (host index,
 //! rank), as `get_phys_id` reports.
 
-use std::collections::HashMap;
+use rustc_hash::FxHashMap as HashMap;
 use std::time::{Duration, Instant};
 
 use crate::gni::{GniError, MemHandle, MemRegion, Nic};
@@ -197,11 +197,11 @@ impl Portals {
                 matching,
                 logical,
                 limits: Limits::default(),
-                eqs: HashMap::new(),
-                cts: HashMap::new(),
+                eqs: HashMap::default(),
+                cts: HashMap::default(),
                 ct_mem,
                 free_ct_slots: (0..CT_SLOTS as u64).rev().collect(),
-                mds: HashMap::new(),
+                mds: HashMap::default(),
                 map: None,
             });
         }
