@@ -432,7 +432,7 @@ impl PortalsConduit {
             if let (EventKind::Put, NiFail::Ok, ProcessId::Logical { rank }) =
                 (e.kind, e.ni_fail, e.initiator)
             {
-                *self.landed.entry((rank, e.hdr_data)).or_default() += e.mlength;
+                self.payload_landed(rank, e.hdr_data, e.mlength);
             }
         }
         if !self.parked.is_empty() {
@@ -440,6 +440,7 @@ impl PortalsConduit {
                 match self.landed.get(&(p.src, p.lid)) {
                     Some(&got) if got >= p.len => {
                         self.landed.remove(&(p.src, p.lid));
+                        self.landed_from[p.src as usize] -= 1;
                         self.arrived.push_back((p.src, p.reply_to, p.am));
                     }
                     _ => self.parked.push(p),
@@ -447,5 +448,22 @@ impl PortalsConduit {
             }
         }
         Ok(any)
+    }
+
+    /// Records Long payload bytes from `src` under `lid`. A sender has at most one Long per
+    /// request or reply slot in flight, so more Lids than that waiting for their headers is a
+    /// peer breaking the protocol: counted, and not kept (memory stays bounded).
+    fn payload_landed(&mut self, src: u32, lid: u64, bytes: u64) {
+        if let Some(got) = self.landed.get_mut(&(src, lid)) {
+            *got += bytes;
+            return;
+        }
+        match self.landed_from.get_mut(src as usize) {
+            Some(k) if (*k as usize) < REQ_SLOTS + REP_SLOTS => {
+                *k += 1;
+                self.landed.insert((src, lid), bytes);
+            }
+            _ => self.protocol_errors += 1,
+        }
     }
 }

@@ -161,6 +161,8 @@ pub struct PortalsConduit {
     next_lid: u64,
     /// Long payload bytes landed per (source, Lid) whose header has not come yet.
     landed: HashMap<(u32, u64), u64>,
+    /// Entries of `landed` per source.
+    landed_from: Vec<u32>,
     parked: Vec<Parked>,
     seg: MemRegion,
     seg_md: u32,
@@ -292,6 +294,7 @@ impl PortalsConduit {
             arrived: VecDeque::new(),
             next_lid: 0,
             landed: HashMap::default(),
+            landed_from: vec![0; n as usize],
             parked: Vec::new(),
             seg,
             seg_md,
