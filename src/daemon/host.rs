@@ -903,6 +903,7 @@ impl HostNic {
                 id,
                 sock: fd,
                 pid,
+                pidfd: crate::shm::process_memory::pidfd(pid).ok().map(Arc::new),
                 attached: None,
             });
             new.push(slot);
@@ -1042,7 +1043,10 @@ impl HostNic {
                 if len > MAX_REGION as u64 {
                     return err(format!("cannot register {len} bytes: at most {MAX_REGION}"));
                 }
-                let mem = match ProcessMemory::new(s.pid, addr, len) {
+                let Some(pidfd) = s.pidfd.clone() else {
+                    return err("this kernel has no pidfds: process regions unavailable".into());
+                };
+                let mem = match ProcessMemory::new(s.pid, pidfd, addr, len) {
                     Ok(m) => m,
                     Err(e) => {
                         return err(format!(

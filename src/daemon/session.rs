@@ -14,8 +14,10 @@ pub const CQ_ENTRIES: usize = 4096;
 pub struct Session {
     pub id: u64,
     pub sock: OwnedFd,
-    /// The client's process (SO_PEERCRED), whose private pages process regions reach.
+    /// The client's process (SO_PEERCRED), whose private pages process regions reach, and a
+    /// pidfd naming that very process (none where the kernel has no pidfds).
     pub pid: libc::pid_t,
+    pub pidfd: Option<std::sync::Arc<std::os::fd::OwnedFd>>,
     pub attached: Option<Attached>,
 }
 

@@ -6,9 +6,12 @@
 //! buffer freed and reallocated at the same address is simply the new buffer: a cached
 //! registration can never go stale the way pinned pages under a hardware NIC can. Linux checks
 //! ptrace access (same user, and Yama's rules where enabled: the client names the daemon as
-//! its tracer).
+//! its tracer). A pidfd taken when the client attached is checked before every access, so a
+//! process that exited (its pid possibly reused by another) is never read or written.
 
 use std::io;
+use std::os::fd::{AsFd, OwnedFd};
+use std::sync::Arc;
 
 use crate::nic::memory::Backing;
 use crate::wire::Status;
@@ -16,13 +19,29 @@ use crate::wire::Status;
 /// `[addr, addr+len)` of process `pid`.
 pub struct ProcessMemory {
     pid: libc::pid_t,
+    /// The process as it was when it attached (readable once it exited).
+    pidfd: Arc<OwnedFd>,
     addr: usize,
     len: usize,
 }
 
+/// A pidfd for `pid`, to tell later whether that very process still runs.
+pub fn pidfd(pid: libc::pid_t) -> io::Result<OwnedFd> {
+    let pid = rustix::process::Pid::from_raw(pid).ok_or(io::ErrorKind::InvalidInput)?;
+    Ok(rustix::process::pidfd_open(
+        pid,
+        rustix::process::PidfdFlags::empty(),
+    )?)
+}
+
 impl ProcessMemory {
     /// Checks the daemon may reach the first and last byte (access rights, mapped range).
-    pub fn new(pid: libc::pid_t, addr: u64, len: u64) -> io::Result<ProcessMemory> {
+    pub fn new(
+        pid: libc::pid_t,
+        pidfd: Arc<OwnedFd>,
+        addr: u64,
+        len: u64,
+    ) -> io::Result<ProcessMemory> {
         let bad = |what: &str| io::Error::new(io::ErrorKind::InvalidInput, what.to_string());
         if len == 0 {
             return Err(bad("an empty range"));
@@ -34,7 +53,12 @@ impl ProcessMemory {
             usize::try_from(addr).map_err(|_| bad("address out of range"))?,
             usize::try_from(len).map_err(|_| bad("length out of range"))?,
         );
-        let m = ProcessMemory { pid, addr, len };
+        let m = ProcessMemory {
+            pid,
+            pidfd,
+            addr,
+            len,
+        };
         let mut b = [0u8; 1];
         for off in [0, (end - 1) as usize - addr] {
             m.transfer(off, b.as_mut_ptr(), 1, false)?;
@@ -45,6 +69,14 @@ impl ProcessMemory {
     /// Moves `n` bytes between `local` and offset `off` of the remote range, resuming after
     /// partial transfers.
     fn transfer(&self, off: usize, local: *mut u8, n: usize, write: bool) -> io::Result<()> {
+        let fd = self.pidfd.as_fd();
+        let mut fds = [rustix::event::PollFd::new(
+            &fd,
+            rustix::event::PollFlags::IN,
+        )];
+        if rustix::event::poll(&mut fds, 0)? != 0 {
+            return Err(io::Error::from_raw_os_error(libc::ESRCH)); // it exited
+        }
         let mut done = 0;
         while done < n {
             let l = libc::iovec {
@@ -96,11 +128,16 @@ impl Backing for ProcessMemory {
 mod tests {
     use super::*;
 
+    fn me() -> (libc::pid_t, Arc<OwnedFd>) {
+        let pid = std::process::id() as libc::pid_t;
+        (pid, Arc::new(pidfd(pid).unwrap()))
+    }
+
     #[test]
     fn reads_and_writes_this_process_by_copy() {
         let mut buf = vec![7u8; 10_000];
-        let me = std::process::id() as libc::pid_t;
-        let m = ProcessMemory::new(me, buf.as_ptr() as u64, buf.len() as u64).unwrap();
+        let (me, fd) = me();
+        let m = ProcessMemory::new(me, fd, buf.as_ptr() as u64, buf.len() as u64).unwrap();
         let mut out = [0u8; 4];
         m.read_at(9_996, &mut out).unwrap();
         assert_eq!(out, [7; 4]);
@@ -114,12 +151,27 @@ mod tests {
 
     #[test]
     fn unmapped_or_wrapping_ranges_are_refused() {
-        let me = std::process::id() as libc::pid_t;
-        assert!(
-            ProcessMemory::new(me, 8, 4096).is_err(),
-            "page 0 is never mapped"
-        );
-        assert!(ProcessMemory::new(me, u64::MAX - 1, 4).is_err());
-        assert!(ProcessMemory::new(me, 4096, 0).is_err());
+        let (me, fd) = me();
+        let new = |a, l| ProcessMemory::new(me, fd.clone(), a, l);
+        assert!(new(8, 4096).is_err(), "page 0 is never mapped");
+        assert!(new(u64::MAX - 1, 4).is_err());
+        assert!(new(4096, 0).is_err());
+    }
+
+    #[test]
+    fn a_process_that_exited_is_never_touched_even_if_its_pid_is_reused() {
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let fd = Arc::new(pidfd(child.id() as libc::pid_t).unwrap());
+        child.wait().unwrap();
+        let buf = [0u8; 64];
+        // The pid now names a live process (this one, as if reused); the pidfd knows better.
+        let m = ProcessMemory {
+            pid: std::process::id() as libc::pid_t,
+            pidfd: fd,
+            addr: buf.as_ptr() as usize,
+            len: 64,
+        };
+        let mut out = [0u8; 8];
+        assert_eq!(m.read_at(0, &mut out), Err(Status::Fault));
     }
 }

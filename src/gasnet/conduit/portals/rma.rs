@@ -118,7 +118,11 @@ impl PortalsConduit {
         // The coalesced range may reach memory unmapped since; the buffer's own pages do not.
         let own = super::firehose::PAGE;
         let (lo, hi) = (addr / own * own, (addr + len).next_multiple_of(own));
-        for (start, end) in [(miss.start, miss.end), (lo, hi)] {
+        let mut tries = vec![(miss.start, miss.end)];
+        if (lo, hi) != (miss.start, miss.end) {
+            tries.push((lo, hi));
+        }
+        for (start, end) in tries {
             match self.register(start, end) {
                 Ok(reg) => {
                     let m = super::firehose::Miss {
