@@ -76,8 +76,11 @@ pub struct Cluster {
     pub spin_us: u64,
 }
 
+/// Largest datagram without jumbo frames (Ethernet's 1500 less IP and UDP headers).
+pub const DEFAULT_MTU: usize = 1472;
+
 fn default_mtu() -> usize {
-    1472
+    DEFAULT_MTU
 }
 fn default_window() -> usize {
     512

@@ -16,7 +16,6 @@ mod suite;
 use anyhow::Context;
 use clap::{Parser, ValueEnum};
 use report::Row;
-use softnic::config::Config;
 use softnic::gni::Nic;
 use softnic::job::JobInfo;
 
@@ -160,11 +159,7 @@ fn main() -> anyhow::Result<()> {
         std::process::exit(suite::run(&args)?);
     }
     let job = JobInfo::from_env()?;
-    let mtu = job
-        .config
-        .as_ref()
-        .and_then(|p| Config::load(p).ok())
-        .map_or(1472, |c| c.cluster.mtu);
+    let mtu = job.mtu().unwrap_or(softnic::config::DEFAULT_MTU);
     let hosts = std::env::var("SOFTNIC_HOSTS")
         .ok()
         .and_then(|h| h.parse().ok())

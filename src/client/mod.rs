@@ -83,6 +83,20 @@ impl Client {
         let client_bell = fds.pop().expect("3 fds");
         let daemon_bell = fds.pop().expect("3 fds");
         let map = Mapping::from_fd(fds.pop().expect("3 fds"), 4096, 1 << 30)?;
+        // The daemon reaches process regions (register_process) by process_vm_readv/writev:
+        // name it our ptrace tracer, as Linux's Yama module asks where it is enabled.
+        if let Ok(c) = rustix::net::sockopt::get_socket_peercred(&sock) {
+            // SAFETY: PR_SET_PTRACER takes a pid; it fails harmlessly (EINVAL) without Yama.
+            unsafe {
+                libc::prctl(
+                    libc::PR_SET_PTRACER,
+                    c.pid.as_raw_nonzero().get() as libc::c_ulong,
+                    0,
+                    0,
+                    0,
+                );
+            }
+        }
         let control = Control::open(map).map_err(|e| ClientError::Protocol(e.to_string()))?;
         Ok(Client {
             sock,
@@ -114,21 +128,8 @@ impl Client {
 
     /// Registers `[addr, addr+len)` of this process's own memory, which the daemon reaches by
     /// copy: usable as the local side of operations (a put's source, a get's destination),
-    /// never by remote peers. The daemon is named this process's ptrace tracer first, as
-    /// Linux's Yama module asks where it is enabled.
+    /// never by remote peers (the daemon was named this process's ptrace tracer at attach).
     pub fn register_process(&self, addr: u64, len: u64) -> Result<u32, ClientError> {
-        if let Ok(c) = rustix::net::sockopt::get_socket_peercred(&self.sock) {
-            // SAFETY: PR_SET_PTRACER takes a pid; it fails harmlessly (EINVAL) without Yama.
-            unsafe {
-                libc::prctl(
-                    libc::PR_SET_PTRACER,
-                    c.pid.as_raw_nonzero().get() as libc::c_ulong,
-                    0,
-                    0,
-                    0,
-                );
-            }
-        }
         match attach::call(&self.sock, &Request::RegisterProcess { addr, len }, &[])?.0 {
             Response::Registered { region } => Ok(region),
             Response::Error(e) => Err(ClientError::Refused(e)),

@@ -577,13 +577,16 @@ impl HostNic {
         let action = match c.kind {
             CommandKind::Portals => return (Status::BadRequest, 0),
             CommandKind::PutInline => serve(&self.endpoints, &put(h, c, inline)),
-            CommandKind::PutFrom => match own(&self.endpoints).and_then(|src| {
-                src.read(c.local_off, c.len as usize)
-                    .map(|d| d.into_owned())
-            }) {
-                Ok(data) => serve(&self.endpoints, &put(h, c, &data)),
-                Err(s) => return (s, 0),
-            },
+            CommandKind::PutFrom => {
+                let src = match own(&self.endpoints) {
+                    Ok(r) => r,
+                    Err(s) => return (s, 0),
+                };
+                match src.read(c.local_off, c.len as usize) {
+                    Ok(data) => serve(&self.endpoints, &put(h, c, &data)),
+                    Err(s) => return (s, 0),
+                }
+            }
             CommandKind::Get => {
                 let dst = match own(&self.endpoints) {
                     Ok(r) => r,

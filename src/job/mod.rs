@@ -86,4 +86,13 @@ impl JobInfo {
             config: std::env::var_os("SOFTNIC_CONFIG").map(Into::into),
         })
     }
+
+    /// The cluster's datagram size (the daemons' MTU): from the job's config file, or the
+    /// default when the job names none.
+    pub fn mtu(&self) -> Result<usize, crate::config::ConfigError> {
+        match &self.config {
+            Some(p) => Ok(crate::config::Config::load(p)?.cluster.mtu),
+            None => Ok(crate::config::DEFAULT_MTU),
+        }
+    }
 }

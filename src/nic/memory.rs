@@ -149,6 +149,24 @@ impl Region {
         }
     }
 
+    /// Appends the bytes at `[off, off+len)` to `out`, copied once whatever the backing. Bounds
+    /// must have been checked (asserted); on `Status::Fault`, `out` is left as it was.
+    pub fn append_to(&self, off: u64, len: usize, out: &mut Vec<u8>) -> Result<(), Status> {
+        if self.is_mapped() {
+            out.extend_from_slice(&self.read(off, len)?);
+            return Ok(());
+        }
+        assert!(
+            off as usize + len <= self.len(),
+            "read past a checked region"
+        );
+        let at = out.len();
+        out.resize(at + len, 0);
+        self.backing
+            .read_at(off as usize, &mut out[at..])
+            .inspect_err(|_| out.truncate(at))
+    }
+
     /// The bytes at `[off, off+len)` of a mapped region (tests and diagnostics; the engines use
     /// [`Region::read`]).
     ///

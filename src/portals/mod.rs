@@ -901,11 +901,7 @@ impl Portals {
         op: AtomicOp,
         dt: Datatype,
     ) -> Result<(), PortalsError> {
-        let m = Movement {
-            kind: 2,
-            aop: Some((op, dt)),
-            ..Movement::put(md, offset, length, ack_req, t, user_ptr, hdr_data)
-        };
+        let m = Movement::put(md, offset, length, ack_req, t, user_ptr, hdr_data).atomic(op, dt);
         self.op(ni, m, None)
     }
 
@@ -1011,11 +1007,7 @@ impl Portals {
         ct: u32,
         threshold: u64,
     ) -> Result<(), PortalsError> {
-        let m = Movement {
-            kind: 2,
-            aop: Some((op, dt)),
-            ..Movement::put(md, offset, length, ack_req, t, user_ptr, hdr_data)
-        };
+        let m = Movement::put(md, offset, length, ack_req, t, user_ptr, hdr_data).atomic(op, dt);
         self.op(ni, m, Some((ct, threshold)))
     }
 
@@ -1120,6 +1112,15 @@ impl<'a> Movement<'a> {
             kind: 1,
             get: Some((md, offset)),
             ..Movement::put(md, offset, length, AckReq::NoAck, t, user_ptr, 0)
+        }
+    }
+
+    /// This put as a non-fetching atomic (2).
+    fn atomic(self, op: AtomicOp, dt: Datatype) -> Movement<'a> {
+        Movement {
+            kind: 2,
+            aop: Some((op, dt)),
+            ..self
         }
     }
 

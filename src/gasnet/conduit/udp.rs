@@ -19,9 +19,6 @@ use crate::transport::udp::UdpDriver;
 use crate::transport::{PushError, Transport, TransportConfig};
 use crate::wire::{Key, OpHeader, OpIter, OpRef};
 
-/// Datagram size outside a cluster configuration (the daemons' default too).
-const MTU: usize = 1472;
-
 pub struct UdpConduit {
     me: u16,
     n: u16,
@@ -56,11 +53,9 @@ impl UdpConduit {
         )
         .as_bytes());
         // The cluster's datagram size, the one its daemons use: the same wire for every conduit.
-        let mtu = match job.config.as_deref().map(crate::config::Config::load) {
-            Some(Ok(c)) => c.cluster.mtu,
-            Some(Err(e)) => return Err(GasnetError::Setup(format!("cluster configuration: {e}"))),
-            None => MTU,
-        };
+        let mtu = job
+            .mtu()
+            .map_err(|e| GasnetError::Setup(format!("cluster configuration: {e}")))?;
         let cfg = TransportConfig {
             mtu,
             window: 128,

@@ -70,7 +70,7 @@ impl Md {
                 continue;
             }
             let n = (slen - off).min(left);
-            out.extend_from_slice(&self.region.read(start + off, n as usize)?);
+            self.region.append_to(start + off, n as usize, out)?;
             left -= n;
             off = 0;
         }

@@ -134,14 +134,15 @@ impl Firehose {
         })
     }
 
-    /// Records the registration of a planned miss, busy for the buffer at `addr`.
-    pub fn insert(&mut self, miss: &Miss, reg: Registration, addr: u64) -> Use {
+    /// Records the registration of `[start, end)` (a planned miss, or part of one), busy for
+    /// the buffer at `addr`.
+    pub fn insert(&mut self, start: u64, end: u64, reg: Registration, addr: u64) -> Use {
         self.clock += 1;
         self.next_id += 1;
         self.entries.push(Entry {
             id: self.next_id,
-            start: miss.start,
-            end: miss.end,
+            start,
+            end,
             reg,
             busy: 1,
             used: self.clock,
@@ -149,7 +150,7 @@ impl Firehose {
         Use {
             id: self.next_id,
             reg,
-            offset: addr - miss.start,
+            offset: addr - start,
         }
     }
 
@@ -177,7 +178,7 @@ mod tests {
         }
         let m = f.plan(a, len).unwrap();
         *n += 1;
-        (f.insert(&m, reg(*n), a), m.release)
+        (f.insert(m.start, m.end, reg(*n), a), m.release)
     }
 
     #[test]

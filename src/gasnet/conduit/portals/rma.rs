@@ -15,15 +15,18 @@ use crate::portals::{AckReq, EventKind, Md, NiFail};
 impl PortalsConduit {
     /// Starts tracking a direct operation of `pieces` pieces.
     fn begin_rma(&mut self, op: u64, pieces: usize) -> &mut Rma {
-        self.rma.entry(op).or_insert(Rma {
-            remaining: pieces,
-            ok: true,
-            unsent: 0,
-            dest: None,
-            data: None,
-            pieces: vec![None; pieces],
-            cached: None,
-        })
+        self.rma
+            .entry(op)
+            .insert_entry(Rma {
+                remaining: pieces,
+                ok: true,
+                unsent: 0,
+                dest: None,
+                data: None,
+                pieces: vec![None; pieces],
+                cached: None,
+            })
+            .into_mut()
     }
 
     /// A direct piece's event: SEND (local completion), ACK of a put, REPLY of a get.
@@ -124,14 +127,7 @@ impl PortalsConduit {
         }
         for (start, end) in tries {
             match self.register(start, end) {
-                Ok(reg) => {
-                    let m = super::firehose::Miss {
-                        start,
-                        end,
-                        release: Vec::new(),
-                    };
-                    return Some(self.firehose.insert(&m, reg, addr));
-                }
+                Ok(reg) => return Some(self.firehose.insert(start, end, reg, addr)),
                 Err(e) if start == lo && end == hi => {
                     tracing::warn!("registration cache off, bounce buffers only: {e}");
                     self.firehose_on = false;
@@ -190,18 +186,17 @@ impl PortalsConduit {
         let in_seg = addr >= base && addr + src.len() as u64 <= base + self.seg.len() as u64;
         let small = src.len() <= COPY_MAX;
         // Where the bytes go from: (MD, offset of src in it), or the bounce region.
-        let from = if small && (!bulk || !in_seg) {
-            None
+        let (from, cached) = if small && (!bulk || !in_seg) {
+            (None, None)
         } else if in_seg {
             let md = if bulk { self.seg_md } else { self.seg_send_md };
-            Some((md, addr - base))
+            (Some((md, addr - base)), None)
         } else {
             let u = self.cached(addr, src.len() as u64);
-            let r = self.begin_rma(op, pieces);
-            r.cached = u.map(|u| u.id);
-            u.map(|u| (u.reg.md, u.offset))
+            (u.map(|u| (u.reg.md, u.offset)), u.map(|u| u.id))
         };
         let r = self.begin_rma(op, pieces);
+        r.cached = cached;
         if from.is_some() && !bulk {
             r.unsent = pieces;
         }
@@ -250,16 +245,16 @@ impl PortalsConduit {
         }
         let pieces = len.div_ceil(CHUNK).max(1);
         // Where the reply lands: (MD, offset), or bounce pieces copied out at completion.
-        let to = match dest {
-            GetDest::Segment(base) => Some((self.seg_md, base)),
-            GetDest::Local(_) if len <= COPY_MAX => None,
+        let (to, cached) = match dest {
+            GetDest::Segment(base) => (Some((self.seg_md, base)), None),
+            GetDest::Local(_) if len <= COPY_MAX => (None, None),
             GetDest::Local(addr) => {
                 let u = self.cached(addr, len as u64);
-                self.begin_rma(op, pieces).cached = u.map(|u| u.id);
-                u.map(|u| (u.reg.md, u.offset))
+                (u.map(|u| (u.reg.md, u.offset)), u.map(|u| u.id))
             }
         };
         let r = self.begin_rma(op, pieces);
+        r.cached = cached;
         if let (None, GetDest::Local(addr)) = (to, dest) {
             r.dest = Some((addr, len));
         }
