@@ -1,8 +1,9 @@
 //! HPCC RandomAccess over GASNet. The table lives in each node's segment; an update reaches
 //! its owner either as a blocking get then put of the word (`get-put`, the naive UPC
 //! read-modify-write: concurrent updates of one word can be lost, which verification counts —
-//! HPCC tolerates 1%) or as Active Messages the owner applies (`am-bucketed`: updates bucketed
-//! per owner into Medium AMs, as HPCC's MPI version buckets them, each acknowledged by a reply)
+//! HPCC tolerates 1%) or as Active Messages the owner applies (`am`: one Short AM per update,
+//! acknowledged by a reply, at most 1024 in flight; `am-bucketed`: updates bucketed per owner
+//! into Medium AMs, as HPCC's MPI version buckets them, each acknowledged by a reply)
 //! or as one remote atomic XOR per update (`atomics`: GASNet-EX AD ops, NBI, at most 1024 in
 //! flight as HPCC allows; the portals conduit runs them in the owner's NIC, the udp conduit in
 //! an AM handler at the owner).
@@ -20,13 +21,15 @@ use crate::Ctx;
 /// Handler indices: an update bucket, and its acknowledgement.
 pub const H_RA: u8 = 202;
 pub const H_RA_ACK: u8 = 203;
+/// One update as a Short AM: offset and value, each as two 32-bit arguments.
+pub const H_RA_ONE: u8 = 204;
 /// Where the table starts in the segment (past the other benchmarks' buffers).
 const TABLE_AT: usize = 16 << 20;
 /// Where each rank leaves its verification error count on node 0.
 const ERRORS_AT: usize = 12 << 20;
 /// The get-put variant's table is capped at 2^this words: a blocking round trip per update.
 const GET_PUT_MAX_LOG: u32 = 12;
-/// The atomics variant's cap: one network operation (or AM) per update.
+/// The atomics and am variants' cap: one network operation (or AM) per update.
 const ATOMICS_MAX_LOG: u32 = 16;
 /// HPCC's look-ahead: at most this many updates in flight.
 const LOOKAHEAD: usize = 1024;
@@ -34,6 +37,7 @@ const LOOKAHEAD: usize = 1024;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Variant {
     GetPut,
+    Am,
     AmBucketed,
     Atomics,
 }
@@ -42,6 +46,7 @@ impl Variant {
     pub fn name(self) -> &'static str {
         match self {
             Variant::GetPut => "get-put",
+            Variant::Am => "am",
             Variant::AmBucketed => "am-bucketed",
             Variant::Atomics => "atomics",
         }
@@ -73,9 +78,25 @@ pub fn handlers(acks: &Rc<Cell<u64>>) -> Vec<(u8, Handler)> {
             std::process::exit(1);
         }
     });
+    let one: Handler = Box::new(|t: &mut Token<'_>, m: Msg<'_>| {
+        let arg = |i: usize| m.args.get(i).copied().unwrap_or(0) as u64;
+        let (off, val) = (arg(0) | arg(1) << 32, arg(2) | arg(3) << 32);
+        let seg = t.segment();
+        if let Some(at) = usize::try_from(off)
+            .ok()
+            .and_then(|o| TABLE_AT.checked_add(o))
+            .filter(|a| a + 8 <= seg.len())
+        {
+            xor_word(seg, at, val);
+        }
+        if let Err(e) = t.reply_short(H_RA_ACK, &[]) {
+            eprintln!("netbench: RandomAccess ack failed: {e}");
+            std::process::exit(1);
+        }
+    });
     let a = acks.clone();
     let ack: Handler = Box::new(move |_: &mut Token<'_>, _: Msg<'_>| a.set(a.get() + 1));
-    vec![(H_RA, update), (H_RA_ACK, ack)]
+    vec![(H_RA, update), (H_RA_ACK, ack), (H_RA_ONE, one)]
 }
 
 /// This rank's share of the update stream, applied once.
@@ -105,6 +126,20 @@ fn updates(
                 let at = TABLE_AT as u64 + off;
                 g.get(&mut w, owner, at)?;
                 g.put(owner, at, &(u64::from_le_bytes(w) ^ ran).to_le_bytes())?;
+            }
+            Variant::Am => {
+                let args = [
+                    off as u32,
+                    (off >> 32) as u32,
+                    ran as u32,
+                    (ran >> 32) as u32,
+                ];
+                g.am_request_short(owner, H_RA_ONE, &args)?;
+                sent += 1;
+                if sent - (acks.get() - first_ack) >= LOOKAHEAD as u64 {
+                    let a = acks.clone();
+                    g.block_until(|| sent - (a.get() - first_ack) < LOOKAHEAD as u64)?;
+                }
             }
             Variant::AmBucketed => {
                 let b = &mut buckets[owner as usize];
@@ -146,7 +181,7 @@ pub fn run(
     );
     let log_local = match v {
         Variant::GetPut => log_local.min(GET_PUT_MAX_LOG),
-        Variant::Atomics => log_local.min(ATOMICS_MAX_LOG),
+        Variant::Atomics | Variant::Am => log_local.min(ATOMICS_MAX_LOG),
         Variant::AmBucketed => log_local,
     };
     let local = 1usize << log_local;

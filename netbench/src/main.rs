@@ -67,6 +67,10 @@ struct Args {
     /// JSON lines on stdout (tables go to stderr).
     #[arg(long)]
     json: bool,
+    /// RandomAccess variants to run, comma separated (default: all of the API's): gni `nic-amo`,
+    /// `nic-amo-bucketed`; gasnet `get-put`, `am`, `am-bucketed`, `atomics`.
+    #[arg(long, value_delimiter = ',')]
+    ra_variants: Option<Vec<String>>,
     /// `compare`: the rank counts of the GUPS-vs-ranks figure (besides `--ranks`).
     #[arg(long, value_delimiter = ',', default_value = "2,4")]
     ra_ranks: Vec<u32>,
@@ -85,6 +89,15 @@ impl Args {
                 vec![4096, 65536, 1 << 20],
             ),
         }
+    }
+}
+
+impl Args {
+    /// Whether the RandomAccess variant `name` was asked for.
+    fn ra_variant(&self, name: &str) -> bool {
+        self.ra_variants
+            .as_ref()
+            .is_none_or(|v| v.iter().any(|n| n == name))
     }
 }
 
@@ -277,7 +290,10 @@ fn main() -> anyhow::Result<()> {
         for v in [
             randomaccess::Variant::NicAmo,
             randomaccess::Variant::NicAmoBucketed,
-        ] {
+        ]
+        .into_iter()
+        .filter(|v| args.ra_variant(v.name()))
+        {
             rows.extend(randomaccess::run(
                 &ctx,
                 nic,
@@ -336,9 +352,13 @@ fn run_gasnet(args: &Args, ctx: &Ctx) -> anyhow::Result<()> {
     if ra {
         for v in [
             gasnet_ra::Variant::GetPut,
+            gasnet_ra::Variant::Am,
             gasnet_ra::Variant::AmBucketed,
             gasnet_ra::Variant::Atomics,
-        ] {
+        ]
+        .into_iter()
+        .filter(|v| args.ra_variant(v.name()))
+        {
             rows.extend(gasnet_ra::run(
                 ctx,
                 &mut g,

@@ -120,6 +120,9 @@ fn step_args(args: &Args, s: &Step) -> Vec<OsString> {
     if args.no_verify {
         v.push("--no-verify".into());
     }
+    if let Some(ra) = &args.ra_variants {
+        v.extend(["--ra-variants".into(), ra.join(",")]);
+    }
     v.into_iter().map(Into::into).collect()
 }
 

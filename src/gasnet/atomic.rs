@@ -216,6 +216,17 @@ pub(super) fn register_handlers(
 }
 
 impl Gasnet {
+    /// An atomic's target: a node of the job, an aligned word inside the segment.
+    fn ad_check(&mut self, node: u32, offset: u64) -> Result<(), GasnetError> {
+        if node >= self.nodes() {
+            return Err(GasnetError::BadNode(node));
+        }
+        if !offset.is_multiple_of(8) {
+            return Err(GasnetError::Misaligned(offset));
+        }
+        self.check_remote(offset, 8)
+    }
+
     /// Starts `atomic` on the word at `offset` (8-byte aligned) of `node`'s segment; for a
     /// fetching operation the prior value will be in the op's `get_data`.
     fn ad_start(
@@ -225,13 +236,7 @@ impl Gasnet {
         atomic: AdOp,
         operands: [u64; 2],
     ) -> Result<u64, GasnetError> {
-        if node >= self.nodes() {
-            return Err(GasnetError::BadNode(node));
-        }
-        if !offset.is_multiple_of(8) {
-            return Err(GasnetError::Misaligned(offset));
-        }
-        self.check_remote(offset, 8)?;
+        self.ad_check(node, offset)?;
         let op = {
             let mut s = self.ext.borrow_mut();
             let op = s.new_op(1);
@@ -289,6 +294,17 @@ impl Gasnet {
     ) -> Result<(), GasnetError> {
         if atomic.fetches() {
             return Err(GasnetError::FetchingNbi);
+        }
+        // Outside an access region the conduit may count it instead of tracking an op.
+        if self.ext.borrow().open_region.is_none() {
+            self.ad_check(node, offset)?;
+            if self
+                .core
+                .conduit
+                .atomic_implicit(node, offset, atomic, [a, b])?
+            {
+                return Ok(());
+            }
         }
         let op = self.ad_start(node, offset, atomic, [a, b])?;
         self.ext.borrow_mut().nbi_puts.push(op);

@@ -52,7 +52,7 @@ pub struct ExtState {
     get_to_segment: HashMap<u64, u64>,
     /// Access regions and implicit operations.
     regions: HashMap<u64, Vec<u64>>,
-    open_region: Option<Vec<u64>>,
+    pub(super) open_region: Option<Vec<u64>>,
     pub(super) nbi_puts: Vec<u64>,
     nbi_gets: Vec<u64>,
     // Barrier.
@@ -602,9 +602,20 @@ impl Gasnet {
                     r = Err(e);
                 }
             }
+            // Atomics the conduit counts rather than tracks belong to the implicit puts.
+            let counted_open = puts
+                && match self.core.conduit.implicit_done() {
+                    Ok(done) => !done,
+                    Err(e) => {
+                        r = Err(e);
+                        false
+                    }
+                };
             {
                 let s = self.ext.borrow();
-                let open = (puts && !s.nbi_puts.is_empty()) || (gets && !s.nbi_gets.is_empty());
+                let open = counted_open
+                    || (puts && !s.nbi_puts.is_empty())
+                    || (gets && !s.nbi_gets.is_empty());
                 if !open {
                     return r.map(|_| true);
                 }

@@ -414,14 +414,37 @@ impl Portals {
         eqs: &[u32],
         max: Duration,
     ) -> Result<(), PortalsError> {
+        self.sleep(ni, eqs, &[], max)
+    }
+
+    /// [`Portals::eq_sleep`] that also returns at once when one of the counting events
+    /// `cts` (handle, test) has reached its test (successes plus failures).
+    pub fn sleep(
+        &mut self,
+        ni: NiHandle,
+        eqs: &[u32],
+        cts: &[(u32, u64)],
+        max: Duration,
+    ) -> Result<(), PortalsError> {
         let info = self.info(ni)?;
         let rings: Vec<&EventRing> = eqs
             .iter()
             .filter_map(|eq| info.eqs.get(eq).map(|(r, _)| r))
             .collect();
+        let counts: Vec<(&CtSlot, u64)> = cts
+            .iter()
+            .filter_map(|(ct, t)| info.cts.get(ct).map(|s| (s, *t)))
+            .collect();
+        let ready = || {
+            rings.iter().any(|r| r.pending())
+                || counts.iter().any(|(s, t)| {
+                    let v = s.load();
+                    v.success + v.failure >= *t
+                })
+        };
         self.nic
             .client()
-            .sleep_until_news_unless(max, &|| rings.iter().any(|r| r.pending()))
+            .sleep_until_news_unless(max, &ready)
             .map_err(GniError::from)?;
         Ok(())
     }

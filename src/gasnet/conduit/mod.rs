@@ -145,4 +145,22 @@ pub trait Conduit {
     ) -> Result<bool, GasnetError> {
         Ok(false)
     }
+    /// A non-fetching 64-bit atomic that belongs to the implicit puts and has no operation of
+    /// its own: the network counts its completion (no per-operation state or event), and
+    /// [`Conduit::implicit_done`] reports when all such have completed. `Ok(false)` when the
+    /// conduit has no such path, and the Extended layer tracks it as an operation.
+    fn atomic_implicit(
+        &mut self,
+        _node: u32,
+        _offset: u64,
+        _atomic: AdOp,
+        _operands: [u64; 2],
+    ) -> Result<bool, GasnetError> {
+        Ok(false)
+    }
+    /// Whether every [`Conduit::atomic_implicit`] so far has completed. Failures among them
+    /// are reported once, as an error, by the call that first sees them.
+    fn implicit_done(&mut self) -> Result<bool, GasnetError> {
+        Ok(true)
+    }
 }

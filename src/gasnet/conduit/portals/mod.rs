@@ -76,6 +76,8 @@ const COPY_MAX: usize = 32 * 1024;
 /// (`GASNET_FIREHOSE_R`), as GASNet's firehose names them.
 const FIREHOSE_M: usize = 256 << 20;
 const FIREHOSE_R: usize = 64;
+/// Non-fetching atomics of the implicit puts in flight at most, and their operand slots.
+const IMPLICIT_SLOTS: usize = 4096;
 /// Long payloads up to this ride inside the AM.
 const PACKED_MAX: usize = 8 * 1024;
 /// Largest Long payload (AMMaxLongRequest/Reply): one piece of the bounce region.
@@ -177,6 +179,13 @@ pub struct PortalsConduit {
     firehose: firehose::Firehose,
     /// Off once the daemon could not reach this process's memory.
     firehose_on: bool,
+    /// Implicit atomics (see `rma::implicit_atomic`): operand slots, their MD counting ACKs
+    /// on a CT, how many were issued, and how many failures were reported already.
+    imp: MemRegion,
+    imp_md: u32,
+    imp_ct: u32,
+    imp_issued: u64,
+    imp_failed: u64,
 }
 
 fn err<E: std::fmt::Display>(e: E) -> GasnetError {
@@ -244,6 +253,20 @@ impl PortalsConduit {
         let seg_md = md(&mut p, &seg, quiet).map_err(err)?;
         let seg_send_md = md(&mut p, &seg, 0).map_err(err)?;
         let bounce_md = md(&mut p, &bounce, quiet).map_err(err)?;
+        let imp = reg(&mut p, IMPLICIT_SLOTS * 8, Perms(0)).map_err(err)?;
+        let imp_ct = p.ct_alloc(ni).map_err(err)?;
+        let imp_md = p
+            .md_bind(
+                ni,
+                &Md {
+                    region: imp.handle,
+                    segments: vec![(0, imp.len() as u64)],
+                    options: md_opt::EVENT_SEND_DISABLE | md_opt::EVENT_CT_ACK,
+                    eq: None,
+                    ct: Some(imp_ct),
+                },
+            )
+            .map_err(err)?;
         // Replies land in the request slots.
         let reply = whole(&sb, REQ_SLOTS * MAX_AM, me_opt::OP_PUT);
         p.me_append(ni, REPLY_PT, &reply, List::Priority, REPLY_ME)
@@ -310,6 +333,11 @@ impl PortalsConduit {
                 env_size(&["GASNET_FIREHOSE_R"]).unwrap_or(FIREHOSE_R),
             ),
             firehose_on: true,
+            imp,
+            imp_md,
+            imp_ct,
+            imp_issued: 0,
+            imp_failed: 0,
         };
         for i in 0..RBS {
             c.post_rb(i)?;
@@ -407,8 +435,17 @@ impl Conduit for PortalsConduit {
             .iter()
             .map(|&(due, _)| due.saturating_duration_since(now))
             .fold(max, |m, d| m.min(d));
+        // Implicit atomics have no events: their count wakes us when all are done.
+        let outstanding = self.imp_issued > self.imp_completions()?.0;
+        let cts = [(self.imp_ct, self.imp_issued)];
+        let cts = if outstanding { &cts[..] } else { &[] };
         self.p
-            .eq_sleep(self.ni, &[self.am_eq, self.safe_eq, self.raram_eq], max)
+            .sleep(
+                self.ni,
+                &[self.am_eq, self.safe_eq, self.raram_eq],
+                cts,
+                max,
+            )
             .map_err(|e| GasnetError::Wait(e.to_string()))
     }
 
@@ -471,5 +508,19 @@ impl Conduit for PortalsConduit {
     ) -> Result<bool, GasnetError> {
         self.direct_atomic(node, offset, atomic, operands, op)
             .map(|()| true)
+    }
+
+    fn atomic_implicit(
+        &mut self,
+        node: u32,
+        offset: u64,
+        atomic: AdOp,
+        operands: [u64; 2],
+    ) -> Result<bool, GasnetError> {
+        self.implicit_atomic(node, offset, atomic, operands)
+    }
+
+    fn implicit_done(&mut self) -> Result<bool, GasnetError> {
+        self.implicit_check().map(|outstanding| outstanding == 0)
     }
 }

@@ -5,7 +5,9 @@
 //! returns only at local completion (its SEND event: the NIC has taken the bytes).
 
 use super::firehose::{Registration, Use};
-use super::{err, PortalsConduit, Rma, BOUNCE_LEN, CHUNK, COPY_MAX, MAX_RMA, RMA_TAG};
+use super::{
+    err, PortalsConduit, Rma, BOUNCE_LEN, CHUNK, COPY_MAX, IMPLICIT_SLOTS, MAX_RMA, RMA_TAG,
+};
 use crate::gasnet::atomic::PortalsCall;
 use crate::gasnet::conduit::{GetDest, RmaDone};
 use crate::gasnet::{AdOp, GasnetError};
@@ -334,5 +336,72 @@ impl PortalsConduit {
         }
         .map_err(err)?;
         Ok(())
+    }
+
+    /// A non-fetching atomic of the implicit puts (PtlAtomic with CT_ACK from IMP_MD): no
+    /// per-operation state and no full event, only a count on IMP_CT — the difference between
+    /// one event handled per update and none, for update-heavy codes like RandomAccess.
+    /// `Ok(false)` for the operations that are swaps (Set, Cas): those are tracked.
+    ///
+    /// Operand slot `k mod IMPLICIT_SLOTS` is reused by op `k`; the NIC read the previous
+    /// user's operand when it started that op. It has once fewer than `IMPLICIT_SLOTS` are
+    /// outstanding: the NIC starts commands in the order posted and gathers local bytes at
+    /// start, so `c` completions (of distinct ops) mean the first `c` ops have all started.
+    pub(super) fn implicit_atomic(
+        &mut self,
+        node: u32,
+        offset: u64,
+        atomic: AdOp,
+        [a, b]: [u64; 2],
+    ) -> Result<bool, GasnetError> {
+        let p = atomic.portals(a, b);
+        if p.call != PortalsCall::Atomic {
+            return Ok(false);
+        }
+        if node >= self.n {
+            return Err(GasnetError::BadNode(node));
+        }
+        // Failures are only counted here; a later sync reports them.
+        while self.imp_issued - self.imp_completions()?.0 >= IMPLICIT_SLOTS as u64 {
+            self.wait_step()?;
+        }
+        let at = (self.imp_issued % IMPLICIT_SLOTS as u64) * 8;
+        self.imp.bytes()[at as usize..at as usize + 8].copy_from_slice(&p.operand.to_le_bytes());
+        let t = self.rar(node, offset);
+        self.p
+            .atomic(
+                self.ni,
+                self.imp_md,
+                at,
+                8,
+                AckReq::CtAck,
+                t,
+                0,
+                0,
+                p.op,
+                p.dt,
+            )
+            .map_err(err)?;
+        self.imp_issued += 1;
+        Ok(true)
+    }
+
+    /// Implicit atomics completed (successes and failures) and, of them, failures.
+    pub(super) fn imp_completions(&self) -> Result<(u64, u64), GasnetError> {
+        let c = self.p.ct_get(self.ni, self.imp_ct).map_err(err)?;
+        Ok((c.success + c.failure, c.failure))
+    }
+
+    /// Implicit atomics still outstanding; failures not reported yet are an error (once).
+    pub(super) fn implicit_check(&mut self) -> Result<u64, GasnetError> {
+        let (done, failed) = self.imp_completions()?;
+        if failed > self.imp_failed {
+            let new = failed - self.imp_failed;
+            self.imp_failed = failed;
+            return Err(GasnetError::Wait(format!(
+                "{new} implicit remote atomic(s) failed at their target"
+            )));
+        }
+        Ok(self.imp_issued.saturating_sub(done))
     }
 }
