@@ -81,7 +81,11 @@ impl Host {
 fn run(net: &mut SimNet, hosts: &mut [Host; 2], specs: Vec<OpSpec>) {
     let body = hosts[0].t.body_capacity();
     for (i, s) in specs.into_iter().enumerate() {
-        let (id, payload) = hosts[0].ni.start(s.clone()).expect("valid op");
+        let mut payload = Vec::new();
+        let id = hosts[0]
+            .ni
+            .start(s.clone(), &mut payload)
+            .expect("valid op");
         let (kind, op, dt) = encode_kind(s.kind);
         let m = PtlHeader {
             ni: 0,

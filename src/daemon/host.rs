@@ -106,6 +106,8 @@ pub struct HostNic {
     /// Portals interfaces of the attached processes, by (job, rank).
     pub(super) portals: HashMap<(u32, u32), super::portals::PortalsProc>,
     pub(super) ptl_asm: crate::nic::portals::wire::Reassembly,
+    /// Scratch for the payload of the Portals operation being started.
+    pub(super) ptl_payload: Vec<u8>,
     rx: Vec<u8>,
     cmd_buf: Vec<u8>,
     uid: u32,
@@ -193,6 +195,7 @@ impl HostNic {
             raw_completions: Vec::new(),
             portals: HashMap::default(),
             ptl_asm: Default::default(),
+            ptl_payload: Vec::new(),
             rx: vec![0; 65_536],
             cmd_buf: Vec::with_capacity(8192),
             uid: rustix::process::geteuid().as_raw(),

@@ -20,6 +20,8 @@ use crate::wire::{OpHeader, OpRef, PtlHeader};
 
 use super::host::{Flow, HostNic, OutItem};
 
+/// The start scratch buffer is kept up to this capacity (small operations reuse it).
+const PAYLOAD_KEEP: usize = 64 << 10;
 /// How long a Portals acknowledgement may wait to share a datagram (ns).
 const ACK_LAZY_NS: u64 = 10_000;
 
@@ -341,7 +343,17 @@ impl HostNic {
             uid: 0,
         };
         let operand = spec.operand.clone();
-        let (id, payload) = self.ni_state(job, rank, ni)?.ni.start(spec)?;
+        let mut payload = std::mem::take(&mut self.ptl_payload);
+        let started = self
+            .ni_state(job, rank, ni)
+            .and_then(|s| s.ni.start(spec, &mut payload));
+        let id = match started {
+            Ok(id) => id,
+            Err(e) => {
+                self.ptl_payload = payload;
+                return Err(e);
+            }
+        };
         let h = OpHeader {
             job,
             src_rank: rank,
@@ -363,6 +375,10 @@ impl HostNic {
             for op in request_ops(h, m, &operand, &payload, body) {
                 self.send_owned(host, &op, None);
             }
+        }
+        // Kept for the next start, unless a large transfer grew it.
+        if payload.capacity() <= PAYLOAD_KEEP {
+            self.ptl_payload = payload;
         }
         Ok(())
     }

@@ -299,7 +299,7 @@ pub unsafe fn apply(
                 nb[8..].copy_from_slice(&n[1].to_le_bytes());
                 std::ptr::copy_nonoverlapping(nb.as_ptr(), p, 16);
             }
-            cur.to_vec()
+            cur
         } else {
             let dv = load_le(d);
             let ov = if o.is_empty() { 0 } else { load_le(o) };
@@ -314,10 +314,12 @@ pub unsafe fn apply(
                 }
                 t
             };
-            old.to_le_bytes()[..w].to_vec()
+            let mut b = [0u8; 16];
+            b[..8].copy_from_slice(&old.to_le_bytes());
+            b
         };
         if let Some(f) = fetched.as_deref_mut() {
-            f[i * w..(i + 1) * w].copy_from_slice(&old);
+            f[i * w..(i + 1) * w].copy_from_slice(&old[..w]);
         }
     }
     Ok(())

@@ -176,9 +176,11 @@ impl PortalsNi {
         Ok(())
     }
 
-    /// Starts an operation: checks it, copies the payload out of the MD (returned for the
-    /// wire), posts SEND. Returns the operation's id for [`PortalsNi::complete`].
-    pub fn start(&mut self, spec: OpSpec) -> Result<(u32, Vec<u8>), PtlError> {
+    /// Starts an operation: checks it, copies the payload out of the MD into `payload` (for
+    /// the wire; the caller's buffer, reused so that starting allocates nothing), posts SEND.
+    /// Returns the operation's id for [`PortalsNi::complete`].
+    pub fn start(&mut self, spec: OpSpec, payload: &mut Vec<u8>) -> Result<u32, PtlError> {
+        payload.clear();
         let needs_reply = !matches!(spec.kind, ReqKind::Put | ReqKind::Atomic(..));
         let sends = !matches!(spec.kind, ReqKind::Get);
         if spec.length > self.limits.max_msg_size {
@@ -210,8 +212,7 @@ impl PortalsNi {
                 return Err(PtlError::ArgInvalid);
             }
         }
-        let mut payload = Vec::new();
-        if sends && pay.gather(spec.offset, spec.length, &mut payload).is_err() {
+        if sends && pay.gather(spec.offset, spec.length, payload).is_err() {
             // Memory reached by copy is gone (a process region unmapped): the operation fails
             // as a segmentation violation where its completion would be reported, since a
             // one-way call has no other way back.
@@ -252,8 +253,7 @@ impl PortalsNi {
                 }
             }
         }
-        let id = self.outgoing.insert(Outgoing { spec });
-        Ok((id, payload))
+        Ok(self.outgoing.insert(Outgoing { spec }))
     }
 
     /// Completes operation `id` with the target's response: ACK or REPLY, counting events,

@@ -75,7 +75,8 @@ fn spec(kind: ReqKind, md: u32, length: u64, ack_req: AckReq) -> OpSpec {
 impl Pair {
     /// Starts `s` at the initiator, delivers it at the target, completes it at the initiator.
     fn run(&mut self, s: OpSpec) -> Response {
-        let (id, payload) = self.a.start(s.clone()).unwrap();
+        let mut payload = Vec::new();
+        let id = self.a.start(s.clone(), &mut payload).unwrap();
         let req = Request {
             kind: s.kind,
             initiator: rank(0),
@@ -281,36 +282,46 @@ fn md_rules_and_bad_arguments() {
         p.a.md_bind(r, vec![(0, 16)], 0, Some(p.a_eq), None)
             .unwrap();
     assert_eq!(
-        p.a.start(spec(ReqKind::Put, m, 17, AckReq::Ack)).err(),
+        p.a.start(spec(ReqKind::Put, m, 17, AckReq::Ack), &mut Vec::new())
+            .err(),
         Some(PtlError::ArgInvalid)
     );
     assert_eq!(
-        p.a.start(spec(
-            ReqKind::Atomic(AtomicOp::Bxor, Datatype::Float),
-            m,
-            4,
-            AckReq::Ack
-        ))
+        p.a.start(
+            spec(
+                ReqKind::Atomic(AtomicOp::Bxor, Datatype::Float),
+                m,
+                4,
+                AckReq::Ack
+            ),
+            &mut Vec::new()
+        )
         .err(),
         Some(PtlError::ArgInvalid)
     );
     assert_eq!(
-        p.a.start(spec(
-            ReqKind::Atomic(AtomicOp::Sum, Datatype::Int32),
-            m,
-            6,
-            AckReq::Ack
-        ))
+        p.a.start(
+            spec(
+                ReqKind::Atomic(AtomicOp::Sum, Datatype::Int32),
+                m,
+                6,
+                AckReq::Ack
+            ),
+            &mut Vec::new()
+        )
         .err(),
         Some(PtlError::ArgInvalid)
     );
     assert_eq!(
-        p.a.start(spec(
-            ReqKind::Atomic(AtomicOp::Swap, Datatype::Int32),
-            m,
-            4,
-            AckReq::Ack
-        ))
+        p.a.start(
+            spec(
+                ReqKind::Atomic(AtomicOp::Swap, Datatype::Int32),
+                m,
+                4,
+                AckReq::Ack
+            ),
+            &mut Vec::new()
+        )
         .err(),
         Some(PtlError::ArgInvalid),
         "swaps belong to PtlSwap"
@@ -323,12 +334,14 @@ fn md_rules_and_bad_arguments() {
     );
     cs.operand = vec![0; 4];
     assert_eq!(
-        p.a.start(cs).err(),
+        p.a.start(cs, &mut Vec::new()).err(),
         Some(PtlError::ArgInvalid),
         "CSWAP takes one element"
     );
     // Release while in flight is refused; after completion it works.
-    let (id, _) = p.a.start(spec(ReqKind::Put, m, 8, AckReq::Ack)).unwrap();
+    let id =
+        p.a.start(spec(ReqKind::Put, m, 8, AckReq::Ack), &mut Vec::new())
+            .unwrap();
     assert_eq!(p.a.md_release(m), Err(PtlError::InUse));
     p.a.complete(
         id,
@@ -512,7 +525,8 @@ fn memory_that_is_gone_fails_as_a_segmentation_violation() {
         .unwrap();
     // A put whose source cannot be read starts nothing and reports where its ACK would.
     assert_eq!(
-        p.a.start(spec(ReqKind::Put, m, 8, AckReq::Ack)).err(),
+        p.a.start(spec(ReqKind::Put, m, 8, AckReq::Ack), &mut Vec::new())
+            .err(),
         Some(PtlError::ArgInvalid)
     );
     let (e, _) = p.a.eq_get(p.a_eq).unwrap();

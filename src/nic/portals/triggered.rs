@@ -65,6 +65,10 @@ impl PortalsNi {
     }
 
     pub(super) fn fire_triggered(&mut self, ct: u32) {
+        // Every counting-event change passes here: nothing to do (or allocate) without triggers.
+        if self.triggered.is_empty() {
+            return;
+        }
         let mut work = vec![ct];
         while let Some(c) = work.pop() {
             let Ok(v) = self.ct_get(c) else { continue };

@@ -46,55 +46,38 @@ pub fn request_ops<'a>(
     operand: &'a [u8],
     payload: &'a [u8],
     body: usize,
-) -> Vec<OpRef<'a>> {
+) -> impl Iterator<Item = OpRef<'a>> + 'a {
     let max = OpRef::max_data(OpKind::PtlReq, body)
         .saturating_sub(operand.len())
         .max(1);
-    let mut ops = Vec::with_capacity(payload.len() / max + 1);
-    let mut chunks = payload.chunks(max).peekable();
-    if chunks.peek().is_none() {
-        return vec![OpRef::PtlReq {
-            h,
-            m,
-            last: true,
-            operand,
-            data: &[],
-        }];
-    }
-    while let Some(c) = chunks.next() {
-        ops.push(OpRef::PtlReq {
-            h,
-            m,
-            last: chunks.peek().is_none(),
-            operand,
-            data: c,
-        });
-    }
-    ops
+    // An empty payload still makes one (last) fragment.
+    let n = payload.len().div_ceil(max).max(1);
+    (0..n).map(move |i| OpRef::PtlReq {
+        h,
+        m,
+        last: i + 1 == n,
+        operand,
+        data: &payload[(i * max).min(payload.len())..((i + 1) * max).min(payload.len())],
+    })
 }
 
 /// The ops carrying a response (reply data cut at `frag_off` boundaries).
-pub fn response_ops(h: OpHeader, r: &Response, body: usize) -> Vec<OpRef<'_>> {
+pub fn response_ops(h: OpHeader, r: &Response, body: usize) -> impl Iterator<Item = OpRef<'_>> {
     let max = OpRef::max_data(OpKind::PtlResp, body).max(1);
-    let base = |frag_off, last, data| OpRef::PtlResp {
-        h,
-        ni_fail: r.ni_fail as u8,
-        ack: r.ack,
-        mlength: r.mlength,
-        offset: r.offset,
-        frag_off,
-        last,
-        data,
-    };
-    if r.data.is_empty() {
-        return vec![base(0, true, &[])];
-    }
-    let n = r.data.len().div_ceil(max);
-    r.data
-        .chunks(max)
-        .enumerate()
-        .map(|(i, c)| base((i * max) as u64, i + 1 == n, c))
-        .collect()
+    let n = r.data.len().div_ceil(max).max(1);
+    (0..n).map(move |i| {
+        let at = (i * max).min(r.data.len());
+        OpRef::PtlResp {
+            h,
+            ni_fail: r.ni_fail as u8,
+            ack: r.ack,
+            mlength: r.mlength,
+            offset: r.offset,
+            frag_off: at as u64,
+            last: i + 1 == n,
+            data: &r.data[at..((i + 1) * max).min(r.data.len())],
+        }
+    })
 }
 
 /// A request put back together: borrowed from the datagram when it came in one piece.
@@ -242,6 +225,19 @@ impl Reassembly {
             return None;
         };
         let key = (peer, h.req);
+        // The common case, a response in one piece, never touches the table.
+        if last && frag_off == 0 && !self.responses.contains_key(&key) {
+            return Some((
+                h.req,
+                Response {
+                    ni_fail: ni_fail_from(ni_fail),
+                    mlength,
+                    offset,
+                    ack,
+                    data: data.to_vec(),
+                },
+            ));
+        }
         let r = self.responses.entry(key).or_insert_with(|| Response {
             ni_fail: ni_fail_from(ni_fail),
             mlength,
