@@ -309,7 +309,17 @@ impl HostNic {
             }
         };
         // Calls can release triggered operations (counting-event changes): start them.
-        for ni in 0..MAX_NIS as u8 {
+        let fired: Vec<u8> = self.portals.get(&(job, rank)).map_or(Vec::new(), |p| {
+            (0..MAX_NIS as u8)
+                .filter(|&ni| {
+                    p.nis
+                        .get(ni as usize)
+                        .and_then(|n| n.as_ref())
+                        .is_some_and(|s| s.ni.has_fired())
+                })
+                .collect()
+        });
+        for ni in fired {
             self.ptl_run_fired(job, rank, ni);
         }
         r
@@ -367,9 +377,11 @@ impl HostNic {
                 operand: &operand,
                 data: &payload,
             };
-            let resp = self.ptl_deliver(host, &whole);
+            let (resp, fired) = self.ptl_deliver(host, &whole);
             self.ptl_complete(job, rank, ni, id, &resp);
-            self.ptl_run_fired(job, target_rank, ni);
+            if fired {
+                self.ptl_run_fired(job, target_rank, ni);
+            }
         } else {
             let body = self.transport.body_capacity();
             for op in request_ops(h, m, &operand, &payload, body) {
@@ -383,16 +395,18 @@ impl HostNic {
         Ok(())
     }
 
-    /// Serves a whole request at its target interface; the response for its initiator.
-    fn ptl_deliver(&mut self, from_host: u16, whole: &Whole<'_>) -> Response {
+    /// Serves a whole request at its target interface: the response for its initiator, and
+    /// whether triggers released operations there (to start with `ptl_run_fired`).
+    fn ptl_deliver(&mut self, from_host: u16, whole: &Whole<'_>) -> (Response, bool) {
         self.stats.served_portals += 1;
         let (h, m, ..) = whole.parts();
         let Ok(s) = self.ni_state(h.job, h.dst_rank, m.ni) else {
-            return Response {
+            let resp = Response {
                 ni_fail: NiFail::Undeliverable,
                 ack: true,
                 ..Default::default()
             };
+            return (resp, false);
         };
         let initiator = if s.logical {
             let rank = s
@@ -409,21 +423,25 @@ impl HostNic {
                 pid: h.src_rank,
             }
         };
-        match whole.request(initiator) {
+        let resp = match whole.request(initiator) {
             Ok(req) => s.ni.deliver(&req),
             Err(f) => Response {
                 ni_fail: f,
                 ack: true,
                 ..Default::default()
             },
-        }
+        };
+        (resp, s.ni.has_fired())
     }
 
     fn ptl_complete(&mut self, job: u32, rank: u32, ni: u8, id: u32, resp: &Response) {
-        if let Ok(s) = self.ni_state(job, rank, ni) {
+        let fired = self.ni_state(job, rank, ni).is_ok_and(|s| {
             s.ni.complete(id, resp);
+            s.ni.has_fired()
+        });
+        if fired {
+            self.ptl_run_fired(job, rank, ni);
         }
-        self.ptl_run_fired(job, rank, ni);
     }
 
     /// Starts the operations triggers released on (job, rank)'s interface `ni`.
@@ -461,8 +479,10 @@ impl HostNic {
                     ),
                     Some(Ok(whole)) => {
                         let h = whole.parts().0;
-                        let resp = self.ptl_deliver(peer, &whole);
-                        self.ptl_run_fired(h.job, h.dst_rank, whole.parts().1.ni);
+                        let (resp, fired) = self.ptl_deliver(peer, &whole);
+                        if fired {
+                            self.ptl_run_fired(h.job, h.dst_rank, whole.parts().1.ni);
+                        }
                         (h, resp)
                     }
                 };

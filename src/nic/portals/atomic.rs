@@ -304,7 +304,8 @@ pub unsafe fn apply(
             let dv = load_le(d);
             let ov = if o.is_empty() { 0 } else { load_le(o) };
             let old = if (p as usize).is_multiple_of(w) {
-                cas_loop(p, w, |t| combine(op, dt, t, dv, ov))
+                native(p, w, op, dt, dv)
+                    .unwrap_or_else(|| cas_loop(p, w, |t| combine(op, dt, t, dv, ov)))
             } else {
                 let mut cur = [0u8; 8];
                 std::ptr::copy_nonoverlapping(p, cur.as_mut_ptr(), w);
@@ -323,6 +324,41 @@ pub unsafe fn apply(
         }
     }
     Ok(())
+}
+
+/// The operations the CPU has one read-modify-write instruction for, on integers: one
+/// exclusive access to the line instead of a load and a compare-and-swap (a random-update
+/// stream pays a cache miss per word). Returns the old value, or `None` for the others.
+unsafe fn native(p: *mut u8, w: usize, op: AtomicOp, dt: Datatype, d: u64) -> Option<u64> {
+    if matches!(
+        dt,
+        Datatype::Float | Datatype::Double | Datatype::FloatComplex | Datatype::DoubleComplex
+    ) {
+        return None;
+    }
+    macro_rules! run {
+        ($a:ty, $t:ty) => {{
+            // SAFETY (caller): p is aligned for $a and valid.
+            let a = &*(p as *const $a);
+            let d = d as $t;
+            let old = match op {
+                AtomicOp::Sum => a.fetch_add(d, Ordering::SeqCst),
+                AtomicOp::Bor => a.fetch_or(d, Ordering::SeqCst),
+                AtomicOp::Band => a.fetch_and(d, Ordering::SeqCst),
+                AtomicOp::Bxor => a.fetch_xor(d, Ordering::SeqCst),
+                AtomicOp::Swap => a.swap(d, Ordering::SeqCst),
+                _ => return None,
+            };
+            Some(old as u64)
+        }};
+    }
+    match w {
+        1 => run!(AtomicU8, u8),
+        2 => run!(AtomicU16, u16),
+        4 => run!(AtomicU32, u32),
+        8 => run!(AtomicU64, u64),
+        _ => None,
+    }
 }
 
 /// Compare-and-swap loop on the naturally aligned `w`-byte atomic at `p`; returns the old value.

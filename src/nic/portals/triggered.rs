@@ -59,6 +59,11 @@ impl PortalsNi {
         Ok(())
     }
 
+    /// Whether triggers released operations not taken yet.
+    pub fn has_fired(&self) -> bool {
+        !self.fired.is_empty()
+    }
+
     /// The next data operation a trigger released.
     pub fn take_fired(&mut self) -> Option<OpSpec> {
         self.fired.pop_front()
