@@ -25,6 +25,16 @@ const PAYLOAD_KEEP: usize = 64 << 10;
 /// How long a Portals acknowledgement may wait to share a datagram (ns).
 const ACK_LAZY_NS: u64 = 10_000;
 
+/// What serving a request at its target did.
+struct Delivered {
+    /// For the initiator.
+    resp: Response,
+    /// Triggers released operations there (to start with `ptl_run_fired`).
+    fired: bool,
+    /// The target process was told (a full event, a counting event moved).
+    notified: bool,
+}
+
 /// Interfaces per process (PtlNIInit's `iface` × matching/non-matching: 4 is plenty).
 pub const MAX_NIS: usize = 4;
 
@@ -377,7 +387,7 @@ impl HostNic {
                 operand: &operand,
                 data: &payload,
             };
-            let (resp, fired) = self.ptl_deliver(host, &whole);
+            let Delivered { resp, fired, .. } = self.ptl_deliver(host, &whole);
             self.ptl_complete(job, rank, ni, id, &resp);
             if fired {
                 self.ptl_run_fired(job, target_rank, ni);
@@ -395,9 +405,8 @@ impl HostNic {
         Ok(())
     }
 
-    /// Serves a whole request at its target interface: the response for its initiator, and
-    /// whether triggers released operations there (to start with `ptl_run_fired`).
-    fn ptl_deliver(&mut self, from_host: u16, whole: &Whole<'_>) -> (Response, bool) {
+    /// Serves a whole request at its target interface.
+    fn ptl_deliver(&mut self, from_host: u16, whole: &Whole<'_>) -> Delivered {
         self.stats.served_portals += 1;
         let (h, m, ..) = whole.parts();
         let Ok(s) = self.ni_state(h.job, h.dst_rank, m.ni) else {
@@ -406,8 +415,13 @@ impl HostNic {
                 ack: true,
                 ..Default::default()
             };
-            return (resp, false);
+            return Delivered {
+                resp,
+                fired: false,
+                notified: false,
+            };
         };
+        let before = s.ni.notices();
         let initiator = if s.logical {
             let rank = s
                 .logical_of
@@ -431,7 +445,11 @@ impl HostNic {
                 ..Default::default()
             },
         };
-        (resp, s.ni.has_fired())
+        Delivered {
+            resp,
+            fired: s.ni.has_fired(),
+            notified: s.ni.notices() != before,
+        }
     }
 
     fn ptl_complete(&mut self, job: u32, rank: u32, ni: u8, id: u32, resp: &Response) {
@@ -467,7 +485,7 @@ impl HostNic {
                 let mut asm = std::mem::take(&mut self.ptl_asm);
                 let got = asm.request(peer, op);
                 self.ptl_asm = asm;
-                let (h, resp) = match got {
+                let (h, resp, notified) = match got {
                     None => return,
                     Some(Err((h, f))) => (
                         h,
@@ -476,14 +494,15 @@ impl HostNic {
                             ack: true,
                             ..Default::default()
                         },
+                        false,
                     ),
                     Some(Ok(whole)) => {
                         let h = whole.parts().0;
-                        let (resp, fired) = self.ptl_deliver(peer, &whole);
-                        if fired {
+                        let d = self.ptl_deliver(peer, &whole);
+                        if d.fired {
                             self.ptl_run_fired(h.job, h.dst_rank, whole.parts().1.ni);
                         }
-                        (h, resp)
+                        (h, d.resp, d.notified)
                     }
                 };
                 let back = OpHeader {
@@ -493,9 +512,11 @@ impl HostNic {
                     req: h.req,
                 };
                 let body = self.transport.body_capacity();
-                // An acknowledgement without data may wait a little for company (the answer
-                // of a ping-pong carries it): one datagram less per message each way.
-                let lazy = resp.data.is_empty().then_some(now + ACK_LAZY_NS);
+                // An acknowledgement without data may wait a little for company when the
+                // target process was told of the delivery (its answer, as in a ping-pong,
+                // carries it: one datagram less per message each way). A silent delivery
+                // (RAR-style memory, no events) has no answer coming: its ACK goes now.
+                let lazy = (resp.data.is_empty() && notified).then_some(now + ACK_LAZY_NS);
                 for o in response_ops(back, &resp, body) {
                     self.send_owned(peer, &o, lazy);
                 }

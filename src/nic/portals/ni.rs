@@ -160,6 +160,8 @@ pub struct PortalsNi {
     pub(super) fired: VecDeque<OpSpec>,
     /// Counting events changed since the last [`PortalsNi::take_dirty_cts`].
     dirty_cts: Vec<u32>,
+    /// Full events posted and counting-event changes so far: what the process can notice.
+    notices: u64,
     unexpected_total: usize,
     /// PtlNIStatus: messages dropped, permission violations.
     pub dropped: u64,
@@ -180,6 +182,7 @@ impl PortalsNi {
             triggered: Vec::new(),
             fired: VecDeque::new(),
             dirty_cts: Vec::new(),
+            notices: 0,
             unexpected_total: 0,
             dropped: 0,
             perm_violations: 0,
@@ -253,6 +256,7 @@ impl PortalsNi {
     }
 
     pub(super) fn mark_ct(&mut self, ct: u32) {
+        self.notices += 1;
         if !self.dirty_cts.contains(&ct) {
             self.dirty_cts.push(ct);
         }
@@ -287,7 +291,14 @@ impl PortalsNi {
     pub(super) fn post(&mut self, eq: Option<u32>, e: Event) {
         if let Some(q) = eq.and_then(|h| self.eqs.get_mut(h)) {
             q.push(e);
+            self.notices += 1;
         }
+    }
+
+    /// Full events posted and counting-event changes so far. A delivery that moved it told
+    /// the process something (its answer may follow); one that did not was silent.
+    pub fn notices(&self) -> u64 {
+        self.notices
     }
 
     // ------------------------------------------------------------------ portal table

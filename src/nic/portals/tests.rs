@@ -840,3 +840,32 @@ fn a_catch_basin_takes_what_nothing_matched_without_unexpected_headers() {
         .all(|k| *k != EventKind::PutOverflow));
     assert_eq!(n.deliver(&put(0, 5, b"hello")).mlength, 5);
 }
+
+/// What the daemon uses to decide whether an acknowledgement may wait for the target's answer:
+/// a delivery with a full event (or a counting-event change) is noticed by the process, a
+/// delivery into an entry with its events disabled is silent.
+#[test]
+fn notices_count_what_the_process_can_see() {
+    let (mut n, _eq) = ni(0, 64);
+    let r = region(128);
+    n.append(0, entry(&r, 0, 64, ME_ALL, 1, 0), List::Priority, 1)
+        .unwrap();
+    let quiet = ME_ALL | me::EVENT_COMM_DISABLE | me::EVENT_LINK_DISABLE;
+    n.append(0, entry(&r, 64, 64, quiet, 2, 0), List::Priority, 2)
+        .unwrap();
+    let before = n.notices();
+    assert_eq!(n.deliver(&put(0, 2, b"silent")).ni_fail, NiFail::Ok);
+    assert_eq!(n.notices(), before, "no event, no notice");
+    assert_eq!(n.deliver(&put(0, 1, b"seen")).ni_fail, NiFail::Ok);
+    assert_eq!(n.notices(), before + 1, "one PUT event");
+    let ct = n.ct_alloc().unwrap();
+    n.ct_inc(
+        ct,
+        CtEvent {
+            success: 1,
+            failure: 0,
+        },
+    )
+    .unwrap();
+    assert_eq!(n.notices(), before + 2, "a counting event moved");
+}
