@@ -227,8 +227,8 @@ impl Gasnet {
         self.check_remote(offset, 8)
     }
 
-    /// Starts `atomic` on the word at `offset` (8-byte aligned) of `node`'s segment; for a
-    /// fetching operation the prior value will be in the op's `get_data`.
+    /// Starts `atomic` on the word at `offset` of `node`'s segment (checked by `ad_check`);
+    /// for a fetching operation the prior value will be in the op's `get_data`.
     fn ad_start(
         &mut self,
         node: u32,
@@ -236,7 +236,6 @@ impl Gasnet {
         atomic: AdOp,
         operands: [u64; 2],
     ) -> Result<u64, GasnetError> {
-        self.ad_check(node, offset)?;
         let op = {
             let mut s = self.ext.borrow_mut();
             let op = s.new_op(1);
@@ -273,6 +272,7 @@ impl Gasnet {
         a: u64,
         b: u64,
     ) -> Result<u64, GasnetError> {
+        self.ad_check(node, offset)?;
         let op = self.ad_start(node, offset, atomic, [a, b])?;
         let r = self.wait_op(op);
         let data = self.ext.borrow_mut().get_data.remove(&op);
@@ -295,16 +295,15 @@ impl Gasnet {
         if atomic.fetches() {
             return Err(GasnetError::FetchingNbi);
         }
+        self.ad_check(node, offset)?;
         // Outside an access region the conduit may count it instead of tracking an op.
-        if self.ext.borrow().open_region.is_none() {
-            self.ad_check(node, offset)?;
-            if self
+        if self.ext.borrow().open_region.is_none()
+            && self
                 .core
                 .conduit
                 .atomic_implicit(node, offset, atomic, [a, b])?
-            {
-                return Ok(());
-            }
+        {
+            return Ok(());
         }
         let op = self.ad_start(node, offset, atomic, [a, b])?;
         self.ext.borrow_mut().nbi_puts.push(op);

@@ -392,8 +392,9 @@ impl PortalsConduit {
         Ok((c.success + c.failure, c.failure))
     }
 
-    /// Implicit atomics still outstanding; failures not reported yet are an error (once).
-    pub(super) fn implicit_check(&mut self) -> Result<u64, GasnetError> {
+    /// Whether every implicit atomic has completed; failures not reported yet are an error
+    /// (once).
+    pub(super) fn implicit_check(&mut self) -> Result<bool, GasnetError> {
         let (done, failed) = self.imp_completions()?;
         if failed > self.imp_failed {
             let new = failed - self.imp_failed;
@@ -402,6 +403,6 @@ impl PortalsConduit {
                 "{new} implicit remote atomic(s) failed at their target"
             )));
         }
-        Ok(self.imp_issued.saturating_sub(done))
+        Ok(done >= self.imp_issued)
     }
 }
