@@ -320,6 +320,17 @@ impl HostNic {
     // ------------------------------------------------------------------ commands (initiator)
 
     fn drain_commands(&mut self, slot: usize) -> bool {
+        let did = self.run_commands(slot);
+        // The client gets the consumed ring space back once per drain, not per command.
+        if let Some(Some(s)) = self.sessions.get(slot) {
+            if let Some(a) = s.attached.as_ref() {
+                a.control.cmd_publish();
+            }
+        }
+        did
+    }
+
+    fn run_commands(&mut self, slot: usize) -> bool {
         let mut did = false;
         for _ in 0..CMD_BUDGET {
             let Some(Some(s)) = self.sessions.get(slot) else {

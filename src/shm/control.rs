@@ -181,6 +181,13 @@ pub struct Control {
     cmd_tail: Cell<u64>,
     cq_head: Cell<u64>,
     cq_tail: Cell<u64>,
+    /// Last-read copies of the other side's command index (the client's view of the head,
+    /// the daemon's of the tail): read again only when the copy says full or empty, so the
+    /// two cores do not pass the index cache lines back and forth on every command.
+    cmd_head_seen: Cell<u64>,
+    cmd_tail_seen: Cell<u64>,
+    /// The head the daemon last published; it publishes in batches ([`Control::cmd_publish`]).
+    cmd_head_published: Cell<u64>,
 }
 
 impl Control {
@@ -215,6 +222,8 @@ impl Control {
         }
         let c = Self::with(map, cmd as u64, cq as u64);
         c.cmd_tail.set(c.atomic(CMD_TAIL).load(Ordering::Acquire));
+        c.cmd_head_seen
+            .set(c.atomic(CMD_HEAD).load(Ordering::Acquire));
         c.cq_head.set(c.atomic(CQ_HEAD).load(Ordering::Acquire));
         Ok(c)
     }
@@ -228,6 +237,9 @@ impl Control {
             cmd_tail: Cell::new(0),
             cq_head: Cell::new(0),
             cq_tail: Cell::new(0),
+            cmd_head_seen: Cell::new(0),
+            cmd_tail_seen: Cell::new(0),
+            cmd_head_published: Cell::new(0),
         }
     }
 
@@ -277,13 +289,17 @@ impl Control {
             need <= self.cmd_cap / 4,
             "inline payload larger than max_inline"
         );
-        let head = self.atomic(CMD_HEAD).load(Ordering::Acquire);
         let mut tail = self.cmd_tail.get();
         let pos = tail % self.cmd_cap;
         let contiguous = self.cmd_cap - pos;
         let pad = if need > contiguous { contiguous } else { 0 };
-        if self.cmd_cap - tail.wrapping_sub(head) < pad + need {
-            return false;
+        let fits = |head: u64| self.cmd_cap - tail.wrapping_sub(head) >= pad + need;
+        if !fits(self.cmd_head_seen.get()) {
+            let head = self.atomic(CMD_HEAD).load(Ordering::Acquire);
+            self.cmd_head_seen.set(head);
+            if !fits(head) {
+                return false;
+            }
         }
         // SAFETY: every write below stays within [ring, ring + cmd_cap).
         unsafe {
@@ -323,7 +339,11 @@ impl Control {
     pub fn cmd_peek(&self, buf: &mut Vec<u8>) -> Result<Option<u64>, ControlError> {
         loop {
             let head = self.cmd_head.get();
-            let tail = self.atomic(CMD_TAIL).load(Ordering::Acquire);
+            let mut tail = self.cmd_tail_seen.get();
+            if tail == head {
+                tail = self.atomic(CMD_TAIL).load(Ordering::Acquire);
+                self.cmd_tail_seen.set(tail);
+            }
             let avail = tail.wrapping_sub(head);
             if avail == 0 {
                 return Ok(None);
@@ -363,10 +383,24 @@ impl Control {
         }
     }
 
+    /// The space is published to the client at once when an eighth of the ring has been
+    /// consumed since the last publication, else by [`Control::cmd_publish`].
     pub fn cmd_advance(&self, len: u64) {
         let h = self.cmd_head.get() + len;
         self.cmd_head.set(h);
-        self.atomic(CMD_HEAD).store(h, Ordering::Release);
+        if h - self.cmd_head_published.get() >= self.cmd_cap / 8 {
+            self.cmd_publish();
+        }
+    }
+
+    /// Hands the space of every consumed command back to the client (the daemon calls this
+    /// at the end of each drain, before it could sleep).
+    pub fn cmd_publish(&self) {
+        let h = self.cmd_head.get();
+        if h != self.cmd_head_published.get() {
+            self.cmd_head_published.set(h);
+            self.atomic(CMD_HEAD).store(h, Ordering::Release);
+        }
     }
 
     /// Whether the client has published commands the daemon has not consumed.
@@ -475,8 +509,33 @@ mod tests {
             assert_eq!(got, cmd);
             assert_eq!(inline, &data[..]);
             d.cmd_advance(len);
+            d.cmd_publish();
         }
         assert_eq!(d.cmd_peek(&mut buf), Ok(None));
+    }
+
+    #[test]
+    fn consumed_space_returns_only_when_published() {
+        let (d, c) = pair();
+        let mut n = 0;
+        while c.cmd_push(&Command::default(), &[]) {
+            n += 1;
+        }
+        let mut buf = Vec::new();
+        let len = d.cmd_peek(&mut buf).unwrap().unwrap();
+        d.cmd_advance(len);
+        assert!(
+            !c.cmd_push(&Command::default(), &[]),
+            "unpublished space is not free"
+        );
+        d.cmd_publish();
+        assert!(c.cmd_push(&Command::default(), &[]));
+        // Draining an eighth of the ring publishes without being asked.
+        for _ in 0..n / 8 + 1 {
+            let len = d.cmd_peek(&mut buf).unwrap().unwrap();
+            d.cmd_advance(len);
+        }
+        assert!(c.cmd_push(&Command::default(), &[]));
     }
 
     #[test]
