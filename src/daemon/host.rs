@@ -262,7 +262,7 @@ impl HostNic {
 
     fn post_completions(&mut self) {
         let mut broken = Vec::new();
-        let raw = std::mem::take(&mut self.raw_completions);
+        // Both queues are drained in place and keep their capacity for the next turn.
         let typed = self.completions.drain(..).map(|c| {
             (
                 c.session,
@@ -273,26 +273,16 @@ impl HostNic {
                 },
             )
         });
-        for (session, entry) in typed.collect::<Vec<_>>().into_iter().chain(raw) {
-            let c = Completion {
-                session,
-                client_req: entry.client_req,
-                status: Status::Ok,
-                value: entry.value,
-            };
-            let slot = (c.session & 0xffff_ffff) as usize;
+        for (session, entry) in typed.chain(self.raw_completions.drain(..)) {
+            let slot = (session & 0xffff_ffff) as usize;
             let Some(Some(s)) = self.sessions.get_mut(slot) else {
                 continue;
             };
-            if s.id != c.session {
+            if s.id != session {
                 continue;
             }
             if let Some(a) = s.attached.as_mut() {
-                if !a.post(CqEntry {
-                    client_req: c.client_req,
-                    status: entry.status,
-                    value: c.value,
-                }) {
+                if !a.post(entry) {
                     broken.push(slot);
                 }
             }

@@ -235,9 +235,9 @@ pub(super) fn register_handlers(
 impl Gasnet {
     /// Accounts the direct operations the conduit finished since the last poll.
     pub(crate) fn account_rma(&mut self) {
-        let done = std::mem::take(&mut self.core.rma_done);
+        // Drained in place: the poll refills the same buffer, no allocation per poll.
         let mut s = self.ext.borrow_mut();
-        for d in done {
+        for d in self.core.rma_done.drain(..) {
             if !d.ok {
                 s.failed.insert(d.op);
             } else if let Some(buf) = s.get_data.get_mut(&d.op) {

@@ -323,15 +323,6 @@ impl Control {
         true
     }
 
-    /// Free bytes in the command ring (client side).
-    pub fn cmd_free(&self) -> u64 {
-        self.cmd_cap
-            - self
-                .cmd_tail
-                .get()
-                .wrapping_sub(self.atomic(CMD_HEAD).load(Ordering::Acquire))
-    }
-
     // ---- daemon side: command consumer ----
 
     /// Copies the next command record's body into `buf`; returns the record length to pass to
