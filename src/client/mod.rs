@@ -239,6 +239,8 @@ impl Client {
         pending: &dyn Fn() -> bool,
     ) -> Result<(), ClientError> {
         self.control.set_client_sleeping(true);
+        // The announcement is out before `pending` reads what the daemon writes.
+        std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
         if !self.control.cq_pending() && !pending() {
             let mut fds = [
                 PollFd::new(&self.client_bell, PollFlags::IN),

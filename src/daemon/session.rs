@@ -71,13 +71,15 @@ impl Attached {
         self.overflow.len() <= CQ_ENTRIES
     }
 
-    /// Wakes the client if it announced that it sleeps and has news.
-    pub fn wake_if_sleeping(&mut self) {
+    /// Wakes the client if it announced that it sleeps and has news; says whether it rang.
+    pub fn wake_if_sleeping(&mut self) -> bool {
         if self.rung {
             self.rung = false;
             if self.control.client_sleeping() {
                 let _ = rustix::io::write(self.client_bell.as_fd(), &1u64.to_ne_bytes());
+                return true;
             }
         }
+        false
     }
 }

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use crate::gni::{GniError, MemHandle, MemRegion, Nic};
 use crate::nic::memory::Perms;
-use crate::shm::event_ring::{ring_bytes, CtSlot, EventRing};
+use crate::shm::event_ring::{ring_bytes, CtSlot, EventRing, CT_SLOT_LEN};
 use crate::shm::ptl_call::{result_of, Buf, MeArgs, OpArgs, PtlCall};
 use crate::shm::{Command, CommandKind};
 
@@ -113,6 +113,9 @@ struct NiInfo {
 const CT_SLOTS: usize = 4096;
 
 /// A process's Portals library.
+/// What a sleeping wait watches: an interface, its event queues, counting events and tests.
+type WaitOn<'a> = (NiHandle, &'a [u32], &'a [(u32, u64)]);
+
 pub struct Portals {
     nic: Nic,
     nis: Vec<Option<NiInfo>>,
@@ -192,7 +195,9 @@ impl Portals {
                 ni: wire_ni,
                 matching,
             })?;
-            let ct_mem = self.nic.mem_register(CT_SLOTS * 16, Perms(0))?;
+            let ct_mem = self
+                .nic
+                .mem_register(CT_SLOTS * CT_SLOT_LEN as usize, Perms(0))?;
             self.nis[idx] = Some(NiInfo {
                 matching,
                 logical,
@@ -375,7 +380,7 @@ impl Portals {
             if timeout.is_some_and(|t| start.elapsed() >= t) {
                 return Err(PtlError::EqEmpty.into());
             }
-            self.idle(&mut spins, start, Some((ni, eqs)))?;
+            self.idle(&mut spins, start, Some((ni, eqs, &[])))?;
         }
     }
 
@@ -385,7 +390,7 @@ impl Portals {
         &mut self,
         spins: &mut u32,
         start: Instant,
-        eqs: Option<(NiHandle, &[u32])>,
+        on: Option<WaitOn<'_>>,
     ) -> Result<(), PortalsError> {
         *spins += 1;
         self.nic.progress();
@@ -394,8 +399,8 @@ impl Portals {
         } else if start.elapsed() < Duration::from_micros(500) {
             std::thread::yield_now();
         } else {
-            match eqs {
-                Some((ni, eqs)) => self.eq_sleep(ni, eqs, Duration::from_millis(2))?,
+            match on {
+                Some((ni, eqs, cts)) => self.sleep(ni, eqs, cts, Duration::from_millis(2))?,
                 None => self
                     .nic
                     .client()
@@ -442,10 +447,14 @@ impl Portals {
                     v.success + v.failure >= *t
                 })
         };
-        self.nic
-            .client()
-            .sleep_until_news_unless(max, &ready)
-            .map_err(GniError::from)?;
+        for (s, t) in &counts {
+            s.set_wake_at((*t).max(1));
+        }
+        let r = self.nic.client().sleep_until_news_unless(max, &ready);
+        for (s, _) in &counts {
+            s.set_wake_at(0);
+        }
+        r.map_err(GniError::from)?;
         Ok(())
     }
 
@@ -461,14 +470,15 @@ impl Portals {
             ni: wni,
             slot: Buf {
                 region: mem.handle.0,
-                offset: slot * 16,
-                length: 16,
+                offset: slot * CT_SLOT_LEN,
+                length: CT_SLOT_LEN,
             },
         });
         let info = self.info_mut(ni)?;
         match r {
             Ok(ct) => {
-                let cs = CtSlot::new(region_of(&mem), slot * 16).ok_or(PtlError::ArgInvalid)?;
+                let cs =
+                    CtSlot::new(region_of(&mem), slot * CT_SLOT_LEN).ok_or(PtlError::ArgInvalid)?;
                 info.cts.insert(ct as u32, cs);
                 Ok(ct as u32)
             }
@@ -518,6 +528,7 @@ impl Portals {
         }
         let start = Instant::now();
         let mut spins = 0u32;
+        let waits: Vec<(u32, u64)> = cts.iter().copied().zip(tests.iter().copied()).collect();
         loop {
             for (i, (&ct, &t)) in cts.iter().zip(tests).enumerate() {
                 let v = self.ct_get(ni, ct)?;
@@ -528,7 +539,7 @@ impl Portals {
             if timeout.is_some_and(|t| start.elapsed() >= t) {
                 return Err(PtlError::CtNoneReached.into());
             }
-            self.idle(&mut spins, start, None)?;
+            self.idle(&mut spins, start, Some((ni, &[], &waits)))?;
         }
     }
 

@@ -192,15 +192,23 @@ impl EventRing {
     }
 }
 
-/// A counting event's slot: (success, failure) as two 8-byte words.
+/// A counting event's slot: `success u64 | failure u64 | wake_at u64 | reserved u64`.
+///
+/// `wake_at` is the sleeping process's PtlCTWait test: while it is non-zero the NIC rings the
+/// doorbell for this count only once `success >= wake_at` or a failure is counted, instead of
+/// on every change (a process waiting for 1024 acknowledgements is woken once, not per batch).
+/// Zero means "wake me on any change".
 pub struct CtSlot {
     region: Region,
     at: u64,
 }
 
+/// Bytes per counting-event slot.
+pub const CT_SLOT_LEN: u64 = 32;
+
 impl CtSlot {
     pub fn new(region: Region, at: u64) -> Option<CtSlot> {
-        (at.is_multiple_of(8) && region.is_mapped() && region.check_local(at, 16).is_ok())
+        (at.is_multiple_of(8) && region.is_mapped() && region.check_local(at, CT_SLOT_LEN).is_ok())
             .then_some(CtSlot { region, at })
     }
 
@@ -212,7 +220,7 @@ impl CtSlot {
 
     pub fn store(&self, v: CtEvent) {
         self.word(1).store(v.failure, Ordering::Release);
-        self.word(0).store(v.success, Ordering::Release);
+        self.word(0).store(v.success, Ordering::SeqCst);
     }
 
     pub fn load(&self) -> CtEvent {
@@ -221,6 +229,17 @@ impl CtSlot {
             failure: self.word(1).load(Ordering::Acquire),
         }
     }
+
+    /// The process side: wake me only when the count reaches `test` (0: on any change).
+    pub fn set_wake_at(&self, test: u64) {
+        self.word(2).store(test, Ordering::SeqCst);
+    }
+
+    /// The NIC side, after storing `v` (and a SeqCst fence): does this change wake a sleeper?
+    pub fn wakes(&self, v: CtEvent) -> bool {
+        let t = self.word(2).load(Ordering::SeqCst);
+        t == 0 || v.reached(t)
+    }
 }
 
 #[cfg(test)]
@@ -228,6 +247,31 @@ mod tests {
     use super::*;
     use crate::nic::memory::{HeapBacking, Perms};
     use crate::nic::portals::NiFail;
+
+    #[test]
+    fn a_count_wakes_its_sleeper_only_at_the_threshold() {
+        let r = Region::new(HeapBacking::new(4096), Perms(0));
+        let s = CtSlot::new(r.clone(), 64).unwrap();
+        assert!(CtSlot::new(r, 4096 - 16).is_none(), "a slot needs 32 bytes");
+        let v = |success, failure| CtEvent { success, failure };
+        // No threshold: every change is news.
+        assert!(s.wakes(v(1, 0)));
+        s.set_wake_at(1024);
+        assert!(!s.wakes(v(1023, 0)));
+        assert!(s.wakes(v(1024, 0)));
+        assert!(
+            s.wakes(v(3, 1)),
+            "a failure always wakes (PtlCTWait returns on it)"
+        );
+        s.store(v(5, 0));
+        assert_eq!(
+            s.load(),
+            v(5, 0),
+            "the threshold word is apart from the count"
+        );
+        s.set_wake_at(0);
+        assert!(s.wakes(v(6, 0)));
+    }
 
     #[test]
     fn events_flow_and_fill() {
