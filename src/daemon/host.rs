@@ -44,6 +44,8 @@ pub struct HostStats {
     pub served_amo: u64,
     pub local_ops: u64,
     pub bad_commands: u64,
+    /// Doorbells rung to wake a sleeping client.
+    pub client_wakes: u64,
     pub cmd_portals: u64,
     pub served_portals: u64,
     pub malformed_ops: u64,
@@ -117,6 +119,21 @@ pub struct HostNic {
     pub stats: HostStats,
 }
 
+/// Fewest datagrams of the window a UDP receive buffer must hold.
+const MIN_WINDOW: usize = 16;
+/// The datagram size is never lowered below what a 1500-byte Ethernet carries.
+const MIN_MTU: usize = 1472;
+
+/// Datagram size and window for a UDP receive buffer of `rcvbuf` bytes: never more in flight
+/// than the (peer's, like ours) buffer holds — a window that overflows it turns every burst
+/// into loss and recovery. When the kernel granted too little for `MIN_WINDOW` datagrams of the
+/// configured size (a jumbo `mtu` without root and with a small `rmem_max`), datagrams shrink.
+fn udp_sizes(rcvbuf: usize, mtu: usize, window: usize) -> (usize, usize) {
+    let mtu = mtu.min((rcvbuf / (2 * MIN_WINDOW)).max(MIN_MTU));
+    let fits = rcvbuf / (2 * mtu);
+    (mtu, fits.clamp(MIN_WINDOW.min(window), window))
+}
+
 impl HostNic {
     /// Starts host `index` of `cfg`; its network sockets are registered with `registry` under
     /// `token`.
@@ -130,14 +147,6 @@ impl HostNic {
         let key = cfg
             .key()
             .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e.to_string()))?;
-        let tcfg = TransportConfig {
-            mtu: cfg.cluster.mtu,
-            window: cfg.cluster.window,
-            max_queued: cfg.cluster.window,
-            peer_timeout: cfg.cluster.peer_timeout_ms * 1_000_000,
-            ..Default::default()
-        };
-        let mut transport = Transport::new(index, nhosts, key, tcfg, rand::random());
         let peers = cfg.hosts.iter().map(|h| h.addr).collect();
         let addr = cfg.hosts[index as usize].addr;
         let fault = cfg.fault.clone();
@@ -155,12 +164,18 @@ impl HostNic {
                 })?,
             ),
         };
-        if let Driver::Udp(d) = &driver {
-            // Never more in flight than the (peer's, like ours) receive buffer holds: a window
-            // that overflows it turns every burst into loss and recovery.
-            let fits = d.recv_buffer() / (2 * cfg.cluster.mtu);
-            transport.set_window(fits.clamp(16, cfg.cluster.window));
-        }
+        let (mtu, window) = match &driver {
+            Driver::Udp(d) => udp_sizes(d.recv_buffer(), cfg.cluster.mtu, cfg.cluster.window),
+            Driver::Tcp(_) => (cfg.cluster.mtu, cfg.cluster.window),
+        };
+        let tcfg = TransportConfig {
+            mtu,
+            window,
+            max_queued: cfg.cluster.window,
+            peer_timeout: cfg.cluster.peer_timeout_ms * 1_000_000,
+            ..Default::default()
+        };
+        let transport = Transport::new(index, nhosts, key, tcfg, rand::random());
         let socket_path = cfg.socket_path(index);
         std::fs::create_dir_all(&cfg.cluster.runtime_dir)?;
         let _ = std::fs::remove_file(&socket_path);
@@ -289,7 +304,9 @@ impl HostNic {
         }
         for s in self.sessions.iter_mut().flatten() {
             if let Some(a) = s.attached.as_mut() {
-                a.wake_if_sleeping();
+                if a.wake_if_sleeping() {
+                    self.stats.client_wakes += 1;
+                }
             }
         }
         for slot in broken {
@@ -1163,6 +1180,7 @@ impl HostNic {
             ("gemini_amo_served", s.served_amo.to_string()),
             ("local_ops", s.local_ops.to_string()),
             ("bad_commands", s.bad_commands.to_string()),
+            ("client_wakes", s.client_wakes.to_string()),
             ("clients_attached_total", s.clients_attached.to_string()),
             ("clients_detached_total", s.clients_detached.to_string()),
             ("attach_refused", s.attach_refused.to_string()),
@@ -1179,5 +1197,24 @@ impl HostNic {
 impl Drop for HostNic {
     fn drop(&mut self) {
         let _ = std::fs::remove_file(&self.socket_path);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn datagrams_shrink_to_fit_a_small_receive_buffer() {
+        // Root (8 MiB granted): the configured sizes, the window capped by the buffer.
+        assert_eq!(udp_sizes(16 << 20, 65_000, 512), (65_000, 129));
+        assert_eq!(udp_sizes(16 << 20, 8972, 512), (8972, 512));
+        // A stock rmem_max (the kernel reports twice 212992): 16 datagrams must fit.
+        let (mtu, window) = udp_sizes(425_984, 65_000, 512);
+        assert_eq!((mtu, window), (13_312, 16));
+        assert!(2 * mtu * window <= 425_984);
+        // Never below an Ethernet datagram, and a small configured window is kept.
+        assert_eq!(udp_sizes(4096, 8972, 512).0, MIN_MTU);
+        assert_eq!(udp_sizes(16 << 20, 8972, 4), (8972, 4));
     }
 }
