@@ -112,10 +112,10 @@ struct NiInfo {
 
 const CT_SLOTS: usize = 4096;
 
-/// A process's Portals library.
 /// What a sleeping wait watches: an interface, its event queues, counting events and tests.
 type WaitOn<'a> = (NiHandle, &'a [u32], &'a [(u32, u64)]);
 
+/// A process's Portals library.
 pub struct Portals {
     nic: Nic,
     nis: Vec<Option<NiInfo>>,
