@@ -2,8 +2,6 @@
 //! through the command ring, Portals messages to and from peers, triggered operations, and the
 //! mirroring of event queues and counting events into the processes' memory.
 
-use std::sync::atomic::{fence, Ordering};
-
 use rustc_hash::FxHashMap as HashMap;
 
 use crate::nic::memory::Region;
@@ -583,21 +581,12 @@ impl HostNic {
                 }
                 cts.clear();
                 s.ni.take_dirty_cts(&mut cts);
-                if cts.is_empty() {
-                    continue;
-                }
                 for (ct, v) in &cts {
                     if let Some(slot) = s.ct_slots.get(ct) {
-                        slot.store(*v);
                         moved = true;
+                        any |= slot.store(*v);
                     }
                 }
-                // The counts are out before the thresholds are read: a process that set its
-                // threshold after this read sees the new count and does not sleep.
-                fence(Ordering::SeqCst);
-                any |= cts
-                    .iter()
-                    .any(|(ct, v)| s.ct_slots.get(ct).is_some_and(|slot| slot.wakes(*v)));
             }
             if any {
                 moved = true;

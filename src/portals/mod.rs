@@ -112,8 +112,9 @@ struct NiInfo {
 
 const CT_SLOTS: usize = 4096;
 
-/// What a sleeping wait watches: an interface, its event queues, counting events and tests.
-type WaitOn<'a> = (NiHandle, &'a [u32], &'a [(u32, u64)]);
+/// What a sleeping wait watches: an interface, its event queues, counting events and their
+/// tests.
+type WaitOn<'a> = (NiHandle, &'a [u32], &'a [u32], &'a [u64]);
 
 /// A process's Portals library.
 pub struct Portals {
@@ -380,7 +381,7 @@ impl Portals {
             if timeout.is_some_and(|t| start.elapsed() >= t) {
                 return Err(PtlError::EqEmpty.into());
             }
-            self.idle(&mut spins, start, Some((ni, eqs, &[])))?;
+            self.idle(&mut spins, start, Some((ni, eqs, &[], &[])))?;
         }
     }
 
@@ -400,7 +401,9 @@ impl Portals {
             std::thread::yield_now();
         } else {
             match on {
-                Some((ni, eqs, cts)) => self.sleep(ni, eqs, cts, Duration::from_millis(2))?,
+                Some((ni, eqs, cts, tests)) => {
+                    self.sleep(ni, eqs, cts, tests, Duration::from_millis(2))?
+                }
                 None => self
                     .nic
                     .client()
@@ -419,16 +422,17 @@ impl Portals {
         eqs: &[u32],
         max: Duration,
     ) -> Result<(), PortalsError> {
-        self.sleep(ni, eqs, &[], max)
+        self.sleep(ni, eqs, &[], &[], max)
     }
 
     /// [`Portals::eq_sleep`] that also returns at once when one of the counting events
-    /// `cts` (handle, test) has reached its test (successes plus failures).
+    /// `cts` has reached its entry of `tests` (successes plus failures).
     pub fn sleep(
         &mut self,
         ni: NiHandle,
         eqs: &[u32],
-        cts: &[(u32, u64)],
+        cts: &[u32],
+        tests: &[u64],
         max: Duration,
     ) -> Result<(), PortalsError> {
         let info = self.info(ni)?;
@@ -438,6 +442,7 @@ impl Portals {
             .collect();
         let counts: Vec<(&CtSlot, u64)> = cts
             .iter()
+            .zip(tests)
             .filter_map(|(ct, t)| info.cts.get(ct).map(|s| (s, *t)))
             .collect();
         let ready = || {
@@ -528,7 +533,6 @@ impl Portals {
         }
         let start = Instant::now();
         let mut spins = 0u32;
-        let waits: Vec<(u32, u64)> = cts.iter().copied().zip(tests.iter().copied()).collect();
         loop {
             for (i, (&ct, &t)) in cts.iter().zip(tests).enumerate() {
                 let v = self.ct_get(ni, ct)?;
@@ -539,7 +543,7 @@ impl Portals {
             if timeout.is_some_and(|t| start.elapsed() >= t) {
                 return Err(PtlError::CtNoneReached.into());
             }
-            self.idle(&mut spins, start, Some((ni, &[], &waits)))?;
+            self.idle(&mut spins, start, Some((ni, &[], cts, tests)))?;
         }
     }
 

@@ -5,7 +5,7 @@
 //! fixed-size event records. Each side keeps its own index privately and validates the other's.
 //! A counting event is a 16-byte slot (success, failure) the daemon stores after each change.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{fence, AtomicU64, Ordering};
 
 use crate::nic::memory::Region;
 use crate::nic::portals::atomic::{AtomicOp, Datatype};
@@ -218,9 +218,14 @@ impl CtSlot {
             .expect("checked")
     }
 
-    pub fn store(&self, v: CtEvent) {
+    /// The NIC side: publishes `v`; says whether it wakes the sleeper (see [`CtSlot::wakes`]).
+    /// The count is out before the threshold is read: a process that sets its threshold after
+    /// this read sees the new count and does not sleep.
+    pub fn store(&self, v: CtEvent) -> bool {
         self.word(1).store(v.failure, Ordering::Release);
         self.word(0).store(v.success, Ordering::SeqCst);
+        fence(Ordering::SeqCst);
+        self.wakes(v)
     }
 
     pub fn load(&self) -> CtEvent {
@@ -235,7 +240,7 @@ impl CtSlot {
         self.word(2).store(test, Ordering::SeqCst);
     }
 
-    /// The NIC side, after storing `v` (and a SeqCst fence): does this change wake a sleeper?
+    /// Does count `v` (stored) wake a sleeper: no threshold set, or the threshold reached?
     pub fn wakes(&self, v: CtEvent) -> bool {
         let t = self.word(2).load(Ordering::SeqCst);
         t == 0 || v.reached(t)

@@ -437,13 +437,13 @@ impl Conduit for PortalsConduit {
             .fold(max, |m, d| m.min(d));
         // Implicit atomics have no events: their count wakes us when all are done.
         let outstanding = self.imp_issued > self.imp_completions()?.0;
-        let cts = [(self.imp_ct, self.imp_issued)];
-        let cts = if outstanding { &cts[..] } else { &[] };
+        let n = outstanding as usize;
         self.p
             .sleep(
                 self.ni,
                 &[self.am_eq, self.safe_eq, self.raram_eq],
-                cts,
+                &[self.imp_ct][..n],
+                &[self.imp_issued][..n],
                 max,
             )
             .map_err(|e| GasnetError::Wait(e.to_string()))
