@@ -74,6 +74,12 @@ pub struct Cluster {
     /// Microseconds the daemon spins idle before it yields, then sleeps.
     #[serde(default = "default_spin_us")]
     pub spin_us: u64,
+    /// The core the daemon's thread is pinned to, as a NIC has its own silicon: an index into
+    /// the CPUs the daemon may use, negative from the end (-1 = the last). Unset: not pinned.
+    /// A pinned daemon yields its core only to clients waiting on it, and a rank blocked on one
+    /// operation moves off it (each handoff on a shared core costs a context switch).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nic_cpu: Option<i64>,
 }
 
 /// Largest datagram without jumbo frames (Ethernet's 1500 less IP and UDP headers).
@@ -180,7 +186,8 @@ impl Config {
         toml::to_string(self).expect("config serialises")
     }
 
-    /// `SOFTNIC_TRANSPORT`, `SOFTNIC_MTU`, `SOFTNIC_PEER_TIMEOUT_MS`, `SOFTNIC_RUNTIME_DIR`.
+    /// `SOFTNIC_TRANSPORT`, `SOFTNIC_MTU`, `SOFTNIC_PEER_TIMEOUT_MS`, `SOFTNIC_RUNTIME_DIR`,
+    /// `SOFTNIC_NIC_CPU` (an index as `nic_cpu`, or `none`).
     pub fn apply_env(&mut self) {
         if let Ok(v) = std::env::var("SOFTNIC_TRANSPORT") {
             match v.as_str() {
@@ -203,6 +210,17 @@ impl Config {
         }
         if let Ok(v) = std::env::var("SOFTNIC_RUNTIME_DIR") {
             self.cluster.runtime_dir = v.into();
+        }
+        if let Ok(v) = std::env::var("SOFTNIC_NIC_CPU") {
+            match v.as_str() {
+                "none" | "" => self.cluster.nic_cpu = None,
+                n => match n.parse() {
+                    Ok(i) => self.cluster.nic_cpu = Some(i),
+                    Err(_) => {
+                        tracing::warn!("ignoring SOFTNIC_NIC_CPU={v}: expected an index or none")
+                    }
+                },
+            }
         }
     }
 
@@ -286,6 +304,7 @@ impl Config {
                 runtime_dir,
                 allowed_gid: None,
                 spin_us: default_spin_us(),
+                nic_cpu: Some(-1),
             },
             fault: None,
             hosts: (0..n)

@@ -48,6 +48,7 @@ pub fn put_pingpong(
 ) -> anyhow::Result<Option<Row>> {
     let size = size.max(8);
     nic.barrier()?;
+    let waiter = nic.client().waiter();
     let warm = ctx.iters / 10 + 10;
     let mut samples = Vec::with_capacity(ctx.iters);
     let (out, inn) = (b.out_off(), b.in_off());
@@ -59,6 +60,7 @@ pub fn put_pingpong(
             if ctx.rank == 1 {
                 let mem = &b.mem;
                 wait_until(
+                    &waiter,
                     || u64::from_le_bytes(mem.bytes()[flag..flag + 8].try_into().unwrap()) == i,
                     || nic.progress(),
                 );
@@ -68,6 +70,7 @@ pub fn put_pingpong(
             if ctx.rank == 0 {
                 let mem = &b.mem;
                 wait_until(
+                    &waiter,
                     || u64::from_le_bytes(mem.bytes()[flag..flag + 8].try_into().unwrap()) == i,
                     || nic.progress(),
                 );

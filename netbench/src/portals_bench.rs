@@ -84,6 +84,7 @@ pub fn put_pingpong(
 ) -> anyhow::Result<Option<Row>> {
     let size = size.max(8);
     p.nic().barrier()?;
+    let waiter = p.nic().client().waiter();
     let warm = ctx.iters / 10 + 10;
     let mut samples = Vec::with_capacity(ctx.iters);
     if ctx.rank < 2 {
@@ -95,7 +96,7 @@ pub fn put_pingpong(
                 u64::from_le_bytes(m.bytes()[flag..flag + 8].try_into().unwrap()) == i
             };
             if ctx.rank == 1 {
-                wait_until(|| arrived(&s.inn), || drain(p, s));
+                wait_until(&waiter, || arrived(&s.inn), || drain(p, s));
             }
             s.out.bytes()[flag..flag + 8].copy_from_slice(&i.to_le_bytes());
             p.put(
@@ -109,7 +110,7 @@ pub fn put_pingpong(
                 0,
             )?;
             if ctx.rank == 0 {
-                wait_until(|| arrived(&s.inn), || drain(p, s));
+                wait_until(&waiter, || arrived(&s.inn), || drain(p, s));
                 if i as usize > warm {
                     samples.push(t.elapsed().as_secs_f64() * 1e6 / 2.0);
                 }

@@ -10,6 +10,7 @@ use rustix::event::{poll, PollFd, PollFlags};
 
 use crate::nic::memory::Perms;
 use crate::shm::attach::{self, Request, Response};
+use crate::shm::control::Waiter;
 use crate::shm::{Command, Control, CqEntry, Mapping};
 
 #[derive(Debug, thiserror::Error)]
@@ -41,6 +42,9 @@ pub struct Client {
     client_bell: OwnedFd,
     pub host: u16,
     pub nhosts: u16,
+    /// This thread may run only on the daemon's core: no use trying to leave it again.
+    stuck_on_nic: std::cell::Cell<bool>,
+    waiter: Waiter,
 }
 
 impl Client {
@@ -100,11 +104,13 @@ impl Client {
         let control = Control::open(map).map_err(|e| ClientError::Protocol(e.to_string()))?;
         Ok(Client {
             sock,
+            waiter: control.waiter(),
             control,
             daemon_bell,
             client_bell,
             host,
             nhosts,
+            stuck_on_nic: std::cell::Cell::new(false),
         })
     }
 
@@ -180,7 +186,7 @@ impl Client {
             self.ring_if_sleeping();
             spins += 1;
             if spins > SPIN_POLLS {
-                std::thread::yield_now();
+                self.yield_now();
             }
             if spins.is_multiple_of(65_536) && self.daemon_gone() {
                 return Err(ClientError::DaemonGone);
@@ -188,6 +194,39 @@ impl Client {
         }
         self.ring_if_sleeping();
         Ok(())
+    }
+
+    /// Gives the core away while waiting for the daemon (announced if it is pinned).
+    pub fn yield_now(&self) {
+        self.waiter.yield_now();
+    }
+
+    /// A handle that yields like [`Client::yield_now`] without borrowing the client.
+    pub fn waiter(&self) -> Waiter {
+        self.control.waiter()
+    }
+
+    /// For a wait on one operation: whether this thread runs on another core than the pinned
+    /// daemon's, moving off the daemon's core if it is on it (for good: a rank that shares it
+    /// pays two context switches per operation). `false` when the daemon is not pinned or
+    /// there is nowhere else to go.
+    pub fn off_nic_core(&self) -> bool {
+        let Some(nic) = self.control.nic_cpu() else {
+            return false;
+        };
+        match crate::shm::cores::current_cpu() {
+            Some(c) if c == nic => {
+                if self.stuck_on_nic.get() {
+                    return false;
+                }
+                let moved = crate::shm::cores::leave(nic);
+                self.stuck_on_nic.set(!moved);
+                tracing::debug!(nic, moved, "rank moves off the NIC's core");
+                moved
+            }
+            Some(_) => true,
+            None => false,
+        }
     }
 
     fn ring_if_sleeping(&self) {
@@ -218,7 +257,7 @@ impl Client {
                 continue;
             }
             if waited < SPIN_FOR + YIELD_FOR {
-                std::thread::yield_now();
+                self.yield_now();
                 continue;
             }
             self.sleep_until_news(Duration::from_millis(20))?;

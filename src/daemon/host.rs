@@ -99,6 +99,8 @@ pub struct HostNic {
     pub(super) endpoints: Endpoints,
     initiator: Initiator,
     pub sessions: Vec<Option<Session>>,
+    /// The CPU the daemon's thread is pinned to, published to every client at attach.
+    pub(super) nic_cpu: Option<u32>,
     next_gen: u64,
     jobs: HashMap<u32, (u64, usize)>,
     pub(super) out: Vec<VecDeque<OutItem>>,
@@ -203,6 +205,7 @@ impl HostNic {
             endpoints: Endpoints::default(),
             initiator: Initiator::default(),
             sessions: Vec::new(),
+            nic_cpu: None,
             next_gen: 1,
             jobs: HashMap::default(),
             out: (0..nhosts).map(|_| VecDeque::new()).collect(),
@@ -1015,6 +1018,7 @@ impl HostNic {
                         return err(format!("cannot create shared memory: {e}"));
                     }
                 };
+                a.control.set_nic_cpu(self.nic_cpu);
                 self.jobs.entry(job).or_insert((job_key, 0)).1 += 1;
                 let fds = vec![
                     a.control.mapping().fd().try_clone_to_owned(),
@@ -1121,6 +1125,15 @@ impl HostNic {
             self.stats.clients_detached += 1;
             tracing::info!(host = %self.name, job = a.job, rank = a.rank, "client detached");
         }
+    }
+
+    /// Whether a client announced that it yields `cpu` while waiting for us.
+    pub fn waiter_on(&self, cpu: u32) -> bool {
+        self.sessions
+            .iter()
+            .flatten()
+            .filter_map(|s| s.attached.as_ref())
+            .any(|a| a.control.waiter_cpu() == Some(cpu))
     }
 
     /// Whether any client published commands (checked before the daemon sleeps).

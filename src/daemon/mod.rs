@@ -3,7 +3,8 @@
 //! Waiting is adaptive: while work keeps arriving the loop spins; after `spin_us` of idleness it
 //! yields, then announces that it sleeps (a flag in every client's control block) and blocks in
 //! epoll on sockets and doorbells, so that an idle daemon burns no core and a busy one makes no
-//! syscall to be woken.
+//! syscall to be woken. A daemon pinned to a core (`nic_cpu`) yields it only to clients that
+//! wait on that core (see [`crate::shm::cores`]).
 
 mod host;
 mod portals;
@@ -36,12 +37,24 @@ pub enum DaemonError {
 /// 3+2s its doorbell.
 const STRIDE: usize = 1 << 20;
 
+/// A yield that kept the daemon off its core this long went to a rank that computes (a rank
+/// that waits gives it back within microseconds; a computing one keeps it until a tick, 4 ms).
+const SLOW_YIELD_NS: u64 = 1_000_000;
+/// Then idle turns keep the core this long, except for clients that announce they wait on it.
+const KEEP_CORE_NS: u64 = 100_000_000;
+
 pub struct Daemon {
     poll: Poll,
     events: Events,
     hosts: Vec<HostNic>,
     clock: Instant,
     spin_ns: u64,
+    /// Which allowed CPU to pin the loop's thread to (`nic_cpu`), and the CPU it got.
+    pin: Option<i64>,
+    cpu: Option<u32>,
+    /// Pinned: until when idle turns keep the core unless a client waits on it (a yield that
+    /// lost the core for a scheduler tick showed that the other tenant computes).
+    keep_core_until: u64,
     stop: Arc<AtomicBool>,
     /// Per host: its socket may hold datagrams.
     readable: Vec<bool>,
@@ -81,6 +94,9 @@ impl Daemon {
             hosts,
             clock: Instant::now(),
             spin_ns: cfg.cluster.spin_us * 1000,
+            pin: cfg.cluster.nic_cpu,
+            cpu: None,
+            keep_core_until: 0,
             readable: vec![true; indices.len()],
             tokens: Vec::with_capacity(256),
             served: (0..cfg.hosts.len() as u16)
@@ -94,8 +110,15 @@ impl Daemon {
         self.clock.elapsed().as_nanos() as u64
     }
 
-    /// Runs until `stop` is set.
+    /// Runs until `stop` is set (on the thread it pins to `nic_cpu`, if set).
     pub fn run(&mut self) -> Result<(), DaemonError> {
+        if let Some(index) = self.pin {
+            self.cpu = crate::shm::cores::pin(index)?;
+            tracing::info!(cpu = ?self.cpu, "NIC thread pinned");
+            for h in &mut self.hosts {
+                h.nic_cpu = self.cpu;
+            }
+        }
         let mut idle_since = self.now();
         let mut busy_turns = 0u64;
         let mut idle_turns = 0u64;
@@ -123,8 +146,9 @@ impl Daemon {
             }
             // Idle. A turn that finds nothing makes no syscall (rings are shared memory), so
             // spin on turns; ask epoll every 16th idle turn (datagrams from other processes,
-            // attach sockets), give the core away every 8th (ranks may outnumber cores), and
-            // after `spin_us` sleep in epoll.
+            // attach sockets), give the core away every 8th (ranks may outnumber cores) — when
+            // pinned only to a client waiting on this core, as a rank that computes would keep
+            // it until the next tick — and after `spin_us` sleep in epoll.
             idle_turns += 1;
             if idle_turns.is_multiple_of(16) && self.poll_events(Some(Duration::ZERO))? {
                 idle_since = now;
@@ -132,8 +156,8 @@ impl Daemon {
             }
             let idle = now - idle_since;
             if idle < self.spin_ns {
-                if idle_turns.is_multiple_of(8) {
-                    std::thread::yield_now();
+                if idle_turns.is_multiple_of(8) && self.may_yield(now) {
+                    self.yield_core();
                 } else {
                     std::hint::spin_loop();
                 }
@@ -143,6 +167,31 @@ impl Daemon {
             }
         }
         Ok(())
+    }
+
+    /// Whether an idle turn gives the core away: unpinned, always (anyone may share it);
+    /// pinned, to a client waiting on it, or to anyone unless that recently cost a tick.
+    fn may_yield(&self, now: u64) -> bool {
+        match self.cpu {
+            None => true,
+            Some(_) => now >= self.keep_core_until || self.waiter_here(),
+        }
+    }
+
+    fn waiter_here(&self) -> bool {
+        self.cpu
+            .is_some_and(|cpu| self.hosts.iter().any(|h| h.waiter_on(cpu)))
+    }
+
+    /// Yields; a pinned daemon whose yield lost the core for longer than a wait takes (a rank
+    /// that computes got it until the next tick) keeps its core for a while.
+    fn yield_core(&mut self) {
+        let before = self.now();
+        std::thread::yield_now();
+        let after = self.now();
+        if self.cpu.is_some() && after - before > SLOW_YIELD_NS && !self.waiter_here() {
+            self.keep_core_until = after + KEEP_CORE_NS;
+        }
     }
 
     fn sleep(&mut self) -> Result<(), DaemonError> {

@@ -2,6 +2,10 @@
 //! then sleep in the conduit until news. A rank waiting long (in a barrier, for a slow peer)
 //! thus leaves the cores to the NIC daemon and to ranks that compute: on a machine with fewer
 //! cores than busy threads, spinning waiters slow everyone's round trips.
+//!
+//! A wait for one operation through a NIC pinned to another core is the exception: nobody it
+//! waits for needs its core, and a yield would hand that core to a computing rank until the next
+//! scheduler tick, so it spins for `OP_SPIN` first (see [`crate::shm::cores`]).
 
 use std::time::{Duration, Instant};
 
@@ -17,14 +21,29 @@ const SPIN_POLLS: u32 = 4;
 const YIELD_FOR: Duration = Duration::from_micros(200);
 /// Longest single sleep (the conduit wakes earlier on news).
 const SLEEP_MAX: Duration = Duration::from_millis(1);
+/// How long a wait for one operation spins when the NIC works on another core (a blocking
+/// put or get takes ~10 µs; a long one still yields and sleeps after this).
+const OP_SPIN: Duration = Duration::from_micros(100);
 
 #[derive(Default)]
 pub(crate) struct Backoff {
     idle: u32,
     since: Option<Instant>,
+    /// Waiting for one operation: may spin on when the NIC is elsewhere.
+    one_op: bool,
+    /// Whether the NIC works on another core (asked once per wait).
+    off_core: Option<bool>,
 }
 
 impl Backoff {
+    /// For a wait on one operation (blocking put, get, atomic).
+    pub(crate) fn one_op() -> Backoff {
+        Backoff {
+            one_op: true,
+            ..Backoff::default()
+        }
+    }
+
     /// Something happened: the next idle poll starts spinning again.
     pub(crate) fn progressed(&mut self) {
         self.idle = 0;
@@ -39,8 +58,15 @@ impl Backoff {
             return Ok(());
         }
         let since = *self.since.get_or_insert_with(Instant::now);
-        if since.elapsed() < YIELD_FOR {
-            std::thread::yield_now();
+        let waited = since.elapsed();
+        if self.one_op
+            && waited < OP_SPIN
+            && *self.off_core.get_or_insert_with(|| conduit.off_nic_core())
+        {
+            std::hint::spin_loop();
+            Ok(())
+        } else if waited < YIELD_FOR {
+            conduit.yield_now();
             Ok(())
         } else {
             conduit.wait_news(SLEEP_MAX)

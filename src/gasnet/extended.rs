@@ -357,7 +357,7 @@ impl Gasnet {
 
     pub(super) fn wait_op(&mut self, op: u64) -> Result<(), GasnetError> {
         let st = self.ext.clone();
-        self.block_until(|| st.borrow().done(op))?;
+        self.block_until_op(|| st.borrow().done(op))?;
         self.finish_op(op)
     }
 
@@ -391,7 +391,7 @@ impl Gasnet {
         let at = GetDest::Local(dst.as_mut_ptr() as u64);
         let op = self.get_op(node, src_offset, dst.len(), at)?;
         let st = self.ext.clone();
-        if let Err(e) = self.block_until(|| st.borrow().done(op)) {
+        if let Err(e) = self.block_until_op(|| st.borrow().done(op)) {
             self.core.conduit.abandon(op);
             return Err(e);
         }

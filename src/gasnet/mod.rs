@@ -219,8 +219,21 @@ impl Gasnet {
     }
 
     /// GASNET_BLOCKUNTIL: polls (running handlers) until `cond` holds.
-    pub fn block_until(&mut self, mut cond: impl FnMut() -> bool) -> Result<(), GasnetError> {
-        let mut b = backoff::Backoff::default();
+    pub fn block_until(&mut self, cond: impl FnMut() -> bool) -> Result<(), GasnetError> {
+        self.wait_with(backoff::Backoff::default(), cond)
+    }
+
+    /// Like [`Gasnet::block_until`], for a condition that one operation through the network
+    /// makes true (it may spin longer: see `backoff`).
+    pub(crate) fn block_until_op(&mut self, cond: impl FnMut() -> bool) -> Result<(), GasnetError> {
+        self.wait_with(backoff::Backoff::one_op(), cond)
+    }
+
+    fn wait_with(
+        &mut self,
+        mut b: backoff::Backoff,
+        mut cond: impl FnMut() -> bool,
+    ) -> Result<(), GasnetError> {
         while !cond() {
             if self.poll_once()? {
                 b.progressed();

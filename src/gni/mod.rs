@@ -683,7 +683,8 @@ impl Nic {
                 self.put_nbi(dst, &epoch.to_le_bytes())?;
             }
             let sys = self.sys.clone();
-            wait_until(|| sys.read_u64(k * 8) >= epoch, || self.progress());
+            let w = self.client.waiter();
+            wait_until(&w, || sys.read_u64(k * 8) >= epoch, || self.progress());
             k += 1;
             assert!(k < BARRIER_WORDS);
         }
@@ -699,8 +700,13 @@ const SPIN_BEFORE_YIELD: u64 = 64;
 /// After this long a waiter stops yielding and naps, leaving the cores to those at work.
 const YIELD_FOR: std::time::Duration = std::time::Duration::from_millis(1);
 
-/// Waits for `cond` the adaptive way (spin, then yield, then nap), calling `between` now and then.
-pub fn wait_until(mut cond: impl FnMut() -> bool, mut between: impl FnMut()) {
+/// Waits for `cond` the adaptive way (spin, then yield through `waiter`, then nap), calling
+/// `between` now and then.
+pub fn wait_until(
+    waiter: &crate::shm::control::Waiter,
+    mut cond: impl FnMut() -> bool,
+    mut between: impl FnMut(),
+) {
     let mut spins = 0u64;
     let mut since: Option<std::time::Instant> = None;
     while !cond() {
@@ -711,7 +717,7 @@ pub fn wait_until(mut cond: impl FnMut() -> bool, mut between: impl FnMut()) {
         if spins < SPIN_BEFORE_YIELD {
             std::hint::spin_loop();
         } else if since.get_or_insert_with(std::time::Instant::now).elapsed() < YIELD_FOR {
-            std::thread::yield_now();
+            waiter.yield_now();
         } else {
             std::thread::sleep(std::time::Duration::from_micros(50));
         }

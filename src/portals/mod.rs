@@ -398,7 +398,7 @@ impl Portals {
         if *spins < 256 {
             std::hint::spin_loop();
         } else if start.elapsed() < Duration::from_micros(500) {
-            std::thread::yield_now();
+            self.nic.client().yield_now();
         } else {
             match on {
                 Some((ni, eqs, cts, tests)) => {

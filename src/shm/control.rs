@@ -1,7 +1,8 @@
 //! The control block one client shares with its daemon.
 //!
 //! Layout: a 4 KiB header (magic, capacities, then one cache line each for the command ring's
-//! head and tail, the completion queue's head and tail, and the two sleep flags), the command
+//! head and tail, the completion queue's head and tail, the two sleep flags, the NIC's core and
+//! the core a yielding client waits on), the command
 //! ring (variable-size records), then the completion queue (32-byte entries).
 //!
 //! Both rings are single-producer single-consumer with release/acquire indices. Each side keeps
@@ -16,7 +17,7 @@ use super::Mapping;
 use crate::wire::{get_u16, get_u32, get_u64, AmoOp};
 
 const MAGIC: u64 = 0x3143_494e_5446_4f53; // "SOFTNIC1"
-const VERSION: u32 = 1;
+const VERSION: u32 = 2;
 const HEADER: usize = 4096;
 const CMD_HEAD: usize = 64;
 const CMD_TAIL: usize = 128;
@@ -24,6 +25,8 @@ const CQ_HEAD: usize = 192;
 const CQ_TAIL: usize = 256;
 const DAEMON_SLEEPING: usize = 320;
 const CLIENT_SLEEPING: usize = 384;
+const NIC_CPU: usize = 448;
+const WAITER_CPU: usize = 512;
 const REC_CMD: u32 = 1;
 const REC_PAD: u32 = 2;
 /// Bytes of a command descriptor (after the 8-byte record header).
@@ -173,7 +176,8 @@ pub struct CqEntry {
 
 /// One side's view of a control block.
 pub struct Control {
-    map: Mapping,
+    /// Shared with the [`Waiter`]s handed out.
+    map: std::sync::Arc<Mapping>,
     cmd_cap: u64,
     cq_cap: u64,
     /// Private copies of the indices this side owns.
@@ -230,7 +234,7 @@ impl Control {
 
     fn with(map: Mapping, cmd_cap: u64, cq_cap: u64) -> Control {
         Control {
-            map,
+            map: std::sync::Arc::new(map),
             cmd_cap,
             cq_cap,
             cmd_head: Cell::new(0),
@@ -266,8 +270,7 @@ impl Control {
     }
 
     fn flag(&self, at: usize) -> &AtomicU32 {
-        // SAFETY: as above.
-        unsafe { &*(self.map.as_ptr().add(at) as *const AtomicU32) }
+        flag(&self.map, at)
     }
 
     fn ring(&self) -> *mut u8 {
@@ -469,6 +472,61 @@ impl Control {
         fence(Ordering::SeqCst);
         self.flag(CLIENT_SLEEPING).load(Ordering::SeqCst) != 0
     }
+
+    // ---- who shares a core with whom (0 = nobody / unknown, else CPU + 1) ----
+
+    /// The daemon: the CPU its thread is pinned to, if it is.
+    pub fn set_nic_cpu(&self, cpu: Option<u32>) {
+        self.flag(NIC_CPU).store(encode_cpu(cpu), Ordering::Relaxed);
+    }
+
+    pub fn nic_cpu(&self) -> Option<u32> {
+        decode_cpu(self.flag(NIC_CPU))
+    }
+
+    /// The daemon: the CPU a client gives away while it waits (see [`Waiter::yield_now`]).
+    pub fn waiter_cpu(&self) -> Option<u32> {
+        decode_cpu(self.flag(WAITER_CPU))
+    }
+
+    /// A handle that yields the client's core the announced way, borrowing nothing.
+    pub fn waiter(&self) -> Waiter {
+        Waiter {
+            map: self.map.clone(),
+        }
+    }
+}
+
+fn flag(map: &Mapping, at: usize) -> &AtomicU32 {
+    // SAFETY: fixed, 4-aligned offsets inside the header of a live mapping.
+    unsafe { &*(map.as_ptr().add(at) as *const AtomicU32) }
+}
+
+fn encode_cpu(cpu: Option<u32>) -> u32 {
+    cpu.map_or(0, |c| c.saturating_add(1))
+}
+
+fn decode_cpu(f: &AtomicU32) -> Option<u32> {
+    f.load(Ordering::Relaxed).checked_sub(1)
+}
+
+/// Yields a client's core while it waits for the NIC. Where the daemon is pinned, the yield is
+/// announced (the CPU given away, in the control block) as the daemon then yields only to
+/// clients that wait on its core.
+pub struct Waiter {
+    map: std::sync::Arc<Mapping>,
+}
+
+impl Waiter {
+    pub fn yield_now(&self) {
+        let cpu = decode_cpu(flag(&self.map, NIC_CPU)).and_then(|_| super::cores::current_cpu());
+        let w = flag(&self.map, WAITER_CPU);
+        w.store(encode_cpu(cpu), Ordering::Relaxed);
+        std::thread::yield_now();
+        if cpu.is_some() {
+            w.store(0, Ordering::Relaxed);
+        }
+    }
 }
 
 #[cfg(test)]
@@ -481,6 +539,33 @@ mod tests {
         let fd = d.mapping().fd().try_clone_to_owned().unwrap();
         let c = Control::open(Mapping::from_fd(fd, 0, 1 << 20).unwrap()).unwrap();
         (d, c)
+    }
+
+    #[test]
+    fn cores_are_seen_across_the_mapping() {
+        let (d, c) = pair();
+        assert_eq!(
+            (c.nic_cpu(), d.waiter_cpu()),
+            (None, None),
+            "fresh: unknown"
+        );
+        // Unpinned: a yield announces nothing.
+        c.waiter().yield_now();
+        assert_eq!(d.waiter_cpu(), None);
+        d.set_nic_cpu(Some(0));
+        assert_eq!(c.nic_cpu(), Some(0));
+        // Pinned: the CPU is announced for the yield's duration only.
+        let w = c.waiter();
+        flag(&w.map, WAITER_CPU).store(encode_cpu(Some(7)), Ordering::Relaxed);
+        assert_eq!(d.waiter_cpu(), Some(7));
+        w.yield_now();
+        assert_eq!(d.waiter_cpu(), None, "cleared when the yield returns");
+        d.set_nic_cpu(Some(u32::MAX));
+        assert_eq!(
+            c.nic_cpu(),
+            Some(u32::MAX - 1),
+            "saturates, never wraps to unknown"
+        );
     }
 
     #[test]

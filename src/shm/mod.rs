@@ -1,9 +1,11 @@
 //! Everything between a client process and its daemon after attach: sealed memfd mappings,
 //! the control block (SPSC command ring client→NIC, completion queue NIC→client, sleep flags),
-//! eventfd doorbells, and the attach messages carried over the UNIX socket.
+//! eventfd doorbells, the attach messages carried over the UNIX socket, and who runs on which
+//! core.
 
 pub mod attach;
 pub mod control;
+pub mod cores;
 pub mod event_ring;
 pub mod mapping;
 pub mod process_memory;

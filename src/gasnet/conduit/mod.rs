@@ -103,6 +103,15 @@ pub trait Conduit {
     /// Blocks until something may have arrived for [`Conduit::poll`], or `max` passed, or the
     /// conduit has timers due. Returns at once when news is already there.
     fn wait_news(&mut self, max: std::time::Duration) -> Result<(), GasnetError>;
+    /// Gives the core away for a moment in a wait (a NIC daemon learns that we wait on it).
+    fn yield_now(&mut self) {
+        std::thread::yield_now();
+    }
+    /// For a wait on one operation: whether the work is done on another core than ours (a
+    /// pinned NIC's; moving off it if we are on it), so that spinning costs nobody it waits for.
+    fn off_nic_core(&mut self) -> bool {
+        false
+    }
     /// A put straight through the network (completion later as `RmaDone { op }`); `Ok(false)`
     /// when the conduit has none, and the Extended layer uses Active Messages instead.
     /// `bulk`: the caller leaves `src` unchanged until completion; otherwise it may reuse `src`

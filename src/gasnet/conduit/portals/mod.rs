@@ -361,7 +361,7 @@ impl PortalsConduit {
     /// be waiting for our replies, or for room in our ReqRB). No handler runs here.
     fn wait_step(&mut self) -> Result<(), GasnetError> {
         if !self.poll_safe()? && !self.drain_am()? && !self.drain_raram()? {
-            std::thread::yield_now();
+            self.p.nic().client().yield_now();
         }
         Ok(())
     }
@@ -422,6 +422,14 @@ impl Conduit for PortalsConduit {
             deliver(src, reply_to, am);
         }
         Ok(any)
+    }
+
+    fn yield_now(&mut self) {
+        self.p.nic().client().yield_now();
+    }
+
+    fn off_nic_core(&mut self) -> bool {
+        self.p.nic().client().off_nic_core()
     }
 
     fn wait_news(&mut self, max: std::time::Duration) -> Result<(), GasnetError> {
