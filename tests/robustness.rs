@@ -205,3 +205,45 @@ fn hostile_tcp_frames_close_only_that_connection() {
     }
     d.run_job_ok("small_job_body", 2);
 }
+
+#[test]
+fn a_pinned_daemon_publishes_its_core_and_a_blocked_rank_leaves_it() {
+    let cpus = rustix::process::sched_getaffinity(None).unwrap();
+    let allowed: Vec<u32> = (0..rustix::process::CpuSet::MAX_CPU as u32)
+        .filter(|&c| cpus.is_set(c as usize))
+        .collect();
+    let d = Daemons::start(1);
+    let path = d.cfg.socket_path(0);
+    // In a thread of its own: the affinity it gives up must not leak into other tests.
+    std::thread::spawn(move || {
+        let c = Client::attach(&path, 9, 1, 0, 1).unwrap();
+        if allowed.len() < 2 {
+            assert_eq!(c.control().nic_cpu(), None, "one CPU: nothing to pin to");
+            eprintln!("skipped the move: one CPU allowed");
+            return;
+        }
+        // The local default pins the NIC to the last allowed CPU.
+        let nic = c
+            .control()
+            .nic_cpu()
+            .expect("the daemon announces its core");
+        assert_eq!(nic, *allowed.last().unwrap());
+        let mut only = rustix::process::CpuSet::new();
+        only.set(nic as usize);
+        let mut both = only;
+        both.set(allowed[0] as usize);
+        // Put this thread on the NIC's core, as the scheduler may, then allow both.
+        rustix::process::sched_setaffinity(None, &only).unwrap();
+        rustix::process::sched_setaffinity(None, &both).unwrap();
+        // (Widening the affinity does not move a thread; the scheduler rarely does, soon.)
+        let was_on_nic = softnic::shm::cores::current_cpu() == Some(nic);
+        assert!(c.off_nic_core(), "a rank can always leave a core of two");
+        assert_ne!(softnic::shm::cores::current_cpu(), Some(nic));
+        if was_on_nic {
+            let now = rustix::process::sched_getaffinity(None).unwrap();
+            assert!(!now.is_set(nic as usize), "and stays off it");
+        }
+    })
+    .join()
+    .unwrap();
+}

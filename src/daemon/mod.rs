@@ -113,8 +113,12 @@ impl Daemon {
     /// Runs until `stop` is set (on the thread it pins to `nic_cpu`, if set).
     pub fn run(&mut self) -> Result<(), DaemonError> {
         if let Some(index) = self.pin {
-            self.cpu = crate::shm::cores::pin(index)?;
-            tracing::info!(cpu = ?self.cpu, "NIC thread pinned");
+            // A core of its own is an optimisation: without it the NIC still works.
+            self.cpu = crate::shm::cores::pin(index).unwrap_or_else(|e| {
+                tracing::warn!("not pinning the NIC thread: {e}");
+                None
+            });
+            tracing::info!(cpu = ?self.cpu, "NIC thread placement");
             for h in &mut self.hosts {
                 h.nic_cpu = self.cpu;
             }
