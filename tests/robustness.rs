@@ -208,10 +208,7 @@ fn hostile_tcp_frames_close_only_that_connection() {
 
 #[test]
 fn a_pinned_daemon_publishes_its_core_and_a_blocked_rank_leaves_it() {
-    let cpus = rustix::process::sched_getaffinity(None).unwrap();
-    let allowed: Vec<u32> = (0..rustix::process::CpuSet::MAX_CPU as u32)
-        .filter(|&c| cpus.is_set(c as usize))
-        .collect();
+    let allowed = softnic::shm::cores::allowed().unwrap();
     let d = Daemons::start(1);
     let path = d.cfg.socket_path(0);
     // In a thread of its own: the affinity it gives up must not leak into other tests.

@@ -175,10 +175,7 @@ pub fn run(
     verify: bool,
     v: Variant,
 ) -> anyhow::Result<Option<Row>> {
-    anyhow::ensure!(
-        ctx.size.is_power_of_two(),
-        "RandomAccess needs a power-of-two number of ranks"
-    );
+    crate::randomaccess::check_ranks(ctx)?;
     let log_local = match v {
         Variant::GetPut => log_local.min(GET_PUT_MAX_LOG),
         Variant::Atomics | Variant::Am => log_local.min(ATOMICS_MAX_LOG),

@@ -137,6 +137,15 @@ fn updates(
     Ok(())
 }
 
+/// HPCC's update stream splits the table by the high bits of the index: ranks must be 2^k.
+pub fn check_ranks(ctx: &Ctx) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        ctx.size.is_power_of_two(),
+        "RandomAccess needs a power-of-two number of ranks"
+    );
+    Ok(())
+}
+
 pub fn run(
     ctx: &Ctx,
     nic: &mut Nic,
@@ -144,10 +153,7 @@ pub fn run(
     verify: bool,
     v: Variant,
 ) -> anyhow::Result<Option<Row>> {
-    anyhow::ensure!(
-        ctx.size.is_power_of_two(),
-        "RandomAccess needs a power-of-two number of ranks"
-    );
+    check_ranks(ctx)?;
     let local = 1usize << log_local;
     let table = nic.mem_register(local * 8, Perms::READ_WRITE)?;
     let errs = nic.mem_register(8, Perms::READ_WRITE)?;

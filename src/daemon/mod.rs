@@ -176,10 +176,7 @@ impl Daemon {
     /// Whether an idle turn gives the core away: unpinned, always (anyone may share it);
     /// pinned, to a client waiting on it, or to anyone unless that recently cost a tick.
     fn may_yield(&self, now: u64) -> bool {
-        match self.cpu {
-            None => true,
-            Some(_) => now >= self.keep_core_until || self.waiter_here(),
-        }
+        self.cpu.is_none() || now >= self.keep_core_until || self.waiter_here()
     }
 
     fn waiter_here(&self) -> bool {

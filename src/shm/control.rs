@@ -519,9 +519,12 @@ pub struct Waiter {
 
 impl Waiter {
     pub fn yield_now(&self) {
+        // Unpinned, nothing is announced: no write to the shared line on every yield.
         let cpu = decode_cpu(flag(&self.map, NIC_CPU)).and_then(|_| super::cores::current_cpu());
         let w = flag(&self.map, WAITER_CPU);
-        w.store(encode_cpu(cpu), Ordering::Relaxed);
+        if cpu.is_some() {
+            w.store(encode_cpu(cpu), Ordering::Relaxed);
+        }
         std::thread::yield_now();
         if cpu.is_some() {
             w.store(0, Ordering::Relaxed);

@@ -16,7 +16,7 @@ pub fn current_cpu() -> Option<u32> {
 }
 
 /// The CPUs the calling thread may run on, in ascending order.
-fn allowed() -> std::io::Result<Vec<u32>> {
+pub fn allowed() -> std::io::Result<Vec<u32>> {
     let set = rustix::process::sched_getaffinity(None)?;
     Ok((0..rustix::process::CpuSet::MAX_CPU as u32)
         .filter(|&c| set.is_set(c as usize))
