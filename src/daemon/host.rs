@@ -243,6 +243,11 @@ impl HostNic {
                 drained = false;
                 busy = true;
                 self.on_datagram(now, &rx[..n]);
+                // A lone datagram (a round trip, not a stream) is answered first: the recv
+                // that finds the socket empty waits for the next turn.
+                if !self.driver.bursting() {
+                    break;
+                }
             }
             // Edge-triggered readiness: only a recv that found nothing proves the socket empty.
             *readable = !drained;

@@ -39,6 +39,14 @@ impl Driver {
         }
     }
 
+    /// Whether more received data is likely waiting (TCP: always ask, reads are buffered).
+    pub fn bursting(&self) -> bool {
+        match self {
+            Driver::Udp(d) => d.bursting(),
+            Driver::Tcp(_) => true,
+        }
+    }
+
     /// Sends what [`Driver::send`] queued (UDP: one sendmmsg per peer; TCP: what the streams take).
     pub fn flush(&mut self) {
         match self {

@@ -247,6 +247,13 @@ impl UdpDriver {
         b.lens.clear();
     }
 
+    /// Whether more datagrams are likely waiting: a burst is under way or a batch is buffered.
+    /// Outside a burst a caller answers the datagram it got before asking again, so that
+    /// the `recv` that finds the socket empty is not on the round trip's path.
+    pub fn bursting(&self) -> bool {
+        self.streak >= 2 || self.rx_next < self.rx_count
+    }
+
     /// The next received datagram, copied into `out`; `None` when nothing is waiting.
     pub fn recv(&mut self, out: &mut [u8]) -> Option<usize> {
         if self.rx_next == self.rx_count {

@@ -107,8 +107,8 @@ pub trait Conduit {
     fn yield_now(&mut self) {
         std::thread::yield_now();
     }
-    /// For a wait on one operation: whether the work is done on another core than ours (a
-    /// pinned NIC's; moving off it if we are on it), so that spinning costs nobody it waits for.
+    /// For a wait that outlasts its first spin: whether we run on another core than a pinned
+    /// NIC's (moving off it if we are on it), so that waiting costs the NIC nothing.
     fn off_nic_core(&mut self) -> bool {
         false
     }
