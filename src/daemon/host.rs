@@ -88,6 +88,9 @@ pub(super) enum Flow {
     Backpressure,
 }
 
+/// How many ops ahead of the one being served an atomic's target is prefetched.
+const PREFETCH_AHEAD: usize = 8;
+
 pub struct HostNic {
     pub index: u16,
     pub name: String,
@@ -701,7 +704,12 @@ impl HostNic {
     }
 
     fn on_body(&mut self, now: u64, peer: u16, body: &[u8]) {
+        // Atomics a few ops ahead have their target words loaded while this one is served.
+        let mut ahead = OpIter::new(body).skip(PREFETCH_AHEAD);
         for op in OpIter::new(body) {
+            if let Some(Ok(next)) = ahead.next() {
+                self.ptl_prefetch(&next);
+            }
             match op {
                 Ok(op) => self.on_op(now, peer, &op),
                 Err(e) => {

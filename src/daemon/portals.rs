@@ -530,6 +530,22 @@ impl HostNic {
         }
     }
 
+    /// Prefetches the word an atomic request op will update (a guess; see
+    /// [`crate::nic::portals::PortalsNi::prefetch_atomic`]).
+    pub(super) fn ptl_prefetch(&self, op: &OpRef<'_>) {
+        if let OpRef::PtlReq { h, m, .. } = op {
+            if matches!(m.kind, 2..=4) {
+                if let Some(Some(s)) = self
+                    .portals
+                    .get(&(h.job, h.dst_rank))
+                    .and_then(|p| p.nis.get((m.ni & 0x7f) as usize))
+                {
+                    s.ni.prefetch_atomic(m.pt_index, m.remote_offset);
+                }
+            }
+        }
+    }
+
     /// Queues an op for `peer`, in order behind anything already waiting for room.
     /// `lazy`: the op may wait until that deadline for other traffic to share a datagram.
     fn send_owned(&mut self, peer: u16, op: &OpRef<'_>, lazy: Option<u64>) {

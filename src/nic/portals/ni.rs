@@ -166,9 +166,36 @@ pub struct PortalsNi {
     /// PtlNIStatus: messages dropped, permission violations.
     pub dropped: u64,
     pub perm_violations: u64,
+    /// Where the last atomic landed: (portal index, address of its entry's start, entry
+    /// length), to prefetch the targets of the atomics queued behind it (see
+    /// [`PortalsNi::prefetch_atomic`]). Kept as an address: it may go stale, which costs a
+    /// useless prefetch and nothing else.
+    atomic_hint: Option<(u32, usize, u64)>,
 }
 
 impl PortalsNi {
+    /// Starts loading the word an atomic on portal `pt` at `remote_offset` will most likely
+    /// update (the place the previous atomic on `pt` matched), so that a run of random updates
+    /// waits for several cache misses at once instead of one after another. A prefetch never
+    /// faults, so a guess that is wrong or stale is harmless.
+    pub fn prefetch_atomic(&self, pt: u32, remote_offset: u64) {
+        #[cfg(target_arch = "x86_64")]
+        if let Some(a) = self.atomic_guess(pt, remote_offset) {
+            // SAFETY: a prefetch is a hint that never faults, whatever the address.
+            unsafe {
+                use std::arch::x86_64::{_mm_prefetch, _MM_HINT_ET0};
+                _mm_prefetch::<_MM_HINT_ET0>(a as *const i8);
+            }
+        }
+    }
+
+    /// The address an atomic on `pt` at `remote_offset` would update if it matched where the
+    /// previous atomic on `pt` did.
+    pub(super) fn atomic_guess(&self, pt: u32, remote_offset: u64) -> Option<usize> {
+        let (hint_pt, base, len) = self.atomic_hint?;
+        (hint_pt == pt && remote_offset < len).then(|| base.wrapping_add(remote_offset as usize))
+    }
+
     pub fn new(matching: bool, limits: Limits) -> PortalsNi {
         PortalsNi {
             matching,
@@ -186,6 +213,7 @@ impl PortalsNi {
             unexpected_total: 0,
             dropped: 0,
             perm_violations: 0,
+            atomic_hint: None,
         }
     }
 
@@ -765,6 +793,10 @@ impl PortalsNi {
                 let Ok(ptr) = e.region.mapped_at(at, mlength) else {
                     return fail(self, NiFail::Segv);
                 };
+                if opts & me::MANAGE_LOCAL == 0 {
+                    let base = (ptr as usize).wrapping_sub(offset.min(e.length) as usize);
+                    self.atomic_hint = Some((idx, base, e.length));
+                }
                 // SAFETY: [at, at+mlength) lies inside the entry (placement) and so inside its
                 // region (checked at append); the region stays mapped while `e` holds it.
                 let r = unsafe {

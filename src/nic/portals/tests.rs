@@ -494,6 +494,26 @@ fn get_atomic_fetch_and_swap_at_the_target() {
 }
 
 #[test]
+fn the_next_atomic_is_guessed_where_the_last_one_matched() {
+    let (mut n, _) = ni(0, 64);
+    let r = region(64);
+    n.append(0, entry(&r, 16, 32, ME_ALL, 0, u64::MAX), List::Priority, 0)
+        .unwrap();
+    assert_eq!(n.atomic_guess(0, 8), None, "no atomic yet");
+    let one = 1u64.to_le_bytes();
+    let add = Request {
+        kind: ReqKind::Atomic(AtomicOp::Sum, Datatype::Uint64),
+        remote_offset: 8,
+        ..put(0, 0, &one)
+    };
+    assert!(n.deliver(&add).ni_fail == NiFail::Ok);
+    let base = r.mapped_at(0, 64).unwrap() as usize;
+    assert_eq!(n.atomic_guess(0, 24), Some(base + 16 + 24));
+    assert_eq!(n.atomic_guess(0, 32), None, "past the entry");
+    assert_eq!(n.atomic_guess(1, 8), None, "another portal");
+}
+
+#[test]
 fn event_disable_options_and_counting_events() {
     let (mut n, eq) = ni(0, 64);
     let r = region(64);
