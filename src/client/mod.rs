@@ -206,9 +206,9 @@ impl Client {
         self.control.waiter()
     }
 
-    /// For a wait on one operation: whether this thread runs on another core than the pinned
-    /// daemon's, moving off the daemon's core if it is on it (for good: a rank that shares it
-    /// pays two context switches per operation). `false` when the daemon is not pinned or
+    /// For a wait that outlasts its first spin: whether this thread runs on another core than
+    /// the pinned daemon's, moving off the daemon's core if it is on it (for good: a rank that
+    /// shares it pays two context switches per operation). `false` when the daemon is not pinned or
     /// there is nowhere else to go.
     pub fn off_nic_core(&self) -> bool {
         let Some(nic) = self.control.nic_cpu() else {

@@ -3,9 +3,11 @@
 //! thus leaves the cores to the NIC daemon and to ranks that compute: on a machine with fewer
 //! cores than busy threads, spinning waiters slow everyone's round trips.
 //!
-//! A wait for one operation through a NIC pinned to another core is the exception: nobody it
-//! waits for needs its core, and a yield would hand that core to a computing rank until the next
-//! scheduler tick, so it spins for `OP_SPIN` first (see [`crate::shm::cores`]).
+//! Past its first spin every wait leaves a pinned NIC's core (the daemon would otherwise hand
+//! its core to the waiter while other round trips need it). A wait for one operation is then
+//! the exception: nobody it waits for needs its core, and a yield would hand that core to a
+//! computing rank until the next scheduler tick, so it spins for `OP_SPIN` first (see
+//! [`crate::shm::cores`]).
 
 use std::time::{Duration, Instant};
 
