@@ -208,8 +208,8 @@ impl Client {
 
     /// For a wait that outlasts its first spin: whether this thread runs on another core than
     /// the pinned daemon's, moving off the daemon's core if it is on it (for good: a rank that
-    /// shares it pays two context switches per operation). `false` when the daemon is not pinned or
-    /// there is nowhere else to go.
+    /// shares it pays two context switches per operation). `false` when the daemon is not
+    /// pinned or there is nowhere else to go.
     pub fn off_nic_core(&self) -> bool {
         let Some(nic) = self.control.nic_cpu() else {
             return false;

@@ -534,6 +534,7 @@ impl HostNic {
     /// [`crate::nic::portals::PortalsNi::prefetch_atomic`]).
     pub(super) fn ptl_prefetch(&self, op: &OpRef<'_>) {
         if let OpRef::PtlReq { h, m, .. } = op {
+            // Wire kinds 2, 3, 4: atomic, fetch-atomic, swap (`wire::encode_kind`).
             if matches!(m.kind, 2..=4) {
                 if let Some(Some(s)) = self
                     .portals

@@ -506,7 +506,7 @@ fn the_next_atomic_is_guessed_where_the_last_one_matched() {
         remote_offset: 8,
         ..put(0, 0, &one)
     };
-    assert!(n.deliver(&add).ni_fail == NiFail::Ok);
+    assert_eq!(n.deliver(&add).ni_fail, NiFail::Ok);
     let base = r.mapped_at(0, 64).unwrap() as usize;
     assert_eq!(n.atomic_guess(0, 24), Some(base + 16 + 24));
     assert_eq!(n.atomic_guess(0, 32), None, "past the entry");
