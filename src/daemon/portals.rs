@@ -532,17 +532,14 @@ impl HostNic {
 
     /// Prefetches the word an atomic request op will update (a guess; see
     /// [`crate::nic::portals::PortalsNi::prefetch_atomic`]).
-    pub(super) fn ptl_prefetch(&self, op: &OpRef<'_>) {
-        if let OpRef::PtlReq { h, m, .. } = op {
-            // Wire kinds 2, 3, 4: atomic, fetch-atomic, swap (`wire::encode_kind`).
-            if matches!(m.kind, 2..=4) {
-                if let Some(Some(s)) = self
-                    .portals
-                    .get(&(h.job, h.dst_rank))
-                    .and_then(|p| p.nis.get((m.ni & 0x7f) as usize))
-                {
-                    s.ni.prefetch_atomic(m.pt_index, m.remote_offset);
-                }
+    pub(super) fn ptl_prefetch(&mut self, op: &OpRef<'_>) {
+        // Wire kinds 2, 3, 4: atomic, fetch-atomic, swap (`wire::encode_kind`).
+        let OpRef::PtlReq { h, m, .. } = op else {
+            return;
+        };
+        if matches!(m.kind, 2..=4) {
+            if let Ok(s) = self.ni_state(h.job, h.dst_rank, m.ni) {
+                s.ni.prefetch_atomic(m.pt_index, m.remote_offset);
             }
         }
     }
