@@ -74,6 +74,11 @@ struct Args {
     /// `compare`: the rank counts of the GUPS-vs-ranks figure (besides `--ranks`).
     #[arg(long, value_delimiter = ',', default_value = "2,4")]
     ra_ranks: Vec<u32>,
+    /// Runs every job this many times, interleaved (A B A B …), and reports each row's median
+    /// over the rounds, so that a slow spell of a shared machine moves one round, not the
+    /// result (default: 3 for `compare`, else 1).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    rounds: Option<u32>,
     /// Where the JSON lines (`<bench>.jsonl`) and the figures (SVG and PNG) go.
     #[arg(long, default_value = "netbench-out")]
     out: std::path::PathBuf,
@@ -93,6 +98,12 @@ impl Args {
 }
 
 impl Args {
+    /// How many times each job runs (`--rounds`).
+    fn rounds(&self) -> u32 {
+        self.rounds
+            .unwrap_or(if self.bench == Bench::Compare { 3 } else { 1 })
+    }
+
     /// Whether the RandomAccess variant `name` was asked for.
     fn ra_variant(&self, name: &str) -> bool {
         self.ra_variants

@@ -26,6 +26,9 @@ pub struct Row {
     pub errors: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub variant: Option<String>,
+    /// How many rounds (`--rounds`) this row is the median of.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rounds: Option<u32>,
 }
 
 impl Row {
@@ -56,6 +59,57 @@ pub fn median_p99(samples: &mut [f64]) -> (f64, f64) {
         med,
         samples[((n as f64 * 0.99).ceil() as usize).clamp(1, n) - 1],
     )
+}
+
+/// One row per measurement from the rows of several rounds (in order of first appearance):
+/// each figure is the median over the rounds that produced it, errors the worst round's.
+pub fn merge_rounds(rows: Vec<Row>) -> Vec<Row> {
+    type Key = (
+        String,
+        String,
+        String,
+        String,
+        Option<String>,
+        usize,
+        u32,
+        u32,
+    );
+    let key = |r: &Row| -> Key {
+        let (b, a, c, o) = (
+            r.bench.clone(),
+            r.api.clone(),
+            r.conduit.clone(),
+            r.op.clone(),
+        );
+        (b, a, c, o, r.variant.clone(), r.size, r.ranks, r.hosts)
+    };
+    let mut groups: Vec<(Key, Vec<Row>)> = Vec::new();
+    for r in rows {
+        let k = key(&r);
+        match groups.iter_mut().find(|(g, _)| *g == k) {
+            Some((_, v)) => v.push(r),
+            None => groups.push((k, vec![r])),
+        }
+    }
+    groups
+        .into_iter()
+        .map(|(_, v)| {
+            let med = |f: fn(&Row) -> Option<f64>| {
+                let mut xs: Vec<f64> = v.iter().filter_map(f).collect();
+                (!xs.is_empty()).then(|| median_p99(&mut xs).0)
+            };
+            Row {
+                lat_us: med(|r| r.lat_us),
+                lat_us_p99: med(|r| r.lat_us_p99),
+                mb_s: med(|r| r.mb_s),
+                mops: med(|r| r.mops),
+                gups: med(|r| r.gups),
+                errors: v.iter().filter_map(|r| r.errors).max(),
+                rounds: Some(v.len() as u32),
+                ..v[0].clone()
+            }
+        })
+        .collect()
 }
 
 fn opt(v: Option<f64>, prec: usize) -> String {
@@ -130,5 +184,52 @@ pub fn print(rows: &[Row], json: bool) {
         eprint!("{t}");
     } else {
         print!("{t}");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lat(op: &str, size: usize, us: f64) -> Row {
+        Row {
+            bench: "pingpong".into(),
+            op: op.into(),
+            size,
+            lat_us: Some(us),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn rounds_merge_into_their_median_in_first_seen_order() {
+        let mut ra = lat("xor", 64, 0.0);
+        ra.lat_us = None;
+        ra.gups = Some(0.3);
+        ra.errors = Some(0);
+        let mut ra2 = ra.clone();
+        ra2.gups = Some(0.1);
+        ra2.errors = Some(4);
+        let rows = vec![
+            lat("put", 8, 10.0),
+            lat("put", 1024, 12.0),
+            ra,
+            lat("put", 8, 13.5),
+            lat("put", 1024, 12.2),
+            ra2,
+            lat("put", 8, 9.8),
+            lat("put", 1024, 30.0),
+        ];
+        let m = merge_rounds(rows);
+        assert_eq!(m.len(), 3);
+        assert_eq!(
+            (m[0].size, m[0].lat_us, m[0].rounds),
+            (8, Some(10.0), Some(3))
+        );
+        assert_eq!((m[1].size, m[1].lat_us), (1024, Some(12.2)));
+        // Two rounds: the mean of both; errors: the worse round.
+        assert_eq!((m[2].op.as_str(), m[2].rounds), ("xor", Some(2)));
+        assert!((m[2].gups.unwrap() - 0.2).abs() < 1e-12);
+        assert_eq!((m[2].errors, m[2].lat_us), (Some(4), None));
     }
 }

@@ -131,7 +131,8 @@ fn step_args(args: &Args, s: &Step) -> Vec<OsString> {
 /// exit status: 0, or 1 when a step failed (its rows are missing; the others are reported).
 pub fn run(args: &Args) -> anyhow::Result<i32> {
     let steps = plan(args)?;
-    let bar = indicatif::ProgressBar::new(steps.len() as u64);
+    let rounds = args.rounds();
+    let bar = indicatif::ProgressBar::new(steps.len() as u64 * u64::from(rounds));
     bar.set_style(
         indicatif::ProgressStyle::with_template(
             "{spinner} [{elapsed_precise}] {bar:30} {pos}/{len} {msg}",
@@ -142,34 +143,33 @@ pub fn run(args: &Args) -> anyhow::Result<i32> {
     let program = std::env::current_exe()?;
     let mut rows: Vec<Row> = Vec::new();
     let mut failed = Vec::new();
-    for s in &steps {
-        bar.set_message(s.label.clone());
-        let file = tempfile_path(&s.label);
-        let l = softnic::job::local::Launch {
-            ranks: s.ranks,
-            hosts: args.hosts,
-            program: program.clone().into(),
-            args: step_args(args, s),
-            env: vec![(ROWS_ENV.into(), file.display().to_string())],
-            ..Default::default()
-        };
-        let code =
-            softnic::job::local::run(&l).with_context(|| format!("launching {}", s.label))?;
-        let got = read_rows(&file);
-        let _ = std::fs::remove_file(&file);
-        match (code, got) {
-            (0, Ok(r)) => rows.extend(r),
-            (0, Err(e)) => failed.push(format!("{}: {e:#}", s.label)),
-            (c, _) => failed.push(format!("{}: exited with status {c}", s.label)),
-        }
-        bar.inc(1);
-        // Ctrl-C (the launcher's 130) ends the whole run, not only this job.
-        if code == 130 {
-            failed.push("interrupted: the remaining jobs did not run".into());
-            break;
+    // Round after round of every job, so that each job's rounds are spread over the run.
+    'rounds: for round in 1..=rounds {
+        for s in &steps {
+            bar.set_message(if rounds > 1 {
+                format!("{} (round {round}/{rounds})", s.label)
+            } else {
+                s.label.clone()
+            });
+            let (code, got) = run_step(args, s, &program)?;
+            match (code, got) {
+                (0, Ok(r)) => rows.extend(r),
+                (0, Err(e)) => failed.push(format!("{} (round {round}): {e:#}", s.label)),
+                (c, _) => failed.push(format!(
+                    "{} (round {round}): exited with status {c}",
+                    s.label
+                )),
+            }
+            bar.inc(1);
+            // Ctrl-C (the launcher's 130) ends the whole run, not only this job.
+            if code == 130 {
+                failed.push("interrupted: the remaining jobs did not run".into());
+                break 'rounds;
+            }
         }
     }
     bar.finish_and_clear();
+    let rows = report::merge_rounds(rows);
     report::print(&rows, args.json);
     let out = args.out.clone();
     std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
@@ -187,6 +187,27 @@ pub fn run(args: &Args) -> anyhow::Result<i32> {
         eprintln!("netbench: step failed: {f}");
     }
     Ok(if failed.is_empty() { 0 } else { 1 })
+}
+
+/// Runs one job on the local default: its exit status and the rows rank 0 wrote.
+fn run_step(
+    args: &Args,
+    s: &Step,
+    program: &std::path::Path,
+) -> anyhow::Result<(i32, anyhow::Result<Vec<Row>>)> {
+    let file = tempfile_path(&s.label);
+    let l = softnic::job::local::Launch {
+        ranks: s.ranks,
+        hosts: args.hosts,
+        program: program.to_path_buf().into(),
+        args: step_args(args, s),
+        env: vec![(ROWS_ENV.into(), file.display().to_string())],
+        ..Default::default()
+    };
+    let code = softnic::job::local::run(&l).with_context(|| format!("launching {}", s.label))?;
+    let got = read_rows(&file);
+    let _ = std::fs::remove_file(&file);
+    Ok((code, got))
 }
 
 fn tempfile_path(label: &str) -> PathBuf {
@@ -228,6 +249,19 @@ mod tests {
                 "randomaccess gasnet/portals ×4",
             ]
         );
+    }
+
+    #[test]
+    fn compare_repeats_its_jobs_unless_told_otherwise() {
+        let rounds = |cmd: &str| {
+            Args::try_parse_from(cmd.split_whitespace())
+                .unwrap()
+                .rounds()
+        };
+        assert_eq!(rounds("netbench compare"), 3);
+        assert_eq!(rounds("netbench compare --rounds 1"), 1);
+        assert_eq!(rounds("netbench pingpong"), 1);
+        assert!(Args::try_parse_from(["netbench", "compare", "--rounds", "0"]).is_err());
     }
 
     #[test]
