@@ -169,10 +169,16 @@ pub fn run(args: &Args) -> anyhow::Result<i32> {
         }
     }
     bar.finish_and_clear();
-    let rows = report::merge_rounds(rows);
-    report::print(&rows, args.json);
     let out = args.out.clone();
     std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
+    if rounds > 1 {
+        // Every round's own rows too, to see how far apart the rounds were.
+        let each = out.join(format!("{}-rounds.jsonl", bench_name(args.bench)));
+        std::fs::write(&each, report::json_lines(&rows))
+            .with_context(|| format!("writing {}", each.display()))?;
+    }
+    let rows = report::merge_rounds(rows);
+    report::print(&rows, args.json);
     let jsonl = out.join(format!("{}.jsonl", bench_name(args.bench)));
     std::fs::write(&jsonl, report::json_lines(&rows))
         .with_context(|| format!("writing {}", jsonl.display()))?;

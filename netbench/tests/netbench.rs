@@ -114,8 +114,20 @@ fn compare_covers_every_api_and_conduit_and_draws_the_figures() {
             "10",
             "--ra-ranks",
             "2,4",
+            "--rounds",
+            "2",
         ],
         &dir,
+    );
+    assert!(
+        rows.iter().all(|r| r["rounds"] == 2),
+        "every row is the median of both rounds"
+    );
+    let each = std::fs::read_to_string(dir.join("compare-rounds.jsonl")).unwrap();
+    assert_eq!(
+        each.lines().count(),
+        2 * rows.len(),
+        "each round's rows are kept"
     );
     let has = |api: &str, conduit: &str, bench: &str| {
         rows.iter()
