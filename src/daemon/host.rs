@@ -90,8 +90,8 @@ pub(super) enum Flow {
 
 /// How many ops ahead of the one being served an atomic's target is prefetched.
 const PREFETCH_AHEAD: usize = 8;
-/// How far behind the command being run commands are looked at: eight Portals atomics
-/// (a 72-byte descriptor and a ~111-byte call each, in 192-byte records).
+/// How far past the command being run the ring is looked at: eight Portals atomics (a
+/// 72-byte descriptor and a ~111-byte call each, in 192-byte records).
 const LOOK_AHEAD_BYTES: u64 = 8 * 192;
 /// Bytes of a command looked at: the descriptor and the start of a Portals call.
 const LOOK_LEN: usize = crate::shm::control::COMMAND_LEN + 64;
@@ -406,7 +406,7 @@ impl HostNic {
         did
     }
 
-    /// Looks at the commands just behind the one being run and prefetches what their
+    /// Looks at the next few commands after the one being run and prefetches what their
     /// atomics will update on this host (the memory miss of a local atomic, like that of a
     /// remote one in [`HostNic::on_body`], then overlaps the commands before it).
     fn prefetch_ahead(&mut self, slot: usize) {
