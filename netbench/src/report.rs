@@ -64,36 +64,22 @@ pub fn median_p99(samples: &mut [f64]) -> (f64, f64) {
 /// One row per measurement from the rows of several rounds (in order of first appearance):
 /// each figure is the median over the rounds that produced it, errors the worst round's.
 pub fn merge_rounds(rows: Vec<Row>) -> Vec<Row> {
-    type Key = (
-        String,
-        String,
-        String,
-        String,
-        Option<String>,
-        usize,
-        u32,
-        u32,
-    );
-    let key = |r: &Row| -> Key {
-        let (b, a, c, o) = (
-            r.bench.clone(),
-            r.api.clone(),
-            r.conduit.clone(),
-            r.op.clone(),
-        );
-        (b, a, c, o, r.variant.clone(), r.size, r.ranks, r.hosts)
+    // Rows of one measurement differ only in their figures.
+    let same = |a: &Row, b: &Row| {
+        (&a.bench, &a.api, &a.conduit, &a.op, &a.variant)
+            == (&b.bench, &b.api, &b.conduit, &b.op, &b.variant)
+            && (a.size, a.ranks, a.hosts) == (b.size, b.ranks, b.hosts)
     };
-    let mut groups: Vec<(Key, Vec<Row>)> = Vec::new();
+    let mut groups: Vec<Vec<Row>> = Vec::new();
     for r in rows {
-        let k = key(&r);
-        match groups.iter_mut().find(|(g, _)| *g == k) {
-            Some((_, v)) => v.push(r),
-            None => groups.push((k, vec![r])),
+        match groups.iter_mut().find(|g| same(&g[0], &r)) {
+            Some(g) => g.push(r),
+            None => groups.push(vec![r]),
         }
     }
     groups
         .into_iter()
-        .map(|(_, v)| {
+        .map(|v| {
             let med = |f: fn(&Row) -> Option<f64>| {
                 let mut xs: Vec<f64> = v.iter().filter_map(f).collect();
                 (!xs.is_empty()).then(|| median_p99(&mut xs).0)
