@@ -33,6 +33,17 @@ const MAX_REGION: usize = 1 << 40;
 const CMD_BUDGET: usize = 256;
 const RX_BUDGET: usize = 256;
 
+/// What a host knows of its socket's receive queue.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum RxReady {
+    /// A recv found it empty (and epoll has not spoken since).
+    Empty,
+    /// A lone datagram was taken; more may have come behind it.
+    Unproven,
+    /// Datagrams are, or may well be, waiting.
+    Ready,
+}
+
 /// Counters of this host beyond the transport's.
 #[derive(Debug, Default, Clone)]
 pub struct HostStats {
@@ -126,6 +137,9 @@ pub struct HostNic {
     allowed_gid: Option<u32>,
     /// Hosts this turn sent datagrams to (the daemon reads at once those it serves itself).
     pub sent_to: Vec<u16>,
+    /// What is known of the socket's queue, and whether a look was put off last turn.
+    rx_ready: RxReady,
+    rx_deferred: bool,
     pub stats: HostStats,
 }
 
@@ -227,38 +241,55 @@ impl HostNic {
             uid: rustix::process::geteuid().as_raw(),
             allowed_gid: cfg.cluster.allowed_gid,
             sent_to: Vec::new(),
+            rx_ready: RxReady::Ready,
+            rx_deferred: false,
             stats: HostStats::default(),
         })
     }
 
     // ------------------------------------------------------------------ the turn
 
-    /// One pass over everything this host has to do. `readable` says the socket may hold
-    /// datagrams (epoll said so and it was not drained yet). Returns whether anything happened.
-    pub fn turn(&mut self, now: u64, readable: &mut bool) -> bool {
+    /// The socket may hold datagrams (epoll said so, a host of this process sent to it, or the
+    /// daemon woke up).
+    pub fn mark_readable(&mut self) {
+        self.rx_ready = RxReady::Ready;
+    }
+
+    /// One pass over everything this host has to do. Returns whether anything happened.
+    pub fn turn(&mut self, now: u64) -> bool {
         let mut busy = false;
+        self.sent_to.clear();
         for slot in 0..self.sessions.len() {
             busy |= self.drain_commands(slot);
         }
-        if *readable {
+        let look = match self.rx_ready {
+            RxReady::Ready => true,
+            // After a lone datagram the socket is usually empty: a turn with commands sends
+            // first and leaves that look to the next turn (one turn, so nothing waits long),
+            // keeping the recv that finds nothing off the path of what it sends.
+            RxReady::Unproven => !busy || self.rx_deferred,
+            RxReady::Empty => false,
+        };
+        self.rx_deferred = !look && self.rx_ready == RxReady::Unproven;
+        if look {
             let mut rx = std::mem::take(&mut self.rx);
-            let mut drained = true;
+            self.rx_ready = RxReady::Unproven;
             for _ in 0..RX_BUDGET {
                 let Some(n) = self.driver.recv(&mut rx) else {
-                    drained = true;
+                    // Edge-triggered readiness: only a recv that found nothing proves it empty.
+                    self.rx_ready = RxReady::Empty;
                     break;
                 };
-                drained = false;
                 busy = true;
                 self.on_datagram(now, &rx[..n]);
-                // A lone datagram (a round trip, not a stream) is answered first: the recv
-                // that finds the socket empty waits for the next turn.
+                // A lone datagram (a round trip, not a stream) is answered first.
                 if !self.driver.bursting() {
                     break;
                 }
             }
-            // Edge-triggered readiness: only a recv that found nothing proves the socket empty.
-            *readable = !drained;
+            if self.rx_ready == RxReady::Unproven && self.driver.bursting() {
+                self.rx_ready = RxReady::Ready; // the budget ran out mid-burst
+            }
             self.rx = rx;
         }
         self.transport.handle_timeout(now);
@@ -276,7 +307,6 @@ impl HostNic {
             self.drain_out(peer);
         }
         self.transport.flush(now);
-        self.sent_to.clear();
         while let Some((to, d)) = self.transport.poll_transmit(now) {
             self.driver.send(to, d);
             if !self.sent_to.contains(&to) {

@@ -56,8 +56,6 @@ pub struct Daemon {
     /// lost the core for a scheduler tick showed that the other tenant computes).
     keep_core_until: u64,
     stop: Arc<AtomicBool>,
-    /// Per host: its socket may hold datagrams.
-    readable: Vec<bool>,
     /// Host index (of the config) → position in `hosts`, for the hosts this process serves.
     served: Vec<Option<usize>>,
     tokens: Vec<usize>,
@@ -97,7 +95,6 @@ impl Daemon {
             pin: cfg.cluster.nic_cpu,
             cpu: None,
             keep_core_until: 0,
-            readable: vec![true; indices.len()],
             tokens: Vec::with_capacity(256),
             served: (0..cfg.hosts.len() as u16)
                 .map(|h| indices.iter().position(|&i| i == h))
@@ -130,11 +127,12 @@ impl Daemon {
             let now = self.now();
             let mut busy = false;
             for k in 0..self.hosts.len() {
-                busy |= self.hosts[k].turn(now, &mut self.readable[k]);
+                busy |= self.hosts[k].turn(now);
                 // Loopback to a host of this process: the datagram is in its socket already.
-                for &to in &self.hosts[k].sent_to {
-                    if let Some(j) = self.served.get(to as usize).copied().flatten() {
-                        self.readable[j] = true;
+                for i in 0..self.hosts[k].sent_to.len() {
+                    let to = self.hosts[k].sent_to[i] as usize;
+                    if let Some(j) = self.served.get(to).copied().flatten() {
+                        self.hosts[j].mark_readable();
                     }
                 }
             }
@@ -211,7 +209,7 @@ impl Daemon {
                 .map_or(50_000_000, |t| t.saturating_sub(now))
                 .min(50_000_000);
             self.poll_events(Some(Duration::from_nanos(wait)))?;
-            self.readable.iter_mut().for_each(|r| *r = true);
+            self.hosts.iter_mut().for_each(HostNic::mark_readable);
         }
         for h in &self.hosts {
             h.set_sleeping(false);
@@ -234,7 +232,7 @@ impl Daemon {
         for &t in &tokens {
             let (k, kind) = (t / STRIDE, t % STRIDE);
             match kind {
-                0 => self.readable[k] = true,
+                0 => self.hosts[k].mark_readable(),
                 1 => {
                     for slot in self.hosts[k].accept() {
                         let fd = self.hosts[k].sessions[slot]

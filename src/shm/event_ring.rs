@@ -116,6 +116,10 @@ pub struct EventRing {
     cap: u64,
     /// This side's own index (the producer's tail or the consumer's head).
     mine: u64,
+    /// Producer: unconsumed events as last read from the consumer's index, plus those pushed
+    /// since. An upper bound (the consumer only frees), so pushes need not read the index —
+    /// a cache line the process writes — while it shows room.
+    seen: u64,
 }
 
 impl EventRing {
@@ -133,6 +137,7 @@ impl EventRing {
             base,
             cap: (len - FIRST) / EVENT_LEN,
             mine: 0,
+            seen: 0,
         })
     }
 
@@ -148,18 +153,30 @@ impl EventRing {
 
     // ---- producer (daemon) ----
 
-    /// Events written and not yet consumed, or `None` if the consumer's index is nonsense.
-    pub fn backlog(&self) -> Option<u64> {
+    /// Events written and not yet consumed, or `None` if the consumer's index is nonsense
+    /// (the ring then counts as full).
+    pub fn backlog(&mut self) -> Option<u64> {
         let head = self.index(HEAD).load(Ordering::Acquire);
         let used = self.mine.wrapping_sub(head);
-        (used <= self.cap).then_some(used)
+        let ok = used <= self.cap;
+        self.seen = if ok { used } else { self.cap };
+        ok.then_some(used)
+    }
+
+    /// The unconsumed events as last seen by [`EventRing::backlog`] and counted since: never
+    /// fewer than there are.
+    pub fn seen_backlog(&self) -> u64 {
+        self.seen
     }
 
     /// Appends an event; `false` when the ring is full (or its consumer index is corrupt).
+    /// The consumer's index is read only when the last look showed the ring full.
     pub fn push(&mut self, e: &Event, dropped: bool) -> bool {
-        match self.backlog() {
-            Some(used) if used < self.cap => {}
-            _ => return false,
+        if self.seen >= self.cap {
+            match self.backlog() {
+                Some(used) if used < self.cap => {}
+                _ => return false,
+            }
         }
         let mut b = [0u8; EVENT_LEN as usize];
         encode(e, dropped, &mut b);
@@ -168,6 +185,7 @@ impl EventRing {
             return false; // never: the ring is mapped and in bounds (checked at `new`)
         }
         self.mine += 1;
+        self.seen += 1;
         self.index(TAIL).store(self.mine, Ordering::Release);
         true
     }
@@ -292,8 +310,10 @@ mod tests {
         }
         assert!(!p.push(&e, false), "full");
         assert_eq!(c.pop(), Some((Event { user_ptr: 0, ..e }, false)));
+        assert_eq!(p.seen_backlog(), 3, "not looked at since");
         assert_eq!(c.pop(), Some((Event { user_ptr: 1, ..e }, true)));
-        assert!(p.push(&e, false));
+        assert!(p.push(&e, false), "a full ring looks again");
+        assert_eq!(p.seen_backlog(), 2);
         assert_eq!(p.backlog(), Some(2));
     }
 
@@ -304,6 +324,8 @@ mod tests {
         r.atomic(0, Perms(0))
             .unwrap()
             .store(1 << 40, Ordering::SeqCst);
+        assert_eq!(p.backlog(), None);
+        assert_eq!(p.seen_backlog(), p.capacity() as u64, "counts as full");
         assert!(!p.push(&Event::bare(EventKind::Link, 0, 0, NiFail::Ok), false));
         assert!(EventRing::new(r.clone(), 3, 1024).is_none());
         assert!(EventRing::new(r, 0, 8192).is_none());
