@@ -140,6 +140,14 @@ pub struct HostNic {
     /// What is known of the socket's queue, and whether a look was put off last turn.
     rx_ready: RxReady,
     rx_deferred: bool,
+    /// The UDP socket's epoll token, and whether it is registered: only while the daemon
+    /// sleeps, because a registered socket costs every arriving datagram an epoll callback
+    /// (measured: ~0.15–0.35 µs of a ~2.7 µs loopback send).
+    token: mio::Token,
+    armed: bool,
+    /// Whether an awake daemon looks at the socket every turn (some peer lives in another
+    /// process); else it learns of its own hosts' datagrams as they are sent.
+    pub look_every_turn: bool,
     pub stats: HostStats,
 }
 
@@ -159,8 +167,8 @@ fn udp_sizes(rcvbuf: usize, mtu: usize, window: usize) -> (usize, usize) {
 }
 
 impl HostNic {
-    /// Starts host `index` of `cfg`; its network sockets are registered with `registry` under
-    /// `token`.
+    /// Starts host `index` of `cfg`. Its TCP sockets are registered with `registry` under
+    /// `token`; a UDP socket only while the daemon sleeps (see [`HostNic::arm`]).
     pub fn new(
         cfg: &Config,
         index: u16,
@@ -176,10 +184,9 @@ impl HostNic {
         let fault = cfg.fault.clone();
         let driver = match cfg.cluster.transport {
             TransportKind::Udp => {
-                let mut d = UdpDriver::bind(addr, peers, fault).map_err(|e| {
+                let d = UdpDriver::bind(addr, peers, fault).map_err(|e| {
                     io::Error::new(e.kind(), format!("cannot bind UDP {addr}: {e}"))
                 })?;
-                registry.register(d.socket(), token, mio::Interest::READABLE)?;
                 Driver::Udp(d)
             }
             TransportKind::Tcp => Driver::Tcp(
@@ -243,6 +250,9 @@ impl HostNic {
             sent_to: Vec::new(),
             rx_ready: RxReady::Ready,
             rx_deferred: false,
+            token,
+            armed: false,
+            look_every_turn: true,
             stats: HostStats::default(),
         })
     }
@@ -255,12 +265,34 @@ impl HostNic {
         self.rx_ready = RxReady::Ready;
     }
 
+    /// Registers the UDP socket with epoll, before the daemon sleeps. Registering reports a
+    /// socket that already holds datagrams, so nothing that came before is missed.
+    pub fn arm(&mut self, registry: &mio::Registry) -> io::Result<()> {
+        if let (Driver::Udp(d), false) = (&mut self.driver, self.armed) {
+            registry.register(d.socket(), self.token, mio::Interest::READABLE)?;
+            self.armed = true;
+        }
+        Ok(())
+    }
+
+    /// Takes the UDP socket out of epoll again once the daemon is awake.
+    pub fn disarm(&mut self, registry: &mio::Registry) -> io::Result<()> {
+        if let (Driver::Udp(d), true) = (&mut self.driver, self.armed) {
+            registry.deregister(d.socket())?;
+            self.armed = false;
+        }
+        Ok(())
+    }
+
     /// One pass over everything this host has to do. Returns whether anything happened.
     pub fn turn(&mut self, now: u64) -> bool {
         let mut busy = false;
         self.sent_to.clear();
         for slot in 0..self.sessions.len() {
             busy |= self.drain_commands(slot);
+        }
+        if self.look_every_turn && self.rx_ready == RxReady::Empty {
+            self.rx_ready = RxReady::Unproven;
         }
         let look = match self.rx_ready {
             RxReady::Ready => true,
