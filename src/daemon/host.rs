@@ -25,6 +25,7 @@ use crate::transport::udp::UdpDriver;
 use crate::transport::{Driver, PushError, Transport, TransportConfig, TransportEvent};
 use crate::wire::{AmoOp, OpHeader, OpIter, OpKind, OpRef, Status};
 
+use super::rx_watch::{Next, RxWatch};
 use super::session::{Attached, Session};
 
 /// Largest region a client may register (1 TiB: a sanity bound, not a quota).
@@ -32,17 +33,6 @@ const MAX_REGION: usize = 1 << 40;
 /// Commands taken from one ring per turn, so that one busy client cannot starve the others.
 const CMD_BUDGET: usize = 256;
 const RX_BUDGET: usize = 256;
-
-/// What a host knows of its socket's receive queue.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum RxReady {
-    /// A recv found it empty (and epoll has not spoken since).
-    Empty,
-    /// A lone datagram was taken; more may have come behind it.
-    Unproven,
-    /// Datagrams are, or may well be, waiting.
-    Ready,
-}
 
 /// Counters of this host beyond the transport's.
 #[derive(Debug, Default, Clone)]
@@ -135,19 +125,16 @@ pub struct HostNic {
     cmd_buf: Vec<u8>,
     uid: u32,
     allowed_gid: Option<u32>,
-    /// Hosts this turn sent datagrams to (the daemon reads at once those it serves itself).
+    /// The host each datagram of this turn went to (the daemon tells the hosts it serves
+    /// itself how many to expect).
     pub sent_to: Vec<u16>,
-    /// What is known of the socket's queue, and whether a look was put off last turn.
-    rx_ready: RxReady,
-    rx_deferred: bool,
+    /// When a turn looks at the socket.
+    pub rx_watch: RxWatch,
     /// The UDP socket's epoll token, and whether it is registered: only while the daemon
     /// sleeps, because a registered socket costs every arriving datagram an epoll callback
     /// (measured: ~0.15–0.35 µs of a ~2.7 µs loopback send).
     token: mio::Token,
     armed: bool,
-    /// Whether an awake daemon looks at the socket every turn (some peer lives in another
-    /// process); else it learns of its own hosts' datagrams as they are sent.
-    pub look_every_turn: bool,
     pub stats: HostStats,
 }
 
@@ -248,21 +235,19 @@ impl HostNic {
             uid: rustix::process::geteuid().as_raw(),
             allowed_gid: cfg.cluster.allowed_gid,
             sent_to: Vec::new(),
-            rx_ready: RxReady::Ready,
-            rx_deferred: false,
+            rx_watch: RxWatch::default(),
             token,
             armed: false,
-            look_every_turn: true,
             stats: HostStats::default(),
         })
     }
 
     // ------------------------------------------------------------------ the turn
 
-    /// The socket may hold datagrams (epoll said so, a host of this process sent to it, or the
-    /// daemon woke up).
+    /// The socket may hold datagrams (epoll said so, the daemon woke up, or it is time to look
+    /// for datagrams from other processes).
     pub fn mark_readable(&mut self) {
-        self.rx_ready = RxReady::Ready;
+        self.rx_watch.mark();
     }
 
     /// Registers the UDP socket with epoll, before the daemon sleeps. Registering reports a
@@ -291,36 +276,27 @@ impl HostNic {
         for slot in 0..self.sessions.len() {
             busy |= self.drain_commands(slot);
         }
-        if self.look_every_turn && self.rx_ready == RxReady::Empty {
-            self.rx_ready = RxReady::Unproven;
-        }
-        let look = match self.rx_ready {
-            RxReady::Ready => true,
-            // After a lone datagram the socket is usually empty: a turn with commands sends
-            // first and leaves that look to the next turn (one turn, so nothing waits long),
-            // keeping the recv that finds nothing off the path of what it sends.
-            RxReady::Unproven => !busy || self.rx_deferred,
-            RxReady::Empty => false,
-        };
-        self.rx_deferred = !look && self.rx_ready == RxReady::Unproven;
-        if look {
+        let counting = matches!(self.driver, Driver::Udp(_));
+        if self.rx_watch.start(busy, counting) {
             let mut rx = std::mem::take(&mut self.rx);
-            self.rx_ready = RxReady::Unproven;
             for _ in 0..RX_BUDGET {
                 let Some(n) = self.driver.recv(&mut rx) else {
-                    // Edge-triggered readiness: only a recv that found nothing proves it empty.
-                    self.rx_ready = RxReady::Empty;
+                    self.rx_watch.found_empty();
                     break;
                 };
                 busy = true;
                 self.on_datagram(now, &rx[..n]);
-                // A lone datagram (a round trip, not a stream) is answered first.
-                if !self.driver.bursting() {
+                if self
+                    .rx_watch
+                    .got(self.driver.bursting(), self.driver.buffered())
+                    == Next::Stop
+                {
                     break;
                 }
             }
-            if self.rx_ready == RxReady::Unproven && self.driver.bursting() {
-                self.rx_ready = RxReady::Ready; // the budget ran out mid-burst
+            self.rx_watch.end(self.driver.bursting());
+            if self.rx_watch.settled() {
+                self.driver.settled();
             }
             self.rx = rx;
         }
@@ -341,9 +317,7 @@ impl HostNic {
         self.transport.flush(now);
         while let Some((to, d)) = self.transport.poll_transmit(now) {
             self.driver.send(to, d);
-            if !self.sent_to.contains(&to) {
-                self.sent_to.push(to);
-            }
+            self.sent_to.push(to);
             busy = true;
         }
         self.driver.flush();

@@ -8,6 +8,7 @@
 
 mod host;
 mod portals;
+mod rx_watch;
 mod session;
 
 pub use host::{HostNic, HostStats};
@@ -88,7 +89,7 @@ impl Daemon {
         }
         let all_here = (0..cfg.hosts.len() as u16).all(|i| indices.contains(&i));
         for h in &mut hosts {
-            h.look_every_turn = !all_here;
+            h.rx_watch.every_turn = !all_here;
         }
         Ok(Daemon {
             poll,
@@ -136,7 +137,7 @@ impl Daemon {
                 for i in 0..self.hosts[k].sent_to.len() {
                     let to = self.hosts[k].sent_to[i] as usize;
                     if let Some(j) = self.served.get(to).copied().flatten() {
-                        self.hosts[j].mark_readable();
+                        self.hosts[j].rx_watch.expect();
                     }
                 }
             }
@@ -150,9 +151,10 @@ impl Daemon {
                 }
                 continue;
             }
-            // Idle. A turn that finds nothing makes no syscall (rings are shared memory), so
-            // spin on turns; ask epoll every 16th idle turn (datagrams from other processes,
-            // attach sockets), give the core away every 8th (ranks may outnumber cores) — when
+            // Idle. A turn that finds nothing makes no syscall (rings are shared memory, and
+            // datagrams between hosts of this process are counted, see `rx_watch`), so spin on
+            // turns; every 16th idle turn look at the sockets and ask epoll (attach sockets,
+            // doorbells), give the core away every 8th (ranks may outnumber cores) — when
             // pinned only to a client waiting on this core, as a rank that computes would keep
             // it until the next tick — and after `spin_us` sleep in epoll.
             idle_turns += 1;

@@ -47,6 +47,22 @@ impl Driver {
         }
     }
 
+    /// Whether received datagrams are buffered in the driver (a batch read ahead).
+    pub fn buffered(&self) -> bool {
+        match self {
+            Driver::Udp(d) => d.buffered(),
+            Driver::Tcp(_) => true,
+        }
+    }
+
+    /// The caller knows the socket is empty without having asked: the next receive is not
+    /// part of a burst.
+    pub fn settled(&mut self) {
+        if let Driver::Udp(d) = self {
+            d.settled();
+        }
+    }
+
     /// Sends what [`Driver::send`] queued (UDP: one sendmmsg per peer; TCP: what the streams take).
     pub fn flush(&mut self) {
         match self {

@@ -254,6 +254,17 @@ impl UdpDriver {
         self.streak >= 2 || self.rx_next < self.rx_count
     }
 
+    /// Whether a batch read ahead still holds datagrams.
+    pub fn buffered(&self) -> bool {
+        self.rx_next < self.rx_count
+    }
+
+    /// The caller knows the socket is empty (it counted what was sent to it): the next
+    /// datagram starts no burst.
+    pub fn settled(&mut self) {
+        self.streak = 0;
+    }
+
     /// The next received datagram, copied into `out`; `None` when nothing is waiting.
     pub fn recv(&mut self, out: &mut [u8]) -> Option<usize> {
         if self.rx_next == self.rx_count {
