@@ -95,9 +95,7 @@ impl Args {
             ),
         }
     }
-}
 
-impl Args {
     /// How many times each job runs (`--rounds`).
     fn rounds(&self) -> u32 {
         self.rounds

@@ -244,12 +244,6 @@ impl HostNic {
 
     // ------------------------------------------------------------------ the turn
 
-    /// The socket may hold datagrams (epoll said so, the daemon woke up, or it is time to look
-    /// for datagrams from other processes).
-    pub fn mark_readable(&mut self) {
-        self.rx_watch.mark();
-    }
-
     /// Registers the UDP socket with epoll, before the daemon sleeps. Registering reports a
     /// socket that already holds datagrams, so nothing that came before is missed.
     pub fn arm(&mut self, registry: &mio::Registry) -> io::Result<()> {

@@ -161,7 +161,7 @@ impl Daemon {
             if idle_turns.is_multiple_of(16) {
                 // Datagrams not sent by this process (none are expected when it runs every
                 // host): look at the sockets now and then.
-                self.hosts.iter_mut().for_each(HostNic::mark_readable);
+                self.hosts.iter_mut().for_each(|h| h.rx_watch.mark());
                 if self.poll_events(Some(Duration::ZERO))? {
                     idle_since = now;
                     continue;
@@ -225,7 +225,7 @@ impl Daemon {
             self.poll_events(Some(Duration::from_nanos(wait)))?;
             for h in &mut self.hosts {
                 h.disarm(self.poll.registry())?;
-                h.mark_readable();
+                h.rx_watch.mark();
             }
         }
         for h in &self.hosts {
@@ -249,7 +249,7 @@ impl Daemon {
         for &t in &tokens {
             let (k, kind) = (t / STRIDE, t % STRIDE);
             match kind {
-                0 => self.hosts[k].mark_readable(),
+                0 => self.hosts[k].rx_watch.mark(),
                 1 => {
                     for slot in self.hosts[k].accept() {
                         let fd = self.hosts[k].sessions[slot]

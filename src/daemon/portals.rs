@@ -533,11 +533,10 @@ impl HostNic {
     /// Prefetches the word an atomic request op will update (a guess; see
     /// [`crate::nic::portals::PortalsNi::prefetch_atomic`]).
     pub(super) fn ptl_prefetch(&mut self, op: &OpRef<'_>) {
-        // Wire kinds 2, 3, 4: atomic, fetch-atomic, swap (`wire::encode_kind`).
         let OpRef::PtlReq { h, m, .. } = op else {
             return;
         };
-        if matches!(m.kind, 2..=4) {
+        if crate::nic::portals::wire::is_atomic_kind(m.kind) {
             if let Ok(s) = self.ni_state(h.job, h.dst_rank, m.ni) {
                 s.ni.prefetch_atomic(m.pt_index, m.remote_offset);
             }

@@ -4,6 +4,7 @@
 //! little-endian fields. The daemon decodes from its private copy and refuses anything short,
 //! long or unknown with a typed error (the client is then disconnected, as for any garbage).
 
+use crate::nic::portals::wire::is_atomic_kind;
 use crate::wire::{get_u16, get_u32, get_u64};
 
 /// Memory as the client names it: a registered region, an offset, a length.
@@ -306,7 +307,7 @@ impl PtlCall {
     /// The target of an encoded atomic, fetch-atomic or swap `Op` call; `None` for anything
     /// else or too short. Unchecked beyond that: a hint, never a decision.
     pub fn atomic_target(b: &[u8]) -> Option<AtomicTarget> {
-        if b.len() < OP_REMOTE_OFFSET_AT + 8 || b[0] != OP_CODE || !(2..=4).contains(&b[2]) {
+        if b.len() < OP_REMOTE_OFFSET_AT + 8 || b[0] != OP_CODE || !is_atomic_kind(b[2]) {
             return None;
         }
         Some(AtomicTarget {

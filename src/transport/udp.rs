@@ -251,7 +251,7 @@ impl UdpDriver {
     /// Outside a burst a caller answers the datagram it got before asking again, so that
     /// the `recv` that finds the socket empty is not on the round trip's path.
     pub fn bursting(&self) -> bool {
-        self.streak >= 2 || self.rx_next < self.rx_count
+        self.streak >= 2 || self.buffered()
     }
 
     /// Whether a batch read ahead still holds datagrams.

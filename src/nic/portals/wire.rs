@@ -22,6 +22,11 @@ pub fn encode_kind(k: ReqKind) -> (u8, u8, u8) {
     }
 }
 
+/// Whether wire code `kind` is an atomic, fetch-atomic or swap (codes 2–4 of [`encode_kind`]).
+pub fn is_atomic_kind(kind: u8) -> bool {
+    matches!(kind, 2..=4)
+}
+
 /// The request kind of a wire header, or `OpViolation` for an unknown op or datatype.
 pub fn decode_kind(m: &PtlHeader) -> Result<ReqKind, NiFail> {
     let atomic = || {
