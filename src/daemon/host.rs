@@ -91,11 +91,6 @@ pub(super) enum Flow {
 
 /// How many ops ahead of the one being served an atomic's target is prefetched.
 const PREFETCH_AHEAD: usize = 8;
-/// How far past the command being run the ring is looked at: eight Portals atomics (a
-/// 72-byte descriptor and a ~111-byte call each, in 192-byte records).
-const LOOK_AHEAD_BYTES: u64 = 8 * 192;
-/// Bytes of a command looked at: the descriptor and the start of a Portals call.
-const LOOK_LEN: usize = crate::shm::control::COMMAND_LEN + 64;
 
 pub struct HostNic {
     pub index: u16,
@@ -409,7 +404,6 @@ impl HostNic {
                     return true;
                 }
             };
-            self.prefetch_ahead(slot);
             let flow = match Command::decode(&buf) {
                 Ok((cmd, inline)) => self.command(id, job, rank, &cmd, inline),
                 Err(e) => {
@@ -434,28 +428,6 @@ impl HostNic {
             }
         }
         did
-    }
-
-    /// Looks at the next few commands after the one being run and prefetches what their
-    /// atomics will update on this host (the memory miss of a local atomic, like that of a
-    /// remote one in [`HostNic::on_body`], then overlaps the commands before it).
-    fn prefetch_ahead(&mut self, slot: usize) {
-        let mut look = [0u8; LOOK_LEN];
-        loop {
-            let Some(Some(s)) = self.sessions.get(slot) else {
-                return;
-            };
-            let Some(a) = s.attached.as_ref() else {
-                return;
-            };
-            let Some(n) = a.control.cmd_look_ahead(LOOK_AHEAD_BYTES, &mut look) else {
-                return;
-            };
-            let job = a.job;
-            if let Some(call) = crate::shm::control::portals_call(&look[..n]) {
-                self.ptl_prefetch_call(job, call);
-            }
-        }
     }
 
     fn command(&mut self, session: u64, job: u32, rank: u32, c: &Command, inline: &[u8]) -> Flow {

@@ -543,19 +543,6 @@ impl HostNic {
         }
     }
 
-    /// Prefetches the word an atomic call of a process of `job` will update if its target is
-    /// on this host (remote targets prefetch at their own host, see [`HostNic::ptl_prefetch`]).
-    pub(super) fn ptl_prefetch_call(&mut self, job: u32, call: &[u8]) {
-        let Some(t) = PtlCall::atomic_target(call) else {
-            return;
-        };
-        if t.host == self.index {
-            if let Ok(s) = self.ni_state(job, t.rank, t.ni) {
-                s.ni.prefetch_atomic(t.pt_index, t.remote_offset);
-            }
-        }
-    }
-
     /// Queues an op for `peer`, in order behind anything already waiting for room.
     /// `lazy`: the op may wait until that deadline for other traffic to share a datagram.
     fn send_owned(&mut self, peer: u16, op: &OpRef<'_>, lazy: Option<u64>) {

@@ -86,13 +86,6 @@ pub struct Command {
     pub operand2: u64,
 }
 
-/// The inline bytes of a Portals command's record body (its encoded call), unchecked: for
-/// a look at a command before [`Command::decode`] checks it.
-pub fn portals_call(body: &[u8]) -> Option<&[u8]> {
-    (body.len() > COMMAND_LEN && body[0] == CommandKind::Portals as u8)
-        .then(|| &body[COMMAND_LEN..])
-}
-
 impl Command {
     pub fn encode(&self, b: &mut [u8]) {
         b[0] = self.kind as u8;
@@ -199,8 +192,6 @@ pub struct Control {
     cmd_tail_seen: Cell<u64>,
     /// The head the daemon last published; it publishes in batches ([`Control::cmd_publish`]).
     cmd_head_published: Cell<u64>,
-    /// The daemon's look-ahead cursor: the first record past the head not yet looked at.
-    cmd_ahead: Cell<u64>,
 }
 
 impl Control {
@@ -253,7 +244,6 @@ impl Control {
             cmd_head_seen: Cell::new(0),
             cmd_tail_seen: Cell::new(0),
             cmd_head_published: Cell::new(0),
-            cmd_ahead: Cell::new(0),
         }
     }
 
@@ -395,28 +385,6 @@ impl Control {
             return Err(ControlError::BadRecord(len as usize));
         }
         Ok((pos, len, tag))
-    }
-
-    /// For prefetching: copies the start of the body of the next command record that lies
-    /// less than `max_ahead` bytes past the head and was not looked at yet into `out`, and
-    /// moves past it; returns the bytes copied (0 for padding), `None` when there is none.
-    /// A malformed record ends the look-ahead: [`Control::cmd_peek`] reports it.
-    pub fn cmd_look_ahead(&self, max_ahead: u64, out: &mut [u8]) -> Option<usize> {
-        let head = self.cmd_head.get();
-        let at = self.cmd_ahead.get().max(head);
-        let tail = self.cmd_tail_seen.get();
-        if at - head >= max_ahead || at >= tail {
-            return None;
-        }
-        let (pos, len, tag) = self.record_at(at, tail - at).ok()?;
-        self.cmd_ahead.set(at + len);
-        if tag != REC_CMD {
-            return Some(0);
-        }
-        let n = out.len().min(len as usize - 8);
-        // SAFETY: the record lies inside the ring (`record_at` checked).
-        unsafe { std::ptr::copy_nonoverlapping(self.ring().add(pos + 8), out.as_mut_ptr(), n) };
-        Some(n)
     }
 
     /// The space is published to the client at once when an eighth of the ring has been
@@ -611,55 +579,6 @@ mod tests {
             Some(u32::MAX - 1),
             "saturates, never wraps to unknown"
         );
-    }
-
-    #[test]
-    fn the_look_ahead_sees_each_command_once_and_stays_near_the_head() {
-        let (d, c) = pair();
-        let cmd = |n: u64| Command {
-            client_req: n,
-            ..Default::default()
-        };
-        for n in 1..=3 {
-            assert!(c.cmd_push(&cmd(n), &[]));
-        }
-        let req = |b: &[u8]| get_u64(b, 16);
-        let mut out = [0u8; COMMAND_LEN];
-        assert_eq!(
-            d.cmd_look_ahead(0, &mut out),
-            None,
-            "nothing within 0 bytes"
-        );
-        // Before the daemon reads the tail it sees nothing ahead: the look-ahead never
-        // reads the client's index itself.
-        assert_eq!(d.cmd_look_ahead(1 << 20, &mut out), None);
-        let mut buf = Vec::new();
-        let len = d.cmd_peek(&mut buf).unwrap().unwrap();
-        assert_eq!(req(&buf), 1);
-        // One record's worth of look-ahead: the head's record only.
-        assert_eq!(d.cmd_look_ahead(len, &mut out), Some(COMMAND_LEN));
-        assert_eq!(req(&out), 1);
-        assert_eq!(d.cmd_look_ahead(len, &mut out), None);
-        d.cmd_advance(len);
-        assert_eq!(d.cmd_look_ahead(1 << 20, &mut out), Some(COMMAND_LEN));
-        assert_eq!(req(&out), 2);
-        assert_eq!(d.cmd_look_ahead(1 << 20, &mut out), Some(COMMAND_LEN));
-        assert_eq!(req(&out), 3);
-        assert_eq!(
-            d.cmd_look_ahead(1 << 20, &mut out),
-            None,
-            "up to the tail seen"
-        );
-        // Consuming catches up with the cursor; it never looks behind the head.
-        for n in 2..=3 {
-            let len = d.cmd_peek(&mut buf).unwrap().unwrap();
-            assert_eq!(req(&buf), n);
-            d.cmd_advance(len);
-        }
-        assert!(c.cmd_push(&cmd(4), &[]));
-        assert_eq!(d.cmd_peek(&mut buf).unwrap().map(|_| req(&buf)), Some(4));
-        assert_eq!(d.cmd_look_ahead(1 << 20, &mut out), Some(COMMAND_LEN));
-        assert_eq!(req(&out), 4);
     }
 
     #[test]

@@ -4,8 +4,7 @@
 //! little-endian fields. The daemon decodes from its private copy and refuses anything short,
 //! long or unknown with a typed error (the client is then disconnected, as for any garbage).
 
-use crate::nic::portals::wire::is_atomic_kind;
-use crate::wire::{get_u16, get_u32, get_u64};
+use crate::wire::{get_u32, get_u64};
 
 /// Memory as the client names it: a registered region, an offset, a length.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -286,39 +285,7 @@ impl<'a> R<'a> {
     }
 }
 
-/// Where an atomic call will land, read without decoding the whole call (for a prefetch).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct AtomicTarget {
-    pub ni: u8,
-    pub host: u16,
-    pub rank: u32,
-    pub pt_index: u32,
-    pub remote_offset: u64,
-}
-
-/// Code of [`PtlCall::Op`] and the offsets of its fixed fields (see `encode`).
-const OP_CODE: u8 = 18;
-const OP_TARGET_RANK_AT: usize = 38;
-const OP_TARGET_HOST_AT: usize = 42;
-const OP_PT_INDEX_AT: usize = 44;
-const OP_REMOTE_OFFSET_AT: usize = 56;
-
 impl PtlCall {
-    /// The target of an encoded atomic, fetch-atomic or swap `Op` call; `None` for anything
-    /// else or too short. Unchecked beyond that: a hint, never a decision.
-    pub fn atomic_target(b: &[u8]) -> Option<AtomicTarget> {
-        if b.len() < OP_REMOTE_OFFSET_AT + 8 || b[0] != OP_CODE || !is_atomic_kind(b[2]) {
-            return None;
-        }
-        Some(AtomicTarget {
-            ni: b[1],
-            rank: get_u32(b, OP_TARGET_RANK_AT),
-            host: get_u16(b, OP_TARGET_HOST_AT),
-            pt_index: get_u32(b, OP_PT_INDEX_AT),
-            remote_offset: get_u64(b, OP_REMOTE_OFFSET_AT),
-        })
-    }
-
     pub fn encode(&self) -> Vec<u8> {
         let mut w = W(Vec::with_capacity(128));
         match self {
@@ -423,7 +390,7 @@ impl PtlCall {
                 &mut w
             }
             PtlCall::Op { ni, op } => {
-                w.u8(OP_CODE)
+                w.u8(18)
                     .u8(*ni)
                     .u8(op.kind)
                     .u8(op.atomic_op)
@@ -549,7 +516,7 @@ impl PtlCall {
                     ranks: (0..n).map(|_| r.u32()).collect::<Result<_, _>>()?,
                 }
             }
-            OP_CODE => {
+            18 => {
                 let mut op = OpArgs {
                     kind: r.u8()?,
                     atomic_op: r.u8()?,
@@ -588,46 +555,6 @@ impl PtlCall {
 mod tests {
     use super::*;
     use proptest::prelude::*;
-
-    #[test]
-    fn an_atomic_target_reads_where_the_call_lands() {
-        let op = OpArgs {
-            kind: 2,
-            target_rank: 0x0102_0304,
-            target_host: 0x0506,
-            pt_index: 7,
-            match_bits: u64::MAX,
-            remote_offset: 0x1122_3344_5566_7788,
-            get_md: Some(9),
-            operand: vec![1; 8],
-            ..Default::default()
-        };
-        let call = |op: &OpArgs| {
-            PtlCall::Op {
-                ni: 3,
-                op: op.clone(),
-            }
-            .encode()
-        };
-        assert_eq!(
-            PtlCall::atomic_target(&call(&op)),
-            Some(AtomicTarget {
-                ni: 3,
-                host: 0x0506,
-                rank: 0x0102_0304,
-                pt_index: 7,
-                remote_offset: 0x1122_3344_5566_7788,
-            })
-        );
-        let put = OpArgs {
-            kind: 0,
-            ..op.clone()
-        };
-        assert_eq!(PtlCall::atomic_target(&call(&put)), None);
-        assert_eq!(PtlCall::atomic_target(&call(&op)[..60]), None);
-        let other = PtlCall::CtFree { ni: 3, ct: 1 }.encode();
-        assert_eq!(PtlCall::atomic_target(&other), None);
-    }
 
     #[test]
     fn calls_round_trip() {
