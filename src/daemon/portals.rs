@@ -314,7 +314,13 @@ impl HostNic {
                         .ni
                         .triggered(ct, threshold, TriggeredAction::Op(spec))
                         .map(|_| 0),
-                    None => self.ptl_start(job, rank, ni, spec).map(|_| 0),
+                    None => match self.ptl_start(job, rank, ni, spec) {
+                        // Started: what it released is run where its counts change
+                        // (`ptl_start`, `ptl_complete`), so the scan below has nothing to
+                        // find. A start that failed may have counted the failure.
+                        Ok(()) => return Ok(0),
+                        Err(e) => Err(e),
+                    },
                 }
             }
         };
