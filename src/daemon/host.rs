@@ -116,6 +116,7 @@ pub struct HostNic {
     pub(super) ptl_asm: crate::nic::portals::wire::Reassembly,
     /// Scratch for the payload of the Portals operation being started.
     pub(super) ptl_payload: Vec<u8>,
+    pub(super) ptl_acks: super::portals::AckBatch,
     rx: Vec<u8>,
     cmd_buf: Vec<u8>,
     uid: u32,
@@ -225,6 +226,7 @@ impl HostNic {
             portals: HashMap::default(),
             ptl_asm: Default::default(),
             ptl_payload: Vec::new(),
+            ptl_acks: Default::default(),
             rx: vec![0; 65_536],
             cmd_buf: Vec::with_capacity(8192),
             uid: rustix::process::geteuid().as_raw(),
@@ -748,11 +750,14 @@ impl HostNic {
                 }
             }
         }
+        self.ptl_flush_acks();
     }
 
     fn on_op(&mut self, now: u64, peer: u16, op: &OpRef<'_>) {
         match op {
-            OpRef::PtlReq { .. } | OpRef::PtlResp { .. } => self.ptl_on_op(now, peer, op),
+            OpRef::PtlReq { .. } | OpRef::PtlResp { .. } | OpRef::PtlAcks { .. } => {
+                self.ptl_on_op(now, peer, op)
+            }
             // Active Messages travel between udp-conduit processes, never to a daemon.
             OpRef::Am { .. } => self.stats.malformed_ops += 1,
             OpRef::Put { .. }

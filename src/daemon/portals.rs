@@ -16,7 +16,7 @@ use crate::shm::event_ring::{CtSlot, EventRing};
 use crate::shm::ptl_call::{status_of, MeArgs, OpArgs, PtlCall};
 use crate::shm::CqEntry;
 use crate::transport::PushError;
-use crate::wire::{OpHeader, OpRef, PtlHeader};
+use crate::wire::{ptl_acks, OpHeader, OpKind, OpRef, PtlHeader, PTL_ACK_LEN};
 
 use super::host::{Flow, HostNic, OutItem};
 
@@ -24,6 +24,15 @@ use super::host::{Flow, HostNic, OutItem};
 const PAYLOAD_KEEP: usize = 64 << 10;
 /// How long a Portals acknowledgement may wait to share a datagram (ns).
 const ACK_LAZY_NS: u64 = 10_000;
+
+/// Acknowledgements in full waiting to leave for one peer as one `PtlAcks` op: sent once
+/// the datagram that asked for them is served, or before anything else goes to that peer.
+#[derive(Default)]
+pub struct AckBatch {
+    peer: u16,
+    job: u32,
+    records: Vec<u8>,
+}
 
 /// What serving a request at its target did.
 struct Delivered {
@@ -491,7 +500,7 @@ impl HostNic {
                 let mut asm = std::mem::take(&mut self.ptl_asm);
                 let got = asm.request(peer, op);
                 self.ptl_asm = asm;
-                let (h, resp, notified) = match got {
+                let (h, resp, notified, in_full) = match got {
                     None => return,
                     Some(Err((h, f))) => (
                         h,
@@ -501,16 +510,30 @@ impl HostNic {
                             ..Default::default()
                         },
                         false,
+                        false,
                     ),
                     Some(Ok(whole)) => {
-                        let h = whole.parts().0;
+                        let (h, m, ..) = whole.parts();
                         let d = self.ptl_deliver(peer, &whole);
                         if d.fired {
-                            self.ptl_run_fired(h.job, h.dst_rank, whole.parts().1.ni);
+                            self.ptl_run_fired(h.job, h.dst_rank, m.ni);
                         }
-                        (h, d.resp, d.notified)
+                        let r = &d.resp;
+                        let in_full = r.ni_fail == NiFail::Ok
+                            && r.ack
+                            && r.data.is_empty()
+                            && r.mlength == m.rlength
+                            && r.offset == m.remote_offset;
+                        (h, d.resp, d.notified, in_full)
                     }
                 };
+                // What the initiator knows already needs only the request's name, batched
+                // with the other acknowledgements this datagram asks for. An answer the
+                // target process will give (a notified delivery) is left to carry it lazily.
+                if in_full && !notified {
+                    self.ptl_ack(peer, h.job, h.src_rank, h.req);
+                    return;
+                }
                 let back = OpHeader {
                     job: h.job,
                     src_rank: h.dst_rank,
@@ -532,6 +555,18 @@ impl HostNic {
                     self.ptl_complete(h.job, h.dst_rank, (req >> 32) as u8, req as u32, &resp);
                 }
             }
+            OpRef::PtlAcks { h, acks } => {
+                for (rank, req) in ptl_acks(acks) {
+                    let (ni, id) = ((req >> 32) as u8, req as u32);
+                    let fired = self.ni_state(h.job, rank, ni).is_ok_and(|s| {
+                        s.ni.complete_in_full(id, peer as u32);
+                        s.ni.has_fired()
+                    });
+                    if fired {
+                        self.ptl_run_fired(h.job, rank, ni);
+                    }
+                }
+            }
             _ => {}
         }
     }
@@ -549,9 +584,55 @@ impl HostNic {
         }
     }
 
-    /// Queues an op for `peer`, in order behind anything already waiting for room.
-    /// `lazy`: the op may wait until that deadline for other traffic to share a datagram.
+    /// Batches an acknowledgement in full of request `req` of (job, rank) for `peer`.
+    fn ptl_ack(&mut self, peer: u16, job: u32, rank: u32, req: u64) {
+        let room = OpRef::max_data(OpKind::PtlAcks, self.transport.body_capacity());
+        let b = &self.ptl_acks;
+        if !b.records.is_empty()
+            && (b.peer != peer || b.job != job || b.records.len() + PTL_ACK_LEN > room)
+        {
+            self.ptl_flush_acks();
+        }
+        let b = &mut self.ptl_acks;
+        b.peer = peer;
+        b.job = job;
+        b.records.extend_from_slice(&rank.to_le_bytes());
+        b.records.extend_from_slice(&req.to_le_bytes());
+    }
+
+    /// Sends the batched acknowledgements.
+    pub(super) fn ptl_flush_acks(&mut self) {
+        if self.ptl_acks.records.is_empty() {
+            return;
+        }
+        let mut b = std::mem::take(&mut self.ptl_acks);
+        let h = OpHeader {
+            job: b.job,
+            ..Default::default()
+        };
+        self.push_owned(
+            b.peer,
+            &OpRef::PtlAcks {
+                h,
+                acks: &b.records,
+            },
+            None,
+        );
+        b.records.clear();
+        self.ptl_acks.records = b.records;
+    }
+
+    /// Queues an op for `peer`, in order behind anything already waiting for room (batched
+    /// acknowledgements included). `lazy`: the op may wait until that deadline for other
+    /// traffic to share a datagram.
     fn send_owned(&mut self, peer: u16, op: &OpRef<'_>, lazy: Option<u64>) {
+        if self.ptl_acks.peer == peer {
+            self.ptl_flush_acks();
+        }
+        self.push_owned(peer, op, lazy);
+    }
+
+    fn push_owned(&mut self, peer: u16, op: &OpRef<'_>, lazy: Option<u64>) {
         if self.out[peer as usize].is_empty() {
             let pushed = match lazy {
                 Some(d) => self.transport.push_op_lazy_until(peer, op, d),

@@ -10,7 +10,7 @@
 use super::{get_u16, get_u32, get_u64, WireError};
 
 pub const MAGIC: u16 = 0x4e53; // "SN"
-pub const VERSION: u8 = 1;
+pub const VERSION: u8 = 2;
 pub const HEADER_LEN: usize = 44;
 pub const TAG_LEN: usize = 16;
 

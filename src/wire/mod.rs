@@ -7,7 +7,9 @@ mod datagram;
 mod op;
 
 pub use datagram::{DatagramHeader, Key, HEADER_LEN, MAGIC, TAG_LEN, VERSION};
-pub use op::{AmoOp, OpHeader, OpIter, OpKind, OpRef, PtlHeader, Status, OP_HEADER_LEN};
+pub use op::{
+    ptl_acks, AmoOp, OpHeader, OpIter, OpKind, OpRef, PtlHeader, Status, OP_HEADER_LEN, PTL_ACK_LEN,
+};
 
 /// Why a datagram or op was rejected.
 #[derive(Debug, thiserror::Error, PartialEq, Eq, Clone, Copy)]

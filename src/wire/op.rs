@@ -27,6 +27,7 @@ pub enum OpKind {
     PtlResp = 9,
     /// An Active Message of the GASNet layer (opaque here: it encodes its own header).
     Am = 10,
+    PtlAcks = 11,
 }
 
 impl OpKind {
@@ -42,6 +43,7 @@ impl OpKind {
             8 => Self::PtlReq,
             9 => Self::PtlResp,
             10 => Self::Am,
+            11 => Self::PtlAcks,
             _ => return Err(WireError::UnknownOp(v)),
         })
     }
@@ -58,6 +60,7 @@ impl OpKind {
             Self::PtlReq => 48,
             Self::PtlResp => 32,
             Self::Am => 0,
+            Self::PtlAcks => 0,
         }
     }
 }
@@ -234,6 +237,23 @@ pub enum OpRef<'a> {
         h: OpHeader,
         data: &'a [u8],
     },
+    /// Portals requests of job `h.job` acknowledged in full, several in one op: each
+    /// [`PTL_ACK_LEN`]-byte record is `initiator rank u32 | req u64`. In full: no failure,
+    /// the whole requested length matched at the requested offset, no data — what the
+    /// initiator already knows, so only the request's name travels.
+    PtlAcks {
+        h: OpHeader,
+        acks: &'a [u8],
+    },
+}
+
+/// Bytes of one record of [`OpRef::PtlAcks`].
+pub const PTL_ACK_LEN: usize = 12;
+
+/// The records of an [`OpRef::PtlAcks`]: (initiator rank, req).
+pub fn ptl_acks(acks: &[u8]) -> impl Iterator<Item = (u32, u64)> + '_ {
+    acks.chunks_exact(PTL_ACK_LEN)
+        .map(|r| (get_u32(r, 0), get_u64(r, 4)))
 }
 
 /// The Portals message header carried by every [`OpRef::PtlReq`] fragment.
@@ -265,6 +285,7 @@ impl<'a> OpRef<'a> {
             | OpRef::AmoScatter { h, .. }
             | OpRef::PtlReq { h, .. }
             | OpRef::PtlResp { h, .. }
+            | OpRef::PtlAcks { h, .. }
             | OpRef::Am { h, .. } => h,
         }
     }
@@ -281,6 +302,7 @@ impl<'a> OpRef<'a> {
             OpRef::PtlReq { .. } => OpKind::PtlReq,
             OpRef::PtlResp { .. } => OpKind::PtlResp,
             OpRef::Am { .. } => OpKind::Am,
+            OpRef::PtlAcks { .. } => OpKind::PtlAcks,
         }
     }
 
@@ -295,6 +317,7 @@ impl<'a> OpRef<'a> {
     fn data(&self) -> &'a [u8] {
         match self {
             OpRef::PtlResp { data, .. } | OpRef::Am { data, .. } => data,
+            OpRef::PtlAcks { acks, .. } => acks,
             OpRef::Put { data, .. } | OpRef::GetReply { data, .. } => data,
             OpRef::AmoScatter { pairs, .. } => pairs,
             _ => &[],
@@ -426,6 +449,7 @@ impl<'a> OpRef<'a> {
                 f[48 + operand.len()..].copy_from_slice(data);
             }
             OpRef::Am { data, .. } => f.copy_from_slice(data),
+            OpRef::PtlAcks { acks, .. } => f.copy_from_slice(acks),
             OpRef::PtlResp {
                 ni_fail,
                 ack,
@@ -473,6 +497,7 @@ impl<'a> OpRef<'a> {
                 | OpKind::AmoScatter
                 | OpKind::PtlReq
                 | OpKind::PtlResp
+                | OpKind::PtlAcks
                 | OpKind::Am
         );
         if !has_data && !data.is_empty() {
@@ -562,6 +587,12 @@ impl<'a> OpRef<'a> {
                 }
             }
             OpKind::Am => OpRef::Am { h, data },
+            OpKind::PtlAcks => {
+                if !data.len().is_multiple_of(PTL_ACK_LEN) {
+                    return Err(WireError::BadField("Portals acks: partial record"));
+                }
+                OpRef::PtlAcks { h, acks: data }
+            }
             OpKind::PtlResp => OpRef::PtlResp {
                 h,
                 ni_fail: f[0],
@@ -700,7 +731,43 @@ mod tests {
                 data,
             },
             OpRef::Am { h, data },
+            OpRef::PtlAcks {
+                h,
+                acks: &[3; 2 * PTL_ACK_LEN],
+            },
         ]
+    }
+
+    #[test]
+    fn portals_acks_are_whole_records() {
+        let h = OpHeader {
+            job: 1,
+            ..Default::default()
+        };
+        let mut acks = Vec::new();
+        for (rank, req) in [(2u32, 7u64 | 1 << 32), (5, 9)] {
+            acks.extend_from_slice(&rank.to_le_bytes());
+            acks.extend_from_slice(&req.to_le_bytes());
+        }
+        let op = OpRef::PtlAcks { h, acks: &acks };
+        let mut buf = vec![0u8; op.encoded_len()];
+        op.encode(&mut buf);
+        let (back, _) = OpRef::decode(&buf).unwrap();
+        let OpRef::PtlAcks { acks: got, .. } = back else {
+            panic!("{back:?}");
+        };
+        assert_eq!(
+            ptl_acks(got).collect::<Vec<_>>(),
+            [(2, 7 | 1 << 32), (5, 9)]
+        );
+        // A record cut short is refused, not read past or rounded down.
+        let short = OpRef::PtlAcks {
+            h,
+            acks: &acks[..PTL_ACK_LEN + 5],
+        };
+        let mut buf = vec![0u8; short.encoded_len()];
+        short.encode(&mut buf);
+        assert!(matches!(OpRef::decode(&buf), Err(WireError::BadField(_))));
     }
 
     #[test]

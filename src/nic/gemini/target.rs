@@ -195,6 +195,7 @@ pub fn serve(eps: &Endpoints, op: &OpRef<'_>) -> TargetAction {
         | OpRef::AmoReply { .. }
         | OpRef::PtlReq { .. }
         | OpRef::PtlResp { .. }
+        | OpRef::PtlAcks { .. }
         | OpRef::Am { .. } => TargetAction::None,
     }
 }

@@ -330,6 +330,27 @@ impl PortalsNi {
         }
     }
 
+    /// Completes operation `id` as acknowledged in full by host `from` (a record of a
+    /// `PtlAcks` op): with the response its target would have sent, rebuilt from what was
+    /// asked — no failure, the whole length matched at the requested offset. An id that is
+    /// unknown or aimed at another host is ignored.
+    pub fn complete_in_full(&mut self, id: u32, from: u32) {
+        let Some(o) = self.outgoing.get(id) else {
+            return;
+        };
+        if !matches!(o.spec.target, ProcessId::Physical { nid, .. } if nid == from) {
+            return;
+        }
+        let resp = Response {
+            ni_fail: NiFail::Ok,
+            ack: true,
+            mlength: o.spec.length,
+            offset: o.spec.remote_offset,
+            data: Vec::new(),
+        };
+        self.complete(id, &resp);
+    }
+
     /// Operations in flight.
     pub fn outgoing_len(&self) -> usize {
         self.outgoing.live
