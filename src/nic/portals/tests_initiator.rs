@@ -539,3 +539,68 @@ fn memory_that_is_gone_fails_as_a_segmentation_violation() {
     assert_eq!((e.kind, e.ni_fail), (EventKind::Reply, NiFail::Segv));
     assert_eq!(p.a.ct_get(p.a_ct).unwrap().failure, 2);
 }
+
+#[test]
+fn an_ack_in_full_completes_as_the_targets_response_would() {
+    // The same atomic twice: completed with the target's own response, and in full (the
+    // batched acknowledgement) — same events, same count; a host that was not asked is ignored.
+    let mut outcomes = Vec::new();
+    for in_full in [false, true] {
+        let tr = region(64);
+        let mut p = pair(&tr, 0);
+        let src = region(8);
+        src.write(0, &5u64.to_le_bytes()).unwrap();
+        let m =
+            p.a.md_bind(
+                src,
+                vec![(0, 8)],
+                md::EVENT_CT_ACK,
+                Some(p.a_eq),
+                Some(p.a_ct),
+            )
+            .unwrap();
+        let s = OpSpec {
+            target: ProcessId::Physical { nid: 3, pid: 1 },
+            remote_offset: 16,
+            ..spec(
+                ReqKind::Atomic(AtomicOp::Bxor, Datatype::Uint64),
+                m,
+                8,
+                AckReq::Ack,
+            )
+        };
+        let mut payload = Vec::new();
+        let id = p.a.start(s.clone(), &mut payload).unwrap();
+        let resp = p.b.deliver(&Request {
+            kind: s.kind,
+            initiator: rank(0),
+            uid: 0,
+            pt_index: 0,
+            match_bits: 0,
+            remote_offset: 16,
+            rlength: 8,
+            hdr_data: 5,
+            data: &payload,
+            operand: &[],
+        });
+        assert_eq!((resp.mlength, resp.offset), (8, 16), "served in full");
+        if in_full {
+            p.a.complete_in_full(id, 2);
+            assert_eq!(p.a.outgoing_len(), 1, "another host's ack is ignored");
+            p.a.complete_in_full(id, 3);
+        } else {
+            p.a.complete(id, &resp);
+        }
+        assert_eq!(p.a.outgoing_len(), 0);
+        let mut events = Vec::new();
+        while let Ok((e, _)) = p.a.eq_get(p.a_eq) {
+            events.push((e.kind, e.mlength, e.remote_offset, e.ni_fail));
+        }
+        outcomes.push((events, p.a.ct_get(p.a_ct).unwrap()));
+    }
+    assert_eq!(
+        outcomes[0].0.last(),
+        Some(&(EventKind::Ack, 8, 16, NiFail::Ok))
+    );
+    assert_eq!(outcomes[0], outcomes[1]);
+}
