@@ -288,10 +288,15 @@ impl Portals {
         let phys = match (info.logical, id) {
             (true, ProcessId::Logical { rank }) => match &info.map {
                 Some(m) => *m.get(rank as usize).ok_or(PtlError::ArgInvalid)?,
-                None => *self
-                    .job_map()
-                    .get(rank as usize)
-                    .ok_or(PtlError::ArgInvalid)?,
+                // The job's placement, read in place: an operation builds no map.
+                None => {
+                    let host = self.nic.job().rank_hosts.get(rank as usize);
+                    let host = *host.ok_or(PtlError::ArgInvalid)?;
+                    ProcessId::Physical {
+                        nid: host as u32,
+                        pid: rank,
+                    }
+                }
             },
             (false, p @ ProcessId::Physical { .. }) => p,
             _ => return Err(PtlError::ArgInvalid),
