@@ -120,6 +120,8 @@ type WaitOn<'a> = (NiHandle, &'a [u32], &'a [u32], &'a [u64]);
 pub struct Portals {
     nic: Nic,
     nis: Vec<Option<NiInfo>>,
+    /// Where calls are encoded (kept: an operation allocates nothing).
+    scratch: Vec<u8>,
 }
 
 impl Portals {
@@ -132,6 +134,7 @@ impl Portals {
         Portals {
             nic,
             nis: (0..crate::daemon::PORTALS_MAX_NIS).map(|_| None).collect(),
+            scratch: Vec::with_capacity(256),
         }
     }
 
@@ -149,22 +152,22 @@ impl Portals {
     }
 
     fn call(&mut self, c: &PtlCall) -> Result<u64, PortalsError> {
-        let b = c.encode();
+        c.encode_into(&mut self.scratch);
         let cmd = Command {
-            len: b.len() as u64,
+            len: self.scratch.len() as u64,
             ..self.cmd()
         };
-        let (status, value) = self.nic.call_raw(cmd, &b)?;
+        let (status, value) = self.nic.call_raw(cmd, &self.scratch)?;
         Ok(result_of(status, value)?)
     }
 
     fn oneway(&mut self, c: &PtlCall) -> Result<(), PortalsError> {
-        let b = c.encode();
+        c.encode_into(&mut self.scratch);
         let cmd = Command {
-            len: b.len() as u64,
+            len: self.scratch.len() as u64,
             ..self.cmd()
         };
-        Ok(self.nic.post_oneway(cmd, &b)?)
+        Ok(self.nic.post_oneway(cmd, &self.scratch)?)
     }
 
     fn info(&self, ni: NiHandle) -> Result<&NiInfo, PtlError> {

@@ -287,7 +287,15 @@ impl<'a> R<'a> {
 
 impl PtlCall {
     pub fn encode(&self) -> Vec<u8> {
-        let mut w = W(Vec::with_capacity(128));
+        let mut b = Vec::with_capacity(128);
+        self.encode_into(&mut b);
+        b
+    }
+
+    /// Encodes into `out`, replacing what it held (a caller's buffer, reused call after call).
+    pub fn encode_into(&self, out: &mut Vec<u8>) {
+        out.clear();
+        let mut w = W(std::mem::take(out));
         match self {
             PtlCall::NiInit { ni, matching } => w.u8(1).u8(*ni).u8(*matching as u8),
             PtlCall::EqAlloc { ni, count, ring } => w.u8(2).u8(*ni).u32(*count).buf(ring),
@@ -412,7 +420,7 @@ impl PtlCall {
                 &mut w
             }
         };
-        w.0
+        *out = w.0;
     }
 
     pub fn decode(b: &[u8]) -> Result<PtlCall, BadCall> {
