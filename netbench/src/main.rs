@@ -76,7 +76,7 @@ struct Args {
     ra_ranks: Vec<u32>,
     /// Runs every job this many times, interleaved (A B A B …), and reports each row's median
     /// over the rounds, so that a slow spell of a shared machine moves one round, not the
-    /// result (default: 3 for `compare`, else 1).
+    /// result (default: 5 for `compare`, else 1).
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
     rounds: Option<u32>,
     /// Where the JSON lines (`<bench>.jsonl`) and the figures (SVG and PNG) go.
@@ -99,7 +99,7 @@ impl Args {
     /// How many times each job runs (`--rounds`).
     fn rounds(&self) -> u32 {
         self.rounds
-            .unwrap_or(if self.bench == Bench::Compare { 3 } else { 1 })
+            .unwrap_or(if self.bench == Bench::Compare { 5 } else { 1 })
     }
 
     /// Whether the RandomAccess variant `name` was asked for.
