@@ -264,7 +264,7 @@ mod tests {
                 .unwrap()
                 .rounds()
         };
-        assert_eq!(rounds("netbench compare"), 3);
+        assert_eq!(rounds("netbench compare"), 5);
         assert_eq!(rounds("netbench compare --rounds 1"), 1);
         assert_eq!(rounds("netbench pingpong"), 1);
         assert!(Args::try_parse_from(["netbench", "compare", "--rounds", "0"]).is_err());
