@@ -468,8 +468,20 @@ impl HostNic {
     }
 
     fn ptl_complete(&mut self, job: u32, rank: u32, ni: u8, id: u32, resp: &Response) {
+        self.ptl_complete_with(job, rank, ni, |n| n.complete(id, resp));
+    }
+
+    /// Completes an operation of (job, rank)'s interface `ni` with `complete`, then starts
+    /// what its counting events released.
+    fn ptl_complete_with(
+        &mut self,
+        job: u32,
+        rank: u32,
+        ni: u8,
+        complete: impl FnOnce(&mut PortalsNi),
+    ) {
         let fired = self.ni_state(job, rank, ni).is_ok_and(|s| {
-            s.ni.complete(id, resp);
+            complete(&mut s.ni);
             s.ni.has_fired()
         });
         if fired {
@@ -518,12 +530,7 @@ impl HostNic {
                         if d.fired {
                             self.ptl_run_fired(h.job, h.dst_rank, m.ni);
                         }
-                        let r = &d.resp;
-                        let in_full = r.ni_fail == NiFail::Ok
-                            && r.ack
-                            && r.data.is_empty()
-                            && r.mlength == m.rlength
-                            && r.offset == m.remote_offset;
+                        let in_full = d.resp == Response::in_full(m.rlength, m.remote_offset);
                         (h, d.resp, d.notified, in_full)
                     }
                 };
@@ -558,13 +565,9 @@ impl HostNic {
             OpRef::PtlAcks { h, acks } => {
                 for (rank, req) in ptl_acks(acks) {
                     let (ni, id) = ((req >> 32) as u8, req as u32);
-                    let fired = self.ni_state(h.job, rank, ni).is_ok_and(|s| {
-                        s.ni.complete_in_full(id, peer as u32);
-                        s.ni.has_fired()
+                    self.ptl_complete_with(h.job, rank, ni, |n| {
+                        n.complete_in_full(id, peer as u32)
                     });
-                    if fired {
-                        self.ptl_run_fired(h.job, rank, ni);
-                    }
                 }
             }
             _ => {}
@@ -605,21 +608,15 @@ impl HostNic {
         if self.ptl_acks.records.is_empty() {
             return;
         }
-        let mut b = std::mem::take(&mut self.ptl_acks);
+        let mut records = std::mem::take(&mut self.ptl_acks.records);
         let h = OpHeader {
-            job: b.job,
+            job: self.ptl_acks.job,
             ..Default::default()
         };
-        self.push_owned(
-            b.peer,
-            &OpRef::PtlAcks {
-                h,
-                acks: &b.records,
-            },
-            None,
-        );
-        b.records.clear();
-        self.ptl_acks.records = b.records;
+        let acks = OpRef::PtlAcks { h, acks: &records };
+        self.push_owned(self.ptl_acks.peer, &acks, None);
+        records.clear();
+        self.ptl_acks.records = records;
     }
 
     /// Queues an op for `peer`, in order behind anything already waiting for room (batched

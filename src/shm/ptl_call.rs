@@ -286,12 +286,6 @@ impl<'a> R<'a> {
 }
 
 impl PtlCall {
-    pub fn encode(&self) -> Vec<u8> {
-        let mut b = Vec::with_capacity(128);
-        self.encode_into(&mut b);
-        b
-    }
-
     /// Encodes into `out`, replacing what it held (a caller's buffer, reused call after call).
     pub fn encode_into(&self, out: &mut Vec<u8>) {
         out.clear();
@@ -653,7 +647,9 @@ mod tests {
             },
             PtlCall::Op { ni: 0, op },
         ] {
-            assert_eq!(PtlCall::decode(&c.encode()), Ok(c));
+            let mut b = Vec::new();
+            c.encode_into(&mut b);
+            assert_eq!(PtlCall::decode(&b), Ok(c));
         }
     }
 

@@ -331,9 +331,8 @@ impl PortalsNi {
     }
 
     /// Completes operation `id` as acknowledged in full by host `from` (a record of a
-    /// `PtlAcks` op): with the response its target would have sent, rebuilt from what was
-    /// asked — no failure, the whole length matched at the requested offset. An id that is
-    /// unknown or aimed at another host is ignored.
+    /// `PtlAcks` op): with [`Response::in_full`] of what was asked. An id that is unknown or
+    /// aimed at another host is ignored.
     pub fn complete_in_full(&mut self, id: u32, from: u32) {
         let Some(o) = self.outgoing.get(id) else {
             return;
@@ -341,13 +340,7 @@ impl PortalsNi {
         if !matches!(o.spec.target, ProcessId::Physical { nid, .. } if nid == from) {
             return;
         }
-        let resp = Response {
-            ni_fail: NiFail::Ok,
-            ack: true,
-            mlength: o.spec.length,
-            offset: o.spec.remote_offset,
-            data: Vec::new(),
-        };
+        let resp = Response::in_full(o.spec.length, o.spec.remote_offset);
         self.complete(id, &resp);
     }
 

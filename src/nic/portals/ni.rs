@@ -51,6 +51,19 @@ pub struct Response {
 }
 
 impl Response {
+    /// The response to a request served in full: no failure, the whole `rlength` matched at
+    /// the requested `remote_offset`, no data. What the initiator can rebuild from its own
+    /// request, so a target may send only the request's name (`PtlAcks`).
+    pub fn in_full(rlength: u64, remote_offset: u64) -> Response {
+        Response {
+            ni_fail: NiFail::Ok,
+            mlength: rlength,
+            offset: remote_offset,
+            ack: true,
+            data: Vec::new(),
+        }
+    }
+
     fn fail(f: NiFail) -> Response {
         Response {
             ni_fail: f,

@@ -73,8 +73,23 @@ fn spec(kind: ReqKind, md: u32, length: u64, ack_req: AckReq) -> OpSpec {
 }
 
 impl Pair {
+    /// Binds one piece `[0, len)` of `r` at the initiator, with its EQ and CT.
+    fn bind(&mut self, r: Region, len: u64, options: u32) -> u32 {
+        self.a
+            .md_bind(r, vec![(0, len)], options, Some(self.a_eq), Some(self.a_ct))
+            .unwrap()
+    }
+
     /// Starts `s` at the initiator, delivers it at the target, completes it at the initiator.
     fn run(&mut self, s: OpSpec) -> Response {
+        let (id, resp) = self.serve(&s);
+        self.a.complete(id, &resp);
+        resp
+    }
+
+    /// Starts `s` at the initiator and delivers it at the target: the operation's id and the
+    /// target's response, not yet completed.
+    fn serve(&mut self, s: &OpSpec) -> (u32, Response) {
         let mut payload = Vec::new();
         let id = self.a.start(s.clone(), &mut payload).unwrap();
         let req = Request {
@@ -89,9 +104,7 @@ impl Pair {
             data: &payload,
             operand: &s.operand,
         };
-        let resp = self.b.deliver(&req);
-        self.a.complete(id, &resp);
-        resp
+        (id, self.b.deliver(&req))
     }
 
     fn a_kinds(&mut self) -> Vec<EventKind> {
@@ -115,15 +128,7 @@ fn put_event_sequences_for_every_ack_request() {
         let mut p = pair(&tr, 0);
         let src = region(16);
         src.write(0, b"sixteen bytes!!!").unwrap();
-        let m =
-            p.a.md_bind(
-                src,
-                vec![(0, 16)],
-                md::EVENT_CT_ACK,
-                Some(p.a_eq),
-                Some(p.a_ct),
-            )
-            .unwrap();
+        let m = p.bind(src, 16, md::EVENT_CT_ACK);
         p.run(spec(ReqKind::Put, m, 16, ack));
         assert_eq!(tr.bytes(0, 16), b"sixteen bytes!!!");
         assert_eq!(p.a_kinds(), want_events, "{ack:?}");
@@ -135,15 +140,7 @@ fn put_event_sequences_for_every_ack_request() {
 fn ack_disabled_at_the_target_means_no_ack() {
     let tr = region(64);
     let mut p = pair(&tr, me::ACK_DISABLE);
-    let m =
-        p.a.md_bind(
-            region(8),
-            vec![(0, 8)],
-            md::EVENT_CT_ACK,
-            Some(p.a_eq),
-            Some(p.a_ct),
-        )
-        .unwrap();
+    let m = p.bind(region(8), 8, md::EVENT_CT_ACK);
     p.run(spec(ReqKind::Put, m, 8, AckReq::Ack));
     assert_eq!(p.a_kinds(), [EventKind::Send]);
     assert_eq!(p.a.ct_get(p.a_ct).unwrap().success, 0);
@@ -177,15 +174,7 @@ fn get_replies_scatter_into_an_iovec_md() {
 fn failures_reach_the_initiator_event_and_failure_count() {
     let tr = region(64);
     let mut p = pair(&tr, 0);
-    let m =
-        p.a.md_bind(
-            region(8),
-            vec![(0, 8)],
-            md::EVENT_CT_REPLY | md::EVENT_SUCCESS_DISABLE,
-            Some(p.a_eq),
-            Some(p.a_ct),
-        )
-        .unwrap();
+    let m = p.bind(region(8), 8, md::EVENT_CT_REPLY | md::EVENT_SUCCESS_DISABLE);
     let mut s = spec(ReqKind::Get, m, 8, AckReq::NoAck);
     s.pt_index = 9; // not allocated at the target
     assert_eq!(p.run(s).ni_fail, NiFail::Dropped);
@@ -514,15 +503,7 @@ fn memory_that_is_gone_fails_as_a_segmentation_violation() {
     let tr = region(64);
     let mut p = pair(&tr, 0);
     let gone = Region::new(std::sync::Arc::new(Gone), Perms(0));
-    let m =
-        p.a.md_bind(
-            gone,
-            vec![(0, 64)],
-            md::EVENT_CT_ACK | md::EVENT_CT_REPLY,
-            Some(p.a_eq),
-            Some(p.a_ct),
-        )
-        .unwrap();
+    let m = p.bind(gone, 64, md::EVENT_CT_ACK | md::EVENT_CT_REPLY);
     // A put whose source cannot be read starts nothing and reports where its ACK would.
     assert_eq!(
         p.a.start(spec(ReqKind::Put, m, 8, AckReq::Ack), &mut Vec::new())
@@ -550,15 +531,7 @@ fn an_ack_in_full_completes_as_the_targets_response_would() {
         let mut p = pair(&tr, 0);
         let src = region(8);
         src.write(0, &5u64.to_le_bytes()).unwrap();
-        let m =
-            p.a.md_bind(
-                src,
-                vec![(0, 8)],
-                md::EVENT_CT_ACK,
-                Some(p.a_eq),
-                Some(p.a_ct),
-            )
-            .unwrap();
+        let m = p.bind(src, 8, md::EVENT_CT_ACK);
         let s = OpSpec {
             target: ProcessId::Physical { nid: 3, pid: 1 },
             remote_offset: 16,
@@ -569,20 +542,7 @@ fn an_ack_in_full_completes_as_the_targets_response_would() {
                 AckReq::Ack,
             )
         };
-        let mut payload = Vec::new();
-        let id = p.a.start(s.clone(), &mut payload).unwrap();
-        let resp = p.b.deliver(&Request {
-            kind: s.kind,
-            initiator: rank(0),
-            uid: 0,
-            pt_index: 0,
-            match_bits: 0,
-            remote_offset: 16,
-            rlength: 8,
-            hdr_data: 5,
-            data: &payload,
-            operand: &[],
-        });
+        let (id, resp) = p.serve(&s);
         assert_eq!((resp.mlength, resp.offset), (8, 16), "served in full");
         if in_full {
             p.a.complete_in_full(id, 2);

@@ -361,7 +361,7 @@ impl PortalsConduit {
     /// be waiting for our replies, or for room in our ReqRB). No handler runs here.
     fn wait_step(&mut self) -> Result<(), GasnetError> {
         if !self.poll_safe()? && !self.drain_am()? && !self.drain_raram()? {
-            self.p.nic().client().yield_now();
+            Conduit::yield_now(self);
         }
         Ok(())
     }
