@@ -16,7 +16,7 @@ use crate::shm::event_ring::{CtSlot, EventRing};
 use crate::shm::ptl_call::{status_of, MeArgs, OpArgs, PtlCall};
 use crate::shm::CqEntry;
 use crate::transport::PushError;
-use crate::wire::{ptl_acks, OpHeader, OpKind, OpRef, PtlHeader, PTL_ACK_LEN};
+use crate::wire::{get_u32, get_u64, ptl_acks, OpHeader, OpKind, OpRef, PtlHeader, PTL_ACK_LEN};
 
 use super::host::{Flow, HostNic, OutItem};
 
@@ -25,7 +25,8 @@ const PAYLOAD_KEEP: usize = 64 << 10;
 /// How long a Portals acknowledgement may wait to share a datagram (ns).
 const ACK_LAZY_NS: u64 = 10_000;
 
-/// Acknowledgements in full waiting to leave for one peer as one `PtlAcks` op: sent once
+/// Acknowledgements in full waiting to leave for one peer as one `PtlAcks` op (as records:
+/// the first goes into the op's header when it leaves): sent once
 /// the datagram that asked for them is served, or before anything else goes to that peer.
 #[derive(Default)]
 pub struct AckBatch {
@@ -55,6 +56,11 @@ pub struct NiState {
     logical_of: Option<HashMap<u32, u32>>,
     eq_rings: HashMap<u32, EventRing>,
     ct_slots: HashMap<u32, CtSlot>,
+    /// The engine's notice count when its events and counts were last mirrored, and whether
+    /// a ring then still held events (whose consumption frees room the engine must learn
+    /// of): with neither changed, a turn has nothing to move for this interface.
+    mirrored: u64,
+    backlog: bool,
 }
 
 #[derive(Default)]
@@ -71,6 +77,7 @@ impl HostNic {
     }
 
     fn ni_state(&mut self, job: u32, rank: u32, ni: u8) -> Result<&mut NiState, PtlError> {
+        self.ptl_dirty = true;
         self.portals
             .get_mut(&(job, rank))
             .and_then(|p| p.nis.get_mut((ni & 0x7f) as usize))
@@ -143,6 +150,8 @@ impl HostNic {
                         logical_of: None,
                         eq_rings: HashMap::default(),
                         ct_slots: HashMap::default(),
+                        mirrored: u64::MAX,
+                        backlog: false,
                     });
                 }
                 return Ok(0);
@@ -563,7 +572,7 @@ impl HostNic {
                 }
             }
             OpRef::PtlAcks { h, acks } => {
-                for (rank, req) in ptl_acks(acks) {
+                for (rank, req) in ptl_acks(h, acks) {
                     let (ni, id) = ((req >> 32) as u8, req as u32);
                     self.ptl_complete_with(h.job, rank, ni, |n| {
                         n.complete_in_full(id, peer as u32)
@@ -609,11 +618,15 @@ impl HostNic {
             return;
         }
         let mut records = std::mem::take(&mut self.ptl_acks.records);
+        // The first acknowledgement rides in the op header.
+        let (first, rest) = records.split_at(PTL_ACK_LEN);
         let h = OpHeader {
             job: self.ptl_acks.job,
+            dst_rank: get_u32(first, 0),
+            req: get_u64(first, 4),
             ..Default::default()
         };
-        let acks = OpRef::PtlAcks { h, acks: &records };
+        let acks = OpRef::PtlAcks { h, acks: rest };
         self.push_owned(self.ptl_acks.peer, &acks, None);
         records.clear();
         self.ptl_acks.records = records;
@@ -648,6 +661,7 @@ impl HostNic {
 
     /// Fails every Portals operation aimed at a dead (or restarted) host.
     pub(super) fn ptl_peer_dead(&mut self, host: u16) {
+        self.ptl_dirty = true;
         for p in self.portals.values_mut() {
             for s in p.nis.iter_mut().flatten() {
                 s.ni.fail_outgoing(|spec| matches!(spec.target, ProcessId::Physical { nid, .. } if nid == host as u32), NiFail::Undeliverable);
@@ -658,12 +672,20 @@ impl HostNic {
     /// Moves events into the processes' event rings and counts into their slots; wakes
     /// sleeping processes that got something. Returns whether anything moved.
     pub(super) fn ptl_mirror(&mut self) -> bool {
+        if !std::mem::take(&mut self.ptl_dirty) {
+            return false;
+        }
         let mut moved = false;
         let mut woken = Vec::new();
         let mut cts = Vec::new();
         for (&(job, rank), p) in self.portals.iter_mut() {
             let mut any = false;
             for s in p.nis.iter_mut().flatten() {
+                if s.ni.notices() == s.mirrored && !s.backlog {
+                    continue;
+                }
+                s.mirrored = s.ni.notices();
+                s.backlog = false;
                 for (&eq, ring) in s.eq_rings.iter_mut() {
                     let Some(q) = s.ni.eq_mut(eq) else { continue };
                     // Nothing to move and nothing left unconsumed: the process's index (a
@@ -680,7 +702,9 @@ impl HostNic {
                         any = true;
                     }
                     q.set_external(used as usize);
+                    s.backlog |= used > 0 || !q.is_empty();
                 }
+                self.ptl_dirty |= s.backlog;
                 cts.clear();
                 s.ni.take_dirty_cts(&mut cts);
                 for (ct, v) in &cts {

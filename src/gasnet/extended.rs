@@ -364,9 +364,9 @@ impl Gasnet {
     /// Clears what an operation left behind; its failure, if any.
     fn finish_op(&mut self, op: u64) -> Result<(), GasnetError> {
         let mut s = self.ext.borrow_mut();
-        let ops = s.regions.remove(&op).unwrap_or_else(|| vec![op]);
+        let region = s.regions.remove(&op);
         let mut failed = false;
-        for o in ops {
+        for &o in region.as_deref().unwrap_or(&[op]) {
             failed |= s.failed.remove(&o);
             s.get_to_segment.remove(&o);
         }

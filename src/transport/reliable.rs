@@ -184,6 +184,13 @@ impl Peer {
     }
 }
 
+/// Keeps a spent datagram buffer for reuse (a bounded pool: no allocation per datagram).
+fn recycle_into(pool: &mut Vec<Vec<u8>>, b: Vec<u8>) {
+    if pool.len() < 4096 {
+        pool.push(b);
+    }
+}
+
 /// Body bytes per datagram for an MTU. BLAKE3 hashes a power-of-two number of 1 KiB chunks
 /// far faster than any other length (measured here: 8192 B in 1.6 µs, 8956 B in 2.5 µs; 16384 B
 /// in 2.6 µs, 16368 B in 6.0 µs), so when it costs under a tenth of the room, datagrams are cut
@@ -278,9 +285,7 @@ impl Transport {
     }
 
     fn recycle(&mut self, b: Vec<u8>) {
-        if self.pool.len() < 4096 {
-            self.pool.push(b);
-        }
+        recycle_into(&mut self.pool, b);
     }
 
     /// Whether `peer` accepts another op now (not dead, queue not full).
@@ -502,7 +507,7 @@ impl Transport {
         let rto_max = self.cfg.rto_max;
         let p = &mut self.peers[peer as usize];
         let mut sample = None;
-        let mut freed = Vec::new();
+        let mut freed = false;
         while let Some(f) = p.inflight.front() {
             if f.seq >= ack {
                 break;
@@ -511,9 +516,10 @@ impl Transport {
             if f.retries == 0 && !f.sacked {
                 sample = Some(now.saturating_sub(f.sent_at));
             }
-            freed.push(f.buf);
+            recycle_into(&mut self.pool, f.buf);
+            freed = true;
         }
-        if !freed.is_empty() {
+        if freed {
             p.waiting_since = now;
             if let Some(r) = p.recovery {
                 if ack >= r {
@@ -571,9 +577,6 @@ impl Transport {
                 }
             }
             p.rto = (p.srtt.unwrap_or(0) + 4 * p.rttvar).clamp(rto_min, rto_max);
-        }
-        for b in freed {
-            self.recycle(b);
         }
     }
 

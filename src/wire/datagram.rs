@@ -3,6 +3,8 @@
 //! Layout (little endian):
 //! `magic u16 | version u8 | flags u8 | src_host u16 | dst_host u16 | epoch u32 | seq u64 |
 //!  ack u64 | sack u64 | body… | tag [16]`.
+//! BLAKE3 costs about the same for every started 64-byte block it authenticates: a lone
+//! acknowledgement op (24 bytes) after this 36-byte header is authenticated in one block.
 //! `seq == 0` marks a pure acknowledgement (no body). `ack` is the next sequence number the
 //! sender expects from the receiver; bit i of `sack` says `ack + 1 + i` arrived out of order.
 //! The tag is a BLAKE3 keyed hash (the cluster secret) of everything before it.
@@ -10,8 +12,8 @@
 use super::{get_u16, get_u32, get_u64, WireError};
 
 pub const MAGIC: u16 = 0x4e53; // "SN"
-pub const VERSION: u8 = 2;
-pub const HEADER_LEN: usize = 44;
+pub const VERSION: u8 = 3;
+pub const HEADER_LEN: usize = 36;
 pub const TAG_LEN: usize = 16;
 
 /// The 32-byte cluster secret shared by all daemons of a cluster.
@@ -57,7 +59,6 @@ impl DatagramHeader {
         buf[12..20].copy_from_slice(&self.seq.to_le_bytes());
         buf[20..28].copy_from_slice(&self.ack.to_le_bytes());
         buf[28..36].copy_from_slice(&self.sack.to_le_bytes());
-        buf[36..44].fill(0);
     }
 
     /// Appends the tag over `buf[..len]` at `buf[len..len + TAG_LEN]`; returns the total length.

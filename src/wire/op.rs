@@ -237,10 +237,11 @@ pub enum OpRef<'a> {
         h: OpHeader,
         data: &'a [u8],
     },
-    /// Portals requests of job `h.job` acknowledged in full, several in one op: each
-    /// [`PTL_ACK_LEN`]-byte record is `initiator rank u32 | req u64`. In full: no failure,
-    /// the whole requested length matched at the requested offset, no data — what the
-    /// initiator already knows, so only the request's name travels.
+    /// Portals requests of job `h.job` acknowledged in full: the one the header names
+    /// (`h.dst_rank` the initiator's rank, `h.req`), then one per [`PTL_ACK_LEN`]-byte record
+    /// `initiator rank u32 | req u64`. In full: no failure, the whole requested length
+    /// matched at the requested offset, no data — what the initiator already knows, so only
+    /// the request's name travels (a lone acknowledgement is a bare 24-byte op header).
     PtlAcks {
         h: OpHeader,
         acks: &'a [u8],
@@ -250,10 +251,12 @@ pub enum OpRef<'a> {
 /// Bytes of one record of [`OpRef::PtlAcks`].
 pub const PTL_ACK_LEN: usize = 12;
 
-/// The records of an [`OpRef::PtlAcks`]: (initiator rank, req).
-pub fn ptl_acks(acks: &[u8]) -> impl Iterator<Item = (u32, u64)> + '_ {
-    acks.chunks_exact(PTL_ACK_LEN)
-        .map(|r| (get_u32(r, 0), get_u64(r, 4)))
+/// The requests an [`OpRef::PtlAcks`] acknowledges: (initiator rank, req), the header's first.
+pub fn ptl_acks<'a>(h: &OpHeader, acks: &'a [u8]) -> impl Iterator<Item = (u32, u64)> + 'a {
+    std::iter::once((h.dst_rank, h.req)).chain(
+        acks.chunks_exact(PTL_ACK_LEN)
+            .map(|r| (get_u32(r, 0), get_u64(r, 4))),
+    )
 }
 
 /// The Portals message header carried by every [`OpRef::PtlReq`] fragment.
@@ -742,8 +745,14 @@ mod tests {
     fn portals_acks_are_whole_records() {
         let h = OpHeader {
             job: 1,
+            dst_rank: 4,
+            req: 3,
             ..Default::default()
         };
+        let lone = OpRef::PtlAcks { h, acks: &[] };
+        assert_eq!(lone.encoded_len(), OP_HEADER_LEN);
+        // A datagram of one acknowledgement is authenticated in a single BLAKE3 block.
+        assert!(crate::wire::HEADER_LEN + lone.encoded_len() <= 64);
         let mut acks = Vec::new();
         for (rank, req) in [(2u32, 7u64 | 1 << 32), (5, 9)] {
             acks.extend_from_slice(&rank.to_le_bytes());
@@ -753,12 +762,12 @@ mod tests {
         let mut buf = vec![0u8; op.encoded_len()];
         op.encode(&mut buf);
         let (back, _) = OpRef::decode(&buf).unwrap();
-        let OpRef::PtlAcks { acks: got, .. } = back else {
+        let OpRef::PtlAcks { h: gh, acks: got } = back else {
             panic!("{back:?}");
         };
         assert_eq!(
-            ptl_acks(got).collect::<Vec<_>>(),
-            [(2, 7 | 1 << 32), (5, 9)]
+            ptl_acks(&gh, got).collect::<Vec<_>>(),
+            [(4, 3), (2, 7 | 1 << 32), (5, 9)]
         );
         // A record cut short is refused, not read past or rounded down.
         let short = OpRef::PtlAcks {
