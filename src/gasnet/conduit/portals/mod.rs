@@ -121,9 +121,43 @@ struct Rma {
     /// A fetching atomic's prior value.
     data: Option<Vec<u8>>,
     /// Per piece, its bounce offset.
-    pieces: Vec<Option<u64>>,
+    pieces: Pieces,
     /// Its use of the registration cache, released at completion.
     cached: Option<u64>,
+}
+
+/// The bounce offsets of an operation's pieces; the first is kept inline (most operations
+/// are one piece: no allocation for them).
+struct Pieces {
+    first: Option<u64>,
+    rest: Vec<Option<u64>>,
+}
+
+impl Pieces {
+    fn new(n: usize) -> Pieces {
+        Pieces {
+            first: None,
+            rest: vec![None; n.saturating_sub(1)],
+        }
+    }
+
+    fn get(&self, i: usize) -> Option<u64> {
+        match i {
+            0 => self.first,
+            _ => self.rest.get(i - 1).copied().flatten(),
+        }
+    }
+
+    fn set(&mut self, i: usize, at: u64) {
+        match i {
+            0 => self.first = Some(at),
+            _ => {
+                if let Some(p) = self.rest.get_mut(i - 1) {
+                    *p = Some(at);
+                }
+            }
+        }
+    }
 }
 
 /// A Long header whose payload has not fully landed yet.

@@ -6,7 +6,7 @@
 
 use super::firehose::{Registration, Use};
 use super::{
-    err, PortalsConduit, Rma, BOUNCE_LEN, CHUNK, COPY_MAX, IMPLICIT_SLOTS, MAX_RMA, RMA_TAG,
+    err, Pieces, PortalsConduit, Rma, BOUNCE_LEN, CHUNK, COPY_MAX, IMPLICIT_SLOTS, MAX_RMA, RMA_TAG,
 };
 use crate::gasnet::atomic::PortalsCall;
 use crate::gasnet::conduit::{GetDest, RmaDone};
@@ -25,7 +25,7 @@ impl PortalsConduit {
                 unsent: 0,
                 dest: None,
                 data: None,
-                pieces: vec![None; pieces],
+                pieces: Pieces::new(pieces),
                 cached: None,
             })
             .into_mut()
@@ -46,7 +46,7 @@ impl PortalsConduit {
         }
         self.rma_in_flight -= 1;
         r.ok &= fail == NiFail::Ok;
-        if let Some(Some(b)) = r.pieces.get(piece).copied() {
+        if let Some(b) = r.pieces.get(piece) {
             let at = piece * CHUNK;
             if let Some(data) = r.data.as_mut() {
                 let n = (data.len() - at).min(CHUNK);
@@ -92,7 +92,7 @@ impl PortalsConduit {
     fn bounce_piece(&mut self, op: u64, piece: usize, len: usize) -> Result<u64, GasnetError> {
         let b = self.bounce_alloc(len)?;
         if let Some(r) = self.rma.get_mut(&op) {
-            r.pieces[piece] = Some(b);
+            r.pieces.set(piece, b);
         }
         Ok(b)
     }
