@@ -69,6 +69,37 @@ pub struct Gasnet {
     pub(crate) ext: Rc<RefCell<ExtState>>,
 }
 
+/// Longest a leaving process keeps delivering what it sent (a target may be gone).
+const EXIT_DRAIN: std::time::Duration = std::time::Duration::from_secs(5);
+
+impl Drop for Gasnet {
+    /// Like gasnet_exit, a leaving node first gets its Active Messages delivered, running
+    /// handlers meanwhile: node 0 leaves a barrier as soon as it sent the release to the
+    /// others, and a release that was refused and waits to be sent again would die with it.
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            return;
+        }
+        let start = std::time::Instant::now();
+        let mut b = backoff::Backoff::default();
+        while self.core.conduit.outgoing() {
+            if start.elapsed() > EXIT_DRAIN {
+                tracing::warn!("leaving with Active Messages undelivered");
+                return;
+            }
+            match self.poll_once() {
+                Ok(true) => b.progressed(),
+                Ok(false) => {
+                    if b.idle(self.core.conduit.as_mut()).is_err() {
+                        return;
+                    }
+                }
+                Err(_) => return,
+            }
+        }
+    }
+}
+
 /// A size from the first of `names` that is set (a count; k/m/g suffixes as GASNet reads
 /// them). A value that does not parse counts as unset.
 pub(crate) fn env_size(names: &[&str]) -> Option<usize> {

@@ -288,6 +288,14 @@ impl Transport {
         recycle_into(&mut self.pool, b);
     }
 
+    /// Whether data to a live peer is not yet acknowledged (or not yet sent), or a peer still
+    /// waits for our acknowledgement of what it sent (a delayed ack not yet due).
+    pub fn unsettled(&self) -> bool {
+        self.peers
+            .iter()
+            .any(|p| !p.dead && (p.has_outstanding() || p.open.is_some() || p.ack_due.is_some()))
+    }
+
     /// Whether `peer` accepts another op now (not dead, queue not full).
     pub fn can_push(&self, peer: u16) -> Result<(), PushError> {
         let p = self
@@ -881,6 +889,26 @@ mod tests {
             32 - 15,
             "after the accompanied probe, lazy ops wait again"
         );
+    }
+
+    #[test]
+    fn settled_once_data_is_acked_and_acks_are_sent() {
+        let mut a = Transport::new(0, 2, Key([1; 32]), cfg(), 11);
+        let mut b = Transport::new(1, 2, Key([1; 32]), cfg(), 22);
+        assert!(!a.unsettled() && !b.unsettled());
+        a.push_op(1, &op(1)).unwrap();
+        assert!(a.unsettled(), "queued, not yet sent");
+        a.flush(0);
+        let d = a.poll_transmit(0).unwrap().1.to_vec();
+        assert!(a.unsettled(), "sent, not yet acknowledged");
+        assert!(b.on_datagram(0, &d).unwrap().body.is_some());
+        assert!(b.unsettled(), "b owes an acknowledgement");
+        let later = cfg().ack_delay;
+        b.flush(later);
+        let ack = b.poll_transmit(later).unwrap().1.to_vec();
+        assert!(!b.unsettled());
+        a.on_datagram(later, &ack).unwrap();
+        assert!(!a.unsettled());
     }
 
     #[test]

@@ -103,6 +103,12 @@ pub trait Conduit {
     /// Blocks until something may have arrived for [`Conduit::poll`], or `max` passed, or the
     /// conduit has timers due. Returns at once when news is already there.
     fn wait_news(&mut self, max: std::time::Duration) -> Result<(), GasnetError>;
+    /// Whether Active Messages this node sent are not yet in their targets' hands (not
+    /// acknowledged, or waiting to be sent again): a process that leaves waits for them, or a
+    /// node still waiting for one (a barrier's release) would wait for ever.
+    fn outgoing(&self) -> bool {
+        false
+    }
     /// Gives the core away for a moment in a wait (a NIC daemon learns that we wait on it).
     fn yield_now(&mut self) {
         std::thread::yield_now();

@@ -134,6 +134,12 @@ impl Conduit for UdpConduit {
         self.me as u32
     }
 
+    fn outgoing(&self) -> bool {
+        // Our acknowledgements too: a peer waiting for one would keep resending to a node
+        // that left (node 0 leaves a barrier last, waiting for the others' acks).
+        self.t.unsettled()
+    }
+
     fn nodes(&self) -> u32 {
         self.n as u32
     }

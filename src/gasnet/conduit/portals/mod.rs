@@ -406,6 +406,11 @@ impl Conduit for PortalsConduit {
         self.me
     }
 
+    fn outgoing(&self) -> bool {
+        // A request's slot is freed once its target's NIC took it and the target answered.
+        !self.resend.is_empty() || self.req.iter().any(Option::is_some)
+    }
+
     fn nodes(&self) -> u32 {
         self.n
     }
