@@ -634,46 +634,6 @@ fn long_payloads_up_to_the_maximum_both_ways() {
 /// senders stall on credit and borrow, and nothing reaches node 0's catch-basin; with credits
 /// off (`SOFTNIC_PORTALS_CREDITS=off`, a diagnostic) the catch-basin takes the overflow and
 /// the senders send it again.
-/// Senders flood a node that is not polling and leave at once (no barrier after): what was
-/// refused for want of room and waits to be sent again must still arrive — a leaving node
-/// first gets its Active Messages delivered.
-#[test]
-fn senders_that_leave_at_once_still_deliver_everything() {
-    const TEST: &str = "senders_that_leave_at_once_still_deliver_everything";
-    if !in_job() {
-        launch_ok_env(TEST, 4, 2, &["--conduit", "udp"], &[ENV_SEG]);
-        let off = [ENV_SEG, ("SOFTNIC_PORTALS_CREDITS", "off")];
-        return launch_ok_env(TEST, 4, 2, &["--conduit", "portals"], &off);
-    }
-    const M: u32 = 300;
-    let seen = Rc::new(RefCell::new(std::collections::HashSet::new()));
-    let s2 = seen.clone();
-    let count: Handler = Box::new(move |_: &mut Token<'_>, m: Msg<'_>| {
-        s2.borrow_mut().insert((m.src, m.args[0]));
-    });
-    let mut g = Gasnet::init(vec![(150, count)]).unwrap();
-    let len = g.am_max_medium();
-    g.barrier().unwrap();
-    if g.mynode() == 0 {
-        std::thread::sleep(std::time::Duration::from_millis(300));
-        let want = M as usize * (g.nodes() as usize - 1);
-        let s3 = seen.clone();
-        let t = std::time::Instant::now();
-        let patience = std::time::Duration::from_secs(20);
-        g.block_until(|| s3.borrow().len() == want || t.elapsed() > patience)
-            .unwrap();
-        assert_eq!(
-            seen.borrow().len(),
-            want,
-            "requests lost with their senders"
-        );
-    } else {
-        for k in 0..M {
-            g.am_request_medium(0, 150, &vec![7; len], &[k]).unwrap();
-        }
-    }
-}
-
 #[test]
 fn a_flood_at_a_node_that_does_not_poll_is_flow_controlled() {
     const TEST: &str = "a_flood_at_a_node_that_does_not_poll_is_flow_controlled";
@@ -683,16 +643,7 @@ fn a_flood_at_a_node_that_does_not_poll_is_flow_controlled() {
         return launch_ok_env(TEST, 8, 2, &["--conduit", "portals"], &off);
     }
     const M: u32 = 200;
-    let seen = Rc::new(RefCell::new(std::collections::HashSet::new()));
-    let s2 = seen.clone();
-    let count: Handler = Box::new(move |_: &mut Token<'_>, m: Msg<'_>| {
-        assert!(m.payload.iter().all(|&b| b == m.args[1] as u8));
-        assert!(
-            s2.borrow_mut().insert((m.src, m.args[0])),
-            "delivered twice"
-        );
-    });
-    let mut g = Gasnet::init(vec![(150, count)]).unwrap();
+    let (mut g, seen) = counting_node();
     let len = g.am_max_medium();
     g.barrier().unwrap();
     if g.mynode() == 0 {
@@ -727,4 +678,57 @@ fn a_flood_at_a_node_that_does_not_poll_is_flow_controlled() {
         (_, false) => assert_eq!(f.credit_stalls, 0, "{f:?}"),
     }
     assert_eq!(f.protocol_errors, 0, "{f:?}");
+}
+
+/// (source, args[0]) of each Medium a counting node took.
+type Arrived = Rc<RefCell<std::collections::HashSet<(u32, u32)>>>;
+
+/// A node whose handler 150 records each Medium's (source, args[0]), checking that its payload
+/// is args[1] repeated and that nothing arrives twice.
+fn counting_node() -> (Gasnet, Arrived) {
+    let seen = Rc::new(RefCell::new(std::collections::HashSet::new()));
+    let s2 = seen.clone();
+    let count: Handler = Box::new(move |_: &mut Token<'_>, m: Msg<'_>| {
+        assert!(m.payload.iter().all(|&b| b == m.args[1] as u8));
+        assert!(
+            s2.borrow_mut().insert((m.src, m.args[0])),
+            "delivered twice"
+        );
+    });
+    (Gasnet::init(vec![(150, count)]).unwrap(), seen)
+}
+
+/// Senders flood a node that is not polling and leave at once (no barrier after): what was
+/// refused for want of room and waits to be sent again must still arrive — a leaving node
+/// first gets its Active Messages delivered.
+#[test]
+fn senders_that_leave_at_once_still_deliver_everything() {
+    const TEST: &str = "senders_that_leave_at_once_still_deliver_everything";
+    if !in_job() {
+        launch_ok_env(TEST, 4, 2, &["--conduit", "udp"], &[ENV_SEG]);
+        let off = [ENV_SEG, ("SOFTNIC_PORTALS_CREDITS", "off")];
+        return launch_ok_env(TEST, 4, 2, &["--conduit", "portals"], &off);
+    }
+    const M: u32 = 300;
+    let (mut g, seen) = counting_node();
+    let len = g.am_max_medium();
+    g.barrier().unwrap();
+    if g.mynode() == 0 {
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        let want = M as usize * (g.nodes() as usize - 1);
+        let s3 = seen.clone();
+        let t = std::time::Instant::now();
+        let patience = std::time::Duration::from_secs(20);
+        g.block_until(|| s3.borrow().len() == want || t.elapsed() > patience)
+            .unwrap();
+        assert_eq!(
+            seen.borrow().len(),
+            want,
+            "requests lost with their senders"
+        );
+    } else {
+        for k in 0..M {
+            g.am_request_medium(0, 150, &vec![7; len], &[k, 7]).unwrap();
+        }
+    }
 }

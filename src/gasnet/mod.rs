@@ -81,21 +81,11 @@ impl Drop for Gasnet {
             return;
         }
         let start = std::time::Instant::now();
-        let mut b = backoff::Backoff::default();
-        while self.core.conduit.outgoing() {
-            if start.elapsed() > EXIT_DRAIN {
-                tracing::warn!("leaving with Active Messages undelivered");
-                return;
-            }
-            match self.poll_once() {
-                Ok(true) => b.progressed(),
-                Ok(false) => {
-                    if b.idle(self.core.conduit.as_mut()).is_err() {
-                        return;
-                    }
-                }
-                Err(_) => return,
-            }
+        let waited = self.wait_with(backoff::Backoff::default(), |g| {
+            !g.core.conduit.outgoing() || start.elapsed() > EXIT_DRAIN
+        });
+        if waited.is_err() || self.core.conduit.outgoing() {
+            tracing::warn!("leaving with Active Messages undelivered");
         }
     }
 }
@@ -250,22 +240,26 @@ impl Gasnet {
     }
 
     /// GASNET_BLOCKUNTIL: polls (running handlers) until `cond` holds.
-    pub fn block_until(&mut self, cond: impl FnMut() -> bool) -> Result<(), GasnetError> {
-        self.wait_with(backoff::Backoff::default(), cond)
+    pub fn block_until(&mut self, mut cond: impl FnMut() -> bool) -> Result<(), GasnetError> {
+        self.wait_with(backoff::Backoff::default(), |_| cond())
     }
 
     /// Like [`Gasnet::block_until`], for a condition that one operation through the network
     /// makes true (it may spin longer: see `backoff`).
-    pub(crate) fn block_until_op(&mut self, cond: impl FnMut() -> bool) -> Result<(), GasnetError> {
-        self.wait_with(backoff::Backoff::one_op(), cond)
+    pub(crate) fn block_until_op(
+        &mut self,
+        mut cond: impl FnMut() -> bool,
+    ) -> Result<(), GasnetError> {
+        self.wait_with(backoff::Backoff::one_op(), |_| cond())
     }
 
+    /// Polls (running handlers), backing off as `b` says, until `cond` holds.
     fn wait_with(
         &mut self,
         mut b: backoff::Backoff,
-        mut cond: impl FnMut() -> bool,
+        mut cond: impl FnMut(&Self) -> bool,
     ) -> Result<(), GasnetError> {
-        while !cond() {
+        while !cond(self) {
             if self.poll_once()? {
                 b.progressed();
             } else {

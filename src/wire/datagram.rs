@@ -3,11 +3,11 @@
 //! Layout (little endian):
 //! `magic u16 | version u8 | flags u8 | src_host u16 | dst_host u16 | epoch u32 | seq u64 |
 //!  ack u64 | sack u64 | body… | tag [16]`.
-//! BLAKE3 costs about the same for every started 64-byte block it authenticates: a lone
-//! acknowledgement op (24 bytes) after this 36-byte header is authenticated in one block.
 //! `seq == 0` marks a pure acknowledgement (no body). `ack` is the next sequence number the
 //! sender expects from the receiver; bit i of `sack` says `ack + 1 + i` arrived out of order.
-//! The tag is a BLAKE3 keyed hash (the cluster secret) of everything before it.
+//! The tag is a BLAKE3 keyed hash (the cluster secret) of everything before it. BLAKE3 costs
+//! about the same for every started 64-byte block: a lone acknowledgement op (24 bytes) after
+//! this 36-byte header is authenticated in one block.
 
 use super::{get_u16, get_u32, get_u64, WireError};
 
