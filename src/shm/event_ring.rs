@@ -154,8 +154,8 @@ impl EventRing {
     }
 
     fn index(&self, at: u64) -> &AtomicU64 {
-        // SAFETY: `at` is HEAD or TAIL, inside the ring checked at `new` and 8-aligned (the
-        // ring starts 64-aligned in an 8-aligned mapping); `region` keeps the mapping alive.
+        // SAFETY: `at` is HEAD or TAIL, inside the ring checked at `new`, and 8-aligned (the
+        // ring's first byte is, checked at `new`); `_region` keeps the mapping alive.
         unsafe { &*(self.ring.as_ptr().add(at as usize) as *const AtomicU64) }
     }
 
@@ -346,5 +346,23 @@ mod tests {
         assert!(!p.push(&Event::bare(EventKind::Link, 0, 0, NiFail::Ok), false));
         assert!(EventRing::new(r.clone(), 3, 1024).is_none());
         assert!(EventRing::new(r, 0, 8192).is_none());
+    }
+
+    /// A process's private memory, reached by copy: nothing there can be pointed at.
+    struct Copied;
+
+    impl crate::nic::memory::Backing for Copied {
+        fn ptr(&self) -> Option<*mut u8> {
+            None
+        }
+        fn len(&self) -> usize {
+            4096
+        }
+    }
+
+    #[test]
+    fn a_ring_needs_mapped_memory() {
+        let r = Region::new(std::sync::Arc::new(Copied), Perms(0));
+        assert!(EventRing::new(r, 0, 1024).is_none());
     }
 }
