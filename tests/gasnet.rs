@@ -642,23 +642,7 @@ fn a_flood_at_a_node_that_does_not_poll_is_flow_controlled() {
         let off = [ENV_SEG, ("SOFTNIC_PORTALS_CREDITS", "off")];
         return launch_ok_env(TEST, 8, 2, &["--conduit", "portals"], &off);
     }
-    const M: u32 = 200;
-    let (mut g, seen) = counting_node();
-    let len = g.am_max_medium();
-    g.barrier().unwrap();
-    if g.mynode() == 0 {
-        // Computing: no GASNet call while the others send.
-        std::thread::sleep(std::time::Duration::from_millis(300));
-        let want = M as usize * (g.nodes() as usize - 1);
-        let s3 = seen.clone();
-        g.block_until(|| s3.borrow().len() == want).unwrap();
-    } else {
-        for k in 0..M {
-            let b = (k * 7 + g.mynode()) % 251;
-            g.am_request_medium(0, 150, &vec![b as u8; len], &[k, b])
-                .unwrap();
-        }
-    }
+    let mut g = flood_node_zero(200);
     g.barrier().unwrap();
     let f = g.flow_stats();
     if g.conduit_name() != "portals" {
@@ -698,6 +682,31 @@ fn counting_node() -> (Gasnet, Arrived) {
     (Gasnet::init(vec![(150, count)]).unwrap(), seen)
 }
 
+/// Every node but 0 sends `m` maximal Mediums to node 0, which computes (no GASNet call) for
+/// 300 ms after the barrier, then polls until all of them arrived, each once (at most 20 s).
+fn flood_node_zero(m: u32) -> Gasnet {
+    let (mut g, seen) = counting_node();
+    let len = g.am_max_medium();
+    g.barrier().unwrap();
+    if g.mynode() == 0 {
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        let want = m as usize * (g.nodes() as usize - 1);
+        let s3 = seen.clone();
+        let t = std::time::Instant::now();
+        let patience = std::time::Duration::from_secs(20);
+        g.block_until(|| s3.borrow().len() == want || t.elapsed() > patience)
+            .unwrap();
+        assert_eq!(seen.borrow().len(), want, "requests lost");
+    } else {
+        for k in 0..m {
+            let b = (k * 7 + g.mynode()) % 251;
+            g.am_request_medium(0, 150, &vec![b as u8; len], &[k, b])
+                .unwrap();
+        }
+    }
+    g
+}
+
 /// Senders flood a node that is not polling and leave at once (no barrier after): what was
 /// refused for want of room and waits to be sent again must still arrive — a leaving node
 /// first gets its Active Messages delivered.
@@ -709,26 +718,5 @@ fn senders_that_leave_at_once_still_deliver_everything() {
         let off = [ENV_SEG, ("SOFTNIC_PORTALS_CREDITS", "off")];
         return launch_ok_env(TEST, 4, 2, &["--conduit", "portals"], &off);
     }
-    const M: u32 = 300;
-    let (mut g, seen) = counting_node();
-    let len = g.am_max_medium();
-    g.barrier().unwrap();
-    if g.mynode() == 0 {
-        std::thread::sleep(std::time::Duration::from_millis(300));
-        let want = M as usize * (g.nodes() as usize - 1);
-        let s3 = seen.clone();
-        let t = std::time::Instant::now();
-        let patience = std::time::Duration::from_secs(20);
-        g.block_until(|| s3.borrow().len() == want || t.elapsed() > patience)
-            .unwrap();
-        assert_eq!(
-            seen.borrow().len(),
-            want,
-            "requests lost with their senders"
-        );
-    } else {
-        for k in 0..M {
-            g.am_request_medium(0, 150, &vec![7; len], &[k, 7]).unwrap();
-        }
-    }
+    flood_node_zero(300);
 }

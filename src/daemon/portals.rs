@@ -16,7 +16,7 @@ use crate::shm::event_ring::{CtSlot, EventRing};
 use crate::shm::ptl_call::{status_of, MeArgs, OpArgs, PtlCall};
 use crate::shm::CqEntry;
 use crate::transport::PushError;
-use crate::wire::{get_u32, get_u64, ptl_acks, OpHeader, OpKind, OpRef, PtlHeader, PTL_ACK_LEN};
+use crate::wire::{ptl_acks, push_ptl_ack, OpHeader, OpKind, OpRef, PtlHeader, PTL_ACK_LEN};
 
 use super::host::{Flow, HostNic, OutItem};
 
@@ -25,14 +25,16 @@ const PAYLOAD_KEEP: usize = 64 << 10;
 /// How long a Portals acknowledgement may wait to share a datagram (ns).
 const ACK_LAZY_NS: u64 = 10_000;
 
-/// Acknowledgements in full waiting to leave for one peer as one `PtlAcks` op (as records:
-/// the first goes into the op's header when it leaves): sent once
-/// the datagram that asked for them is served, or before anything else goes to that peer.
+/// Acknowledgements in full waiting to leave for one peer as one `PtlAcks` op: sent once the
+/// datagram that asked for them is served, or before anything else goes to that peer.
 #[derive(Default)]
 pub struct AckBatch {
     peer: u16,
     job: u32,
-    records: Vec<u8>,
+    /// (initiator rank, req) of the first: it rides in the op's header.
+    first: Option<(u32, u64)>,
+    /// The others, as the op's records.
+    rest: Vec<u8>,
 }
 
 /// What serving a request at its target did.
@@ -600,36 +602,34 @@ impl HostNic {
     fn ptl_ack(&mut self, peer: u16, job: u32, rank: u32, req: u64) {
         let room = OpRef::max_data(OpKind::PtlAcks, self.transport.body_capacity());
         let b = &self.ptl_acks;
-        if !b.records.is_empty()
-            && (b.peer != peer || b.job != job || b.records.len() + PTL_ACK_LEN > room)
+        if b.first.is_some()
+            && (b.peer != peer || b.job != job || b.rest.len() + PTL_ACK_LEN > room)
         {
             self.ptl_flush_acks();
         }
         let b = &mut self.ptl_acks;
-        b.peer = peer;
-        b.job = job;
-        b.records.extend_from_slice(&rank.to_le_bytes());
-        b.records.extend_from_slice(&req.to_le_bytes());
+        (b.peer, b.job) = (peer, job);
+        match b.first {
+            None => b.first = Some((rank, req)),
+            Some(_) => push_ptl_ack(&mut b.rest, rank, req),
+        }
     }
 
     /// Sends the batched acknowledgements.
     pub(super) fn ptl_flush_acks(&mut self) {
-        if self.ptl_acks.records.is_empty() {
+        let Some((rank, req)) = self.ptl_acks.first.take() else {
             return;
-        }
-        let mut records = std::mem::take(&mut self.ptl_acks.records);
-        // The first acknowledgement rides in the op header.
-        let (first, rest) = records.split_at(PTL_ACK_LEN);
+        };
         let h = OpHeader {
             job: self.ptl_acks.job,
-            dst_rank: get_u32(first, 0),
-            req: get_u64(first, 4),
+            dst_rank: rank,
+            req,
             ..Default::default()
         };
-        let acks = OpRef::PtlAcks { h, acks: rest };
-        self.push_owned(self.ptl_acks.peer, &acks, None);
-        records.clear();
-        self.ptl_acks.records = records;
+        let mut rest = std::mem::take(&mut self.ptl_acks.rest);
+        self.push_owned(self.ptl_acks.peer, &OpRef::PtlAcks { h, acks: &rest }, None);
+        rest.clear();
+        self.ptl_acks.rest = rest;
     }
 
     /// Queues an op for `peer`, in order behind anything already waiting for room (batched

@@ -37,6 +37,21 @@ pub trait Backing: Send + Sync {
     }
 }
 
+/// Tests: `len` bytes of memory reached by copy that is gone (a process's unmapped pages):
+/// nothing to point at, every copy faults.
+#[cfg(test)]
+pub struct GoneBacking(pub usize);
+
+#[cfg(test)]
+impl Backing for GoneBacking {
+    fn ptr(&self) -> Option<*mut u8> {
+        None
+    }
+    fn len(&self) -> usize {
+        self.0
+    }
+}
+
 /// Plain heap memory, for tests and simulations.
 pub struct HeapBacking(Box<[AtomicU64]>);
 

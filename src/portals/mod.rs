@@ -250,15 +250,17 @@ impl Portals {
 
     /// The job's placement: rank → physical identifier (host index, rank).
     fn job_map(&self) -> Vec<ProcessId> {
-        let job = self.nic.job();
-        job.rank_hosts
-            .iter()
-            .enumerate()
-            .map(|(r, &h)| ProcessId::Physical {
-                nid: h as u32,
-                pid: r as u32,
-            })
-            .collect()
+        let ranks = self.nic.job().rank_hosts.len() as u32;
+        (0..ranks).filter_map(|r| self.placed(r)).collect()
+    }
+
+    /// Where the job placed `rank`: its host and, as the pid, the rank itself.
+    fn placed(&self, rank: u32) -> Option<ProcessId> {
+        let host = *self.nic.job().rank_hosts.get(rank as usize)?;
+        Some(ProcessId::Physical {
+            nid: host as u32,
+            pid: rank,
+        })
     }
 
     /// PtlGetMap: logical index → physical identifier (the job's placement until set).
@@ -292,14 +294,7 @@ impl Portals {
             (true, ProcessId::Logical { rank }) => match &info.map {
                 Some(m) => *m.get(rank as usize).ok_or(PtlError::ArgInvalid)?,
                 // The job's placement, read in place: an operation builds no map.
-                None => {
-                    let host = self.nic.job().rank_hosts.get(rank as usize);
-                    let host = *host.ok_or(PtlError::ArgInvalid)?;
-                    ProcessId::Physical {
-                        nid: host as u32,
-                        pid: rank,
-                    }
-                }
+                None => self.placed(rank).ok_or(PtlError::ArgInvalid)?,
             },
             (false, p @ ProcessId::Physical { .. }) => p,
             _ => return Err(PtlError::ArgInvalid),

@@ -285,7 +285,7 @@ impl CtSlot {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::nic::memory::{HeapBacking, Perms};
+    use crate::nic::memory::{GoneBacking, HeapBacking, Perms};
     use crate::nic::portals::NiFail;
 
     #[test]
@@ -348,21 +348,10 @@ mod tests {
         assert!(EventRing::new(r, 0, 8192).is_none());
     }
 
-    /// A process's private memory, reached by copy: nothing there can be pointed at.
-    struct Copied;
-
-    impl crate::nic::memory::Backing for Copied {
-        fn ptr(&self) -> Option<*mut u8> {
-            None
-        }
-        fn len(&self) -> usize {
-            4096
-        }
-    }
-
     #[test]
     fn a_ring_needs_mapped_memory() {
-        let r = Region::new(std::sync::Arc::new(Copied), Perms(0));
+        // A process's private memory, reached by copy: nothing there can be pointed at.
+        let r = Region::new(std::sync::Arc::new(GoneBacking(4096)), Perms(0));
         assert!(EventRing::new(r, 0, 1024).is_none());
     }
 }

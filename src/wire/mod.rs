@@ -8,7 +8,8 @@ mod op;
 
 pub use datagram::{DatagramHeader, Key, HEADER_LEN, MAGIC, TAG_LEN, VERSION};
 pub use op::{
-    ptl_acks, AmoOp, OpHeader, OpIter, OpKind, OpRef, PtlHeader, Status, OP_HEADER_LEN, PTL_ACK_LEN,
+    ptl_acks, push_ptl_ack, AmoOp, OpHeader, OpIter, OpKind, OpRef, PtlHeader, Status,
+    OP_HEADER_LEN, PTL_ACK_LEN,
 };
 
 /// Why a datagram or op was rejected.

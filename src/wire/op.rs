@@ -251,6 +251,12 @@ pub enum OpRef<'a> {
 /// Bytes of one record of [`OpRef::PtlAcks`].
 pub const PTL_ACK_LEN: usize = 12;
 
+/// Appends the record of request `req` of initiator `rank` to the records of an [`OpRef::PtlAcks`].
+pub fn push_ptl_ack(records: &mut Vec<u8>, rank: u32, req: u64) {
+    records.extend_from_slice(&rank.to_le_bytes());
+    records.extend_from_slice(&req.to_le_bytes());
+}
+
 /// The requests an [`OpRef::PtlAcks`] acknowledges: (initiator rank, req), the header's first.
 pub fn ptl_acks<'a>(h: &OpHeader, acks: &'a [u8]) -> impl Iterator<Item = (u32, u64)> + 'a {
     std::iter::once((h.dst_rank, h.req)).chain(
@@ -755,8 +761,7 @@ mod tests {
         assert!(crate::wire::HEADER_LEN + lone.encoded_len() <= 64);
         let mut acks = Vec::new();
         for (rank, req) in [(2u32, 7u64 | 1 << 32), (5, 9)] {
-            acks.extend_from_slice(&rank.to_le_bytes());
-            acks.extend_from_slice(&req.to_le_bytes());
+            push_ptl_ack(&mut acks, rank, req);
         }
         let op = OpRef::PtlAcks { h, acks: &acks };
         let mut buf = vec![0u8; op.encoded_len()];

@@ -5,7 +5,7 @@ use super::atomic::{AtomicOp, Datatype};
 use super::initiator::md;
 use super::types::{me, RANK_ANY};
 use super::*;
-use crate::nic::memory::{HeapBacking, Perms, Region};
+use crate::nic::memory::{GoneBacking, HeapBacking, Perms, Region};
 
 fn rank(r: u32) -> ProcessId {
     ProcessId::Logical { rank: r }
@@ -487,22 +487,11 @@ fn target_counting_events_release_triggered_operations() {
 }
 
 /// Memory reached by copy whose reads and writes fail (its process unmapped it).
-struct Gone;
-
-impl crate::nic::memory::Backing for Gone {
-    fn ptr(&self) -> Option<*mut u8> {
-        None
-    }
-    fn len(&self) -> usize {
-        64
-    }
-}
-
 #[test]
 fn memory_that_is_gone_fails_as_a_segmentation_violation() {
     let tr = region(64);
     let mut p = pair(&tr, 0);
-    let gone = Region::new(std::sync::Arc::new(Gone), Perms(0));
+    let gone = Region::new(std::sync::Arc::new(GoneBacking(64)), Perms(0));
     let m = p.bind(gone, 64, md::EVENT_CT_ACK | md::EVENT_CT_REPLY);
     // A put whose source cannot be read starts nothing and reports where its ACK would.
     assert_eq!(
