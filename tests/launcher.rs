@@ -119,3 +119,94 @@ fn interrupt_stops_every_rank_and_cleans_up() {
     assert!(leftovers(child.id()).is_empty());
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// The process (a child of the launcher, like the ranks) that runs the job's daemons.
+fn daemon_process_of(launcher: u32) -> Vec<u32> {
+    let mut found = Vec::new();
+    for e in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+        // The parent pid is the second field after the command's closing parenthesis.
+        let ppid = stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().nth(1))
+            .and_then(|p| p.parse::<u32>().ok());
+        let env = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
+        let marked = env
+            .split(|&b| b == 0)
+            .any(|v| v.starts_with(b"SOFTNIC_LOCAL_DAEMON="));
+        if ppid == Some(launcher) && marked {
+            found.push(pid);
+        }
+    }
+    found
+}
+
+#[test]
+fn daemons_run_in_one_single_threaded_process_that_ends_with_the_job() {
+    if in_job() {
+        let mut nic = init();
+        if nic.rank() == 0 {
+            let launcher = rustix::process::getppid().unwrap().as_raw_nonzero().get() as u32;
+            let daemons = daemon_process_of(launcher);
+            assert_eq!(daemons.len(), 1, "daemon processes: {daemons:?}");
+            let status = std::fs::read_to_string(format!("/proc/{}/status", daemons[0])).unwrap();
+            assert!(
+                status.lines().any(|l| l == "Threads:\t1"),
+                "the daemon process has more than one thread:\n{status}"
+            );
+            let dir = std::env::var("SOFTNIC_TEST_PIDS").unwrap();
+            std::fs::write(format!("{dir}/{}", daemons[0]), b"").unwrap();
+        }
+        nic.barrier().unwrap();
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("softnic-test-daemon-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_softnic"))
+        .args(["run", "-n", "2", "--hosts", "2", "--"])
+        .arg(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "daemons_run_in_one_single_threaded_process_that_ends_with_the_job",
+            "--nocapture",
+        ])
+        .env("SOFTNIC_TEST_PIDS", &dir)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let pids: Vec<String> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(pids.len(), 1, "rank 0 found the daemon process");
+    assert!(
+        !std::path::Path::new(&format!("/proc/{}", pids[0])).exists(),
+        "the daemon process {} outlived its job",
+        pids[0]
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn softnicd_is_single_threaded_and_stops_on_sigterm_and_sigint() {
+    for signal in [rustix::process::Signal::Term, rustix::process::Signal::Int] {
+        let daemons = Daemons::start(1);
+        let pid = daemons.pids()[0];
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+        assert!(
+            status.lines().any(|l| l == "Threads:\t1"),
+            "softnicd has more than one thread:\n{status}"
+        );
+        let t = Instant::now();
+        let st = daemons.signal_and_wait(signal);
+        assert!(st.success(), "softnicd ended with {st} on {signal:?}");
+        assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+    }
+}

@@ -172,6 +172,10 @@ impl Ctx {
 }
 
 fn main() -> anyhow::Result<()> {
+    // Started again by itself as a job's daemons (single-threaded, see job::daemon_process).
+    if let Some(code) = softnic::job::daemon_process::serve_if_asked() {
+        std::process::exit(code);
+    }
     let args = Args::parse();
     anyhow::ensure!(
         args.bench != Bench::Am || args.api.as_deref() == Some("gasnet"),

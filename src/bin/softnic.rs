@@ -55,6 +55,10 @@ enum Cmd {
 }
 
 fn main() -> anyhow::Result<()> {
+    // Started again by itself as a job's daemons (single-threaded, see job::daemon_process).
+    if let Some(code) = softnic::job::daemon_process::serve_if_asked() {
+        std::process::exit(code);
+    }
     softnic::logging::init("warn");
     match Cli::parse().cmd {
         Cmd::Run {

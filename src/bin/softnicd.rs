@@ -1,13 +1,13 @@
 //! softnicd: the soft NIC daemon of one host (or, with several --host, of several simulated hosts).
 
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
 use anyhow::Context;
 use clap::Parser;
 use softnic::config::{Config, FaultArgs};
-use softnic::daemon::Daemon;
+use softnic::daemon::{signals, Daemon};
 
 const ENV_HELP: &str = "Environment:
   SOFTNIC_LOG              log filter (error, warn, info, debug, trace; tracing EnvFilter syntax)
@@ -59,9 +59,9 @@ fn main() -> anyhow::Result<()> {
         );
     }
     let stop = Arc::new(AtomicBool::new(false));
-    let s = stop.clone();
-    ctrlc::set_handler(move || s.store(true, Ordering::SeqCst))
-        .context("installing the signal handler")?;
+    // A handler, not a signal thread: the daemon's process stays single-threaded.
+    signals::stop_on(&stop, &[libc::SIGINT, libc::SIGTERM, libc::SIGHUP])
+        .context("installing the signal handlers")?;
     let mut d = Daemon::new(&cfg, &indices, stop).context("starting the daemon")?;
     d.run()?;
     Ok(())

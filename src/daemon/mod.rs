@@ -10,6 +10,7 @@ mod host;
 mod portals;
 mod rx_watch;
 mod session;
+pub mod signals;
 
 pub use host::{HostNic, HostStats};
 pub use portals::MAX_NIS as PORTALS_MAX_NIS;

@@ -1,6 +1,7 @@
 //! The launcher: `softnic run`. On the local default it starts the NICs of H simulated hosts
-//! (127.0.0.2, .3, …, one UDP socket each) in one daemon thread of the launcher, health-checks
-//! them, starts N ranks spread round-robin over the hosts, and stops everything at the end. A
+//! (127.0.0.2, .3, …, one UDP socket each) in one single-threaded daemon process (the
+//! launcher's binary started again, see [`super::daemon_process`]; a launcher that cannot be
+//! started so runs them in a thread of its own), health-checks them, starts N ranks spread round-robin over the hosts, and stops everything at the end. A
 //! rank that fails or is killed ends the job with a message naming it; Ctrl-C ends it too; no
 //! process, socket or file is left behind.
 
@@ -12,6 +13,7 @@ use std::sync::{mpsc, Arc, Once};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use super::daemon_process::{self, DaemonProcess};
 use crate::config::{Config, ConfigError, Fault};
 use crate::daemon::Daemon;
 use crate::shm::attach::{self, Request, Response};
@@ -63,16 +65,29 @@ fn install_signal_handler() {
     });
 }
 
-/// Daemons running in a thread of this process.
+/// Where the daemons of a job run.
+enum Runner {
+    Process(DaemonProcess),
+    Thread(JoinHandle<()>),
+}
+
+/// The daemons of a job, stopped when dropped.
 struct LocalDaemons {
     stop: Arc<AtomicBool>,
-    thread: Option<JoinHandle<()>>,
+    runner: Option<Runner>,
     runtime_dir: Option<PathBuf>,
 }
 
 impl LocalDaemons {
     fn start(cfg: &Config) -> Result<LocalDaemons, String> {
         let stop = Arc::new(AtomicBool::new(false));
+        if daemon_process::can_spawn() {
+            return Ok(LocalDaemons {
+                stop,
+                runner: Some(Runner::Process(DaemonProcess::start(cfg)?)),
+                runtime_dir: None,
+            });
+        }
         let (tx, rx) = mpsc::channel();
         let (c, s) = (cfg.clone(), stop.clone());
         let thread = std::thread::Builder::new()
@@ -94,7 +109,7 @@ impl LocalDaemons {
             .map_err(|e| e.to_string())?;
         let mut d = LocalDaemons {
             stop,
-            thread: Some(thread),
+            runner: Some(Runner::Thread(thread)),
             runtime_dir: None,
         };
         match rx.recv() {
@@ -112,8 +127,14 @@ impl LocalDaemons {
 
     fn shutdown(&mut self) {
         self.stop.store(true, Ordering::SeqCst);
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
+        match self.runner.take() {
+            Some(Runner::Process(mut p)) => {
+                p.stop();
+            }
+            Some(Runner::Thread(t)) => {
+                let _ = t.join();
+            }
+            None => {}
         }
         if let Some(dir) = self.runtime_dir.take() {
             let _ = std::fs::remove_dir_all(dir);
@@ -170,7 +191,7 @@ fn start_local_default(
     Err(LaunchError::Daemon(last))
 }
 
-fn describe(status: std::process::ExitStatus) -> (String, i32) {
+pub(super) fn describe(status: std::process::ExitStatus) -> (String, i32) {
     use std::os::unix::process::ExitStatusExt;
     match (status.code(), status.signal()) {
         (Some(c), _) => (format!("exited with status {c}"), c),
@@ -314,4 +335,28 @@ pub fn run(l: &Launch) -> Result<i32, LaunchError> {
     }
     drop(daemons);
     Ok(code)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_launcher_that_cannot_start_itself_runs_its_daemons_in_a_thread() {
+        // A test binary never calls `serve_if_asked`: starting it again would run the tests.
+        assert!(!daemon_process::can_spawn());
+        let (d, cfg) = start_local_default(2, None).unwrap();
+        assert!(matches!(d.runner, Some(Runner::Thread(_))));
+        for i in 0..2 {
+            assert!(health_check(&cfg.socket_path(i), Duration::from_secs(5)));
+        }
+        let dir = cfg.cluster.runtime_dir.clone();
+        assert!(dir.exists());
+        drop(d);
+        assert!(!dir.exists(), "the runtime directory outlived its daemons");
+        assert!(!health_check(
+            &cfg.socket_path(0),
+            Duration::from_millis(100)
+        ));
+    }
 }

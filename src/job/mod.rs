@@ -1,6 +1,7 @@
 //! Bootstrap: who am I in the job (rank, size, job id and key, my daemon, where every rank
 //! lives), read from the `SOFTNIC_*` environment the launcher sets; and the launchers.
 
+pub mod daemon_process;
 pub mod local;
 
 use std::path::PathBuf;

@@ -203,6 +203,26 @@ impl Daemons {
     pub fn path(&self) -> &Path {
         &self.config
     }
+
+    /// The daemons' process ids.
+    pub fn pids(&self) -> Vec<u32> {
+        self.children.iter().map(|c| c.id()).collect()
+    }
+
+    /// Sends `signal` to the first daemon and waits for it to end (killing it after 5 s).
+    pub fn signal_and_wait(mut self, signal: rustix::process::Signal) -> std::process::ExitStatus {
+        let mut c = self.children.remove(0);
+        rustix::process::kill_process(rustix::process::Pid::from_child(&c), signal).unwrap();
+        let t = std::time::Instant::now();
+        while t.elapsed() < std::time::Duration::from_secs(5) {
+            if let Some(st) = c.try_wait().unwrap() {
+                return st;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        let _ = c.kill();
+        c.wait().unwrap()
+    }
 }
 
 impl Drop for Daemons {

@@ -1,0 +1,165 @@
+//! The local daemons in a process of their own, single-threaded: in a process with more than
+//! one thread every socket call takes and drops a reference on the socket's file, measured
+//! +0.23 µs a blocking round trip (see [`crate::daemon::signals`]); a launcher has several.
+//!
+//! The launcher starts its own binary again with `SOFTNIC_LOCAL_DAEMON` set to its pid. That
+//! process reads the effective configuration (TOML) on stdin, starts the NICs of every host,
+//! answers one line on stdout (`ready`, or `error: …`), and runs until SIGTERM or until the
+//! launcher dies. Only binaries that call [`serve_if_asked`] first thing in `main` can be
+//! started so; any other launcher (a test binary) runs its daemons in a thread instead.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc};
+use std::time::{Duration, Instant};
+
+use rustix::process::{getppid, kill_process, set_parent_process_death_signal, Pid, Signal};
+
+use crate::config::Config;
+use crate::daemon::{signals, Daemon};
+
+/// Set in the daemon process's environment: the launcher's pid.
+pub const ENV: &str = "SOFTNIC_LOCAL_DAEMON";
+/// How long a starting daemon may take to answer.
+const START_WITHIN: Duration = Duration::from_secs(10);
+/// How long a stopping daemon may take before it is killed.
+const STOP_WITHIN: Duration = Duration::from_secs(2);
+
+static CAN_SERVE: AtomicBool = AtomicBool::new(false);
+
+/// Call first in `main`. Started as a launcher's daemon process: serves, and returns the exit
+/// code to exit with. Otherwise notes that this binary can be started so and returns `None`.
+pub fn serve_if_asked() -> Option<i32> {
+    let Ok(launcher) = std::env::var(ENV) else {
+        CAN_SERVE.store(true, Ordering::Relaxed);
+        return None;
+    };
+    crate::logging::init("warn");
+    Some(match serve(&launcher) {
+        Ok(()) => 0,
+        Err(e) => {
+            tracing::error!("local daemon: {e}");
+            1
+        }
+    })
+}
+
+/// Whether this binary can start its daemons as a process (it called [`serve_if_asked`]).
+pub(super) fn can_spawn() -> bool {
+    CAN_SERVE.load(Ordering::Relaxed)
+}
+
+fn answer(line: &str) {
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "{line}");
+    let _ = out.flush();
+}
+
+fn serve(launcher: &str) -> Result<(), String> {
+    // Dies with the launcher, even one killed by SIGKILL; and not started for a dead one.
+    set_parent_process_death_signal(Some(Signal::Term)).map_err(|e| e.to_string())?;
+    if getppid().map(|p| p.as_raw_nonzero().to_string()).as_deref() != Some(launcher) {
+        return Err("the launcher is gone".into());
+    }
+    let stop = Arc::new(AtomicBool::new(false));
+    signals::stop_on(&stop, &[libc::SIGTERM, libc::SIGHUP]).map_err(|e| e.to_string())?;
+    // Ctrl-C is the launcher's: it stops its ranks, then this process.
+    signals::ignore(libc::SIGINT).map_err(|e| e.to_string())?;
+    let mut text = String::new();
+    std::io::stdin()
+        .read_to_string(&mut text)
+        .map_err(|e| format!("reading the configuration: {e}"))?;
+    let started = Config::parse(&text)
+        .map_err(|e| e.to_string())
+        .and_then(|cfg| {
+            let all: Vec<u16> = (0..cfg.hosts.len() as u16).collect();
+            Daemon::new(&cfg, &all, stop).map_err(|e| e.to_string())
+        });
+    let mut d = match started {
+        Ok(d) => d,
+        Err(e) => {
+            // The launcher reports it (or tries another port): nothing more to say here.
+            answer(&format!("error: {e}"));
+            return Ok(());
+        }
+    };
+    answer("ready");
+    d.run().map_err(|e| e.to_string())
+}
+
+/// A running daemon process; stopped (SIGTERM, then SIGKILL) when dropped.
+pub(super) struct DaemonProcess {
+    child: Option<Child>,
+}
+
+impl DaemonProcess {
+    /// Starts this binary as the daemons of `cfg`; returns once they serve, or why not.
+    pub(super) fn start(cfg: &Config) -> Result<DaemonProcess, String> {
+        let exe = std::env::current_exe().map_err(|e| format!("cannot find this program: {e}"))?;
+        let child = Command::new(exe)
+            .env(ENV, std::process::id().to_string())
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .map_err(|e| format!("cannot start the daemon process: {e}"))?;
+        let mut p = DaemonProcess { child: Some(child) };
+        let child = p.child.as_mut().expect("just set");
+        let mut stdin = child.stdin.take().expect("piped");
+        let wrote = stdin.write_all(cfg.to_toml().as_bytes());
+        drop(stdin);
+        let stdout = child.stdout.take().expect("piped");
+        // Read in a thread so that a daemon that never answers cannot hang the launcher.
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            let mut line = String::new();
+            let _ = BufReader::new(stdout).read_line(&mut line);
+            let _ = tx.send(line);
+        });
+        let line = rx.recv_timeout(START_WITHIN);
+        match (wrote, line) {
+            (Ok(()), Ok(l)) if l.trim() == "ready" => Ok(p),
+            (_, Ok(l)) if l.starts_with("error: ") => {
+                p.stop();
+                Err(l["error: ".len()..].trim().to_string())
+            }
+            (_, Ok(_)) => {
+                let how = p.stop();
+                Err(format!("the daemon process {how} while starting"))
+            }
+            (_, Err(_)) => {
+                p.stop();
+                Err(format!(
+                    "the daemon process did not start within {} s",
+                    START_WITHIN.as_secs()
+                ))
+            }
+        }
+    }
+
+    /// Stops the process; says how it ended.
+    pub(super) fn stop(&mut self) -> String {
+        let Some(mut c) = self.child.take() else {
+            return "was stopped".into();
+        };
+        let _ = kill_process(Pid::from_child(&c), Signal::Term);
+        let t = Instant::now();
+        while t.elapsed() < STOP_WITHIN {
+            if let Ok(Some(st)) = c.try_wait() {
+                return super::local::describe(st).0;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        tracing::warn!("the daemon process did not stop within 2 s: killing it");
+        let _ = c.kill();
+        c.wait()
+            .map(|st| super::local::describe(st).0)
+            .unwrap_or_else(|e| e.to_string())
+    }
+}
+
+impl Drop for DaemonProcess {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
