@@ -165,21 +165,12 @@ fn daemons_run_in_one_single_threaded_process_that_ends_with_the_job() {
     }
     let dir = std::env::temp_dir().join(format!("softnic-test-daemon-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_softnic"))
-        .args(["run", "-n", "2", "--hosts", "2", "--"])
-        .arg(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            "daemons_run_in_one_single_threaded_process_that_ends_with_the_job",
-            "--nocapture",
-        ])
-        .env("SOFTNIC_TEST_PIDS", &dir)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    launch_ok_env(
+        "daemons_run_in_one_single_threaded_process_that_ends_with_the_job",
+        2,
+        2,
+        &[],
+        &[("SOFTNIC_TEST_PIDS", dir.to_str().unwrap())],
     );
     let pids: Vec<String> = std::fs::read_dir(&dir)
         .unwrap()

@@ -12,9 +12,9 @@ use std::io::{BufRead, BufReader, Read, Write};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use rustix::process::{getppid, kill_process, set_parent_process_death_signal, Pid, Signal};
+use rustix::process::{getppid, set_parent_process_death_signal, Signal};
 
 use crate::config::Config;
 use crate::daemon::{signals, Daemon};
@@ -23,8 +23,6 @@ use crate::daemon::{signals, Daemon};
 pub const ENV: &str = "SOFTNIC_LOCAL_DAEMON";
 /// How long a starting daemon may take to answer.
 const START_WITHIN: Duration = Duration::from_secs(10);
-/// How long a stopping daemon may take before it is killed.
-const STOP_WITHIN: Duration = Duration::from_secs(2);
 
 static CAN_SERVE: AtomicBool = AtomicBool::new(false);
 
@@ -97,18 +95,18 @@ impl DaemonProcess {
     /// Starts this binary as the daemons of `cfg`; returns once they serve, or why not.
     pub(super) fn start(cfg: &Config) -> Result<DaemonProcess, String> {
         let exe = std::env::current_exe().map_err(|e| format!("cannot find this program: {e}"))?;
-        let child = Command::new(exe)
+        let mut child = Command::new(exe)
             .env(ENV, std::process::id().to_string())
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()
             .map_err(|e| format!("cannot start the daemon process: {e}"))?;
+        let (mut stdin, stdout) = (child.stdin.take().expect("piped"), child.stdout.take());
         let mut p = DaemonProcess { child: Some(child) };
-        let child = p.child.as_mut().expect("just set");
-        let mut stdin = child.stdin.take().expect("piped");
         let wrote = stdin.write_all(cfg.to_toml().as_bytes());
+        // Closing stdin ends the configuration.
         drop(stdin);
-        let stdout = child.stdout.take().expect("piped");
+        let stdout = stdout.expect("piped");
         // Read in a thread so that a daemon that never answers cannot hang the launcher.
         let (tx, rx) = mpsc::channel();
         std::thread::spawn(move || {
@@ -137,21 +135,13 @@ impl DaemonProcess {
         }
     }
 
-    /// Stops the process; says how it ended.
+    /// Stops the process (see [`super::local::terminate`]); says how it ended.
     pub(super) fn stop(&mut self) -> String {
         let Some(mut c) = self.child.take() else {
             return "was stopped".into();
         };
-        let _ = kill_process(Pid::from_child(&c), Signal::Term);
-        let t = Instant::now();
-        while t.elapsed() < STOP_WITHIN {
-            if let Ok(Some(st)) = c.try_wait() {
-                return super::local::describe(st).0;
-            }
-            std::thread::sleep(Duration::from_millis(5));
-        }
-        tracing::warn!("the daemon process did not stop within 2 s: killing it");
-        let _ = c.kill();
+        super::local::terminate(&mut [&mut c]);
+        // Reaped already: `wait` returns the status it got.
         c.wait()
             .map(|st| super::local::describe(st).0)
             .unwrap_or_else(|e| e.to_string())

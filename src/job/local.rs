@@ -202,7 +202,12 @@ pub(super) fn describe(status: std::process::ExitStatus) -> (String, i32) {
 }
 
 fn kill_all(children: &mut [(u32, Child)]) {
-    for (_, c) in children.iter_mut() {
+    terminate(&mut children.iter_mut().map(|(_, c)| c).collect::<Vec<_>>());
+}
+
+/// Asks every child to stop (SIGTERM), kills those still running after 2 s, and reaps all.
+pub(super) fn terminate(children: &mut [&mut Child]) {
+    for c in children.iter_mut() {
         let _ = rustix::process::kill_process(
             rustix::process::Pid::from_child(c),
             rustix::process::Signal::Term,
@@ -212,13 +217,13 @@ fn kill_all(children: &mut [(u32, Child)]) {
     while t.elapsed() < Duration::from_secs(2) {
         if children
             .iter_mut()
-            .all(|(_, c)| matches!(c.try_wait(), Ok(Some(_))))
+            .all(|c| matches!(c.try_wait(), Ok(Some(_))))
         {
             return;
         }
         std::thread::sleep(Duration::from_millis(10));
     }
-    for (_, c) in children.iter_mut() {
+    for c in children.iter_mut() {
         let _ = c.kill();
         let _ = c.wait();
     }
