@@ -117,6 +117,7 @@ pub struct HostNic {
     /// Scratch for the payload of the Portals operation being started.
     pub(super) ptl_payload: Vec<u8>,
     pub(super) ptl_acks: super::portals::AckBatch,
+    pub(super) ptl_scratch: super::portals::MirrorScratch,
     /// An interface was reached (so its events or counts may have changed) or a ring still
     /// held unconsumed events at the last mirror: the next turn mirrors.
     pub(super) ptl_dirty: bool,
@@ -230,6 +231,7 @@ impl HostNic {
             ptl_asm: Default::default(),
             ptl_payload: Vec::new(),
             ptl_acks: Default::default(),
+            ptl_scratch: Default::default(),
             ptl_dirty: false,
             rx: vec![0; 65_536],
             cmd_buf: Vec::with_capacity(8192),

@@ -25,6 +25,16 @@ const PAYLOAD_KEEP: usize = 64 << 10;
 /// How long a Portals acknowledgement may wait to share a datagram (ns).
 const ACK_LAZY_NS: u64 = 10_000;
 
+/// What a mirror pass gathers, kept between passes (a pass that moves an event would
+/// otherwise allocate: one per blocking round trip).
+#[derive(Default)]
+pub struct MirrorScratch {
+    /// (job, rank) of processes that got something.
+    woken: Vec<(u32, u32)>,
+    /// One interface's changed counts.
+    cts: Vec<(u32, CtEvent)>,
+}
+
 /// Acknowledgements in full waiting to leave for one peer as one `PtlAcks` op: sent once the
 /// datagram that asked for them is served, or before anything else goes to that peer.
 #[derive(Default)]
@@ -676,8 +686,7 @@ impl HostNic {
             return false;
         }
         let mut moved = false;
-        let mut woken = Vec::new();
-        let mut cts = Vec::new();
+        let MirrorScratch { mut woken, mut cts } = std::mem::take(&mut self.ptl_scratch);
         for (&(job, rank), p) in self.portals.iter_mut() {
             let mut any = false;
             for s in p.nis.iter_mut().flatten() {
@@ -719,7 +728,7 @@ impl HostNic {
                 woken.push((job, rank));
             }
         }
-        for (job, rank) in woken {
+        for (job, rank) in woken.drain(..) {
             if let Ok(ep) = self.endpoints.get(job, rank) {
                 let slot = (ep.session & 0xffff_ffff) as usize;
                 if let Some(Some(s)) = self.sessions.get_mut(slot) {
@@ -729,6 +738,7 @@ impl HostNic {
                 }
             }
         }
+        self.ptl_scratch = MirrorScratch { woken, cts };
         moved
     }
 }
