@@ -3,7 +3,7 @@
 //! ```toml
 //! [cluster]
 //! secret = "<64 hex digits>"      # or secret_file = "/etc/softnic/key"
-//! transport = "udp"               # or "tcp"
+//! transport = "udp"               # or "tcp", or "packet" (raw Ethernet, needs CAP_NET_RAW)
 //! mtu = 1472
 //! peer_timeout_ms = 10000
 //! runtime_dir = "/tmp/softnic"    # attach sockets live here as <host>.sock
@@ -16,6 +16,9 @@
 //! [[host]]
 //! name = "h0"
 //! addr = "127.0.0.1:7700"
+//! # packet transport off loopback: the host's interface and MAC
+//! # interface = "eth0"
+//! # mac = "52:54:00:12:34:56"
 //! ```
 
 use std::net::SocketAddr;
@@ -47,6 +50,20 @@ pub enum TransportKind {
     #[default]
     Udp,
     Tcp,
+    /// Raw Ethernet frames through a shared receive ring ([`crate::transport::packet`]).
+    Packet,
+}
+
+impl TransportKind {
+    /// The local default's transport: packet where this process may open packet sockets
+    /// (the daemons it starts inherit that), else UDP.
+    pub fn best_local() -> TransportKind {
+        if crate::transport::packet::permitted() {
+            TransportKind::Packet
+        } else {
+            TransportKind::Udp
+        }
+    }
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -146,6 +163,27 @@ impl FaultArgs {
 pub struct Host {
     pub name: String,
     pub addr: SocketAddr,
+    /// Packet transport: the interface this host sends and receives on (default `lo` for a
+    /// loopback address).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub interface: Option<String>,
+    /// Packet transport: this host's MAC, `aa:bb:cc:dd:ee:ff` (derived from the address on
+    /// loopback).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mac: Option<String>,
+}
+
+fn parse_mac(s: &str) -> Option<[u8; 6]> {
+    let mut m = [0u8; 6];
+    let mut parts = s.split(':');
+    for b in m.iter_mut() {
+        let p = parts.next()?;
+        if p.len() != 2 {
+            return None;
+        }
+        *b = u8::from_str_radix(p, 16).ok()?;
+    }
+    parts.next().is_none().then_some(m)
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -193,7 +231,8 @@ impl Config {
             match v.as_str() {
                 "udp" => self.cluster.transport = TransportKind::Udp,
                 "tcp" => self.cluster.transport = TransportKind::Tcp,
-                _ => tracing::warn!("ignoring SOFTNIC_TRANSPORT={v}: expected udp or tcp"),
+                "packet" => self.cluster.transport = TransportKind::Packet,
+                _ => tracing::warn!("ignoring SOFTNIC_TRANSPORT={v}: expected udp, tcp or packet"),
             }
         }
         if let Some(v) = std::env::var("SOFTNIC_MTU")
@@ -257,6 +296,21 @@ impl Config {
                 return bad("fault.drop and fault.duplicate must be in [0, 1)".into());
             }
         }
+        for h in &self.hosts {
+            if let Some(m) = &h.mac {
+                if parse_mac(m).is_none() {
+                    return bad(format!(
+                        "host {}: mac {m:?} is not aa:bb:cc:dd:ee:ff",
+                        h.name
+                    ));
+                }
+            }
+        }
+        if self.cluster.transport == TransportKind::Packet {
+            for i in 0..self.hosts.len() {
+                self.packet_link(i as u16)?;
+            }
+        }
         if self.cluster.secret.is_none() && self.cluster.secret_file.is_none() {
             return bad("set cluster.secret or cluster.secret_file".into());
         }
@@ -282,6 +336,48 @@ impl Config {
             .position(|h| h.name == name)
             .map(|i| i as u16)
             .ok_or_else(|| ConfigError::Invalid(format!("no host named {name:?} in the config")))
+    }
+
+    /// Host `index`'s interface and every host's MAC, for the packet transport.
+    pub fn packet_link(
+        &self,
+        index: u16,
+    ) -> Result<crate::transport::packet::PacketLink, ConfigError> {
+        let me = &self.hosts[index as usize];
+        let interface = match (&me.interface, me.addr.ip().is_loopback()) {
+            (Some(i), _) => i.clone(),
+            (None, true) => "lo".into(),
+            (None, false) => {
+                return Err(ConfigError::Invalid(format!(
+                    "host {}: the packet transport needs its `interface` (off loopback)",
+                    me.name
+                )))
+            }
+        };
+        let macs = self
+            .hosts
+            .iter()
+            .map(|h| match (&h.mac, h.addr.ip().is_loopback()) {
+                (Some(m), _) => parse_mac(m)
+                    .ok_or_else(|| ConfigError::Invalid(format!("host {}: bad mac {m:?}", h.name))),
+                (None, true) => Ok(crate::transport::packet::loopback_mac(h.addr)),
+                (None, false) => Err(ConfigError::Invalid(format!(
+                    "host {}: the packet transport needs its `mac` (off loopback)",
+                    h.name
+                ))),
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        if let Some((i, _)) = macs
+            .iter()
+            .enumerate()
+            .find(|(i, m)| macs[..*i].contains(m))
+        {
+            return Err(ConfigError::Invalid(format!(
+                "host {}: its MAC is another host's too",
+                self.hosts[i].name
+            )));
+        }
+        Ok(crate::transport::packet::PacketLink { interface, macs })
     }
 
     pub fn socket_path(&self, host: u16) -> PathBuf {
@@ -311,6 +407,8 @@ impl Config {
                 .map(|i| Host {
                     name: format!("h{i}"),
                     addr: SocketAddr::from(([127, 0, 0, 2 + i as u8], base_port)),
+                    interface: None,
+                    mac: None,
                 })
                 .collect(),
         }
@@ -366,5 +464,39 @@ mod tests {
         c2.cluster.secret = Some("abc".into());
         assert!(c2.validate().unwrap_err().to_string().contains("64 hex"));
         assert!(Config::parse("not toml [").is_err());
+    }
+
+    #[test]
+    fn packet_links_come_from_loopback_addresses_or_the_config() {
+        let mut c = Config::local_default(2, 7700, "/tmp/x".into());
+        c.cluster.transport = TransportKind::Packet;
+        let l = c.packet_link(1).unwrap();
+        assert_eq!(l.interface, "lo");
+        assert_eq!(l.macs[1], [0x02, 0, 0, 3, 0x1e, 0x14]);
+        c.hosts[1].addr = "10.0.0.2:7700".parse().unwrap();
+        let e = c.validate().unwrap_err().to_string();
+        assert!(e.contains("h1") && e.contains("mac"), "{e}");
+        c.hosts[1].mac = Some("52:54:00:12:34:56".into());
+        let e = c.packet_link(1).unwrap_err().to_string();
+        assert!(e.contains("interface"), "{e}");
+        c.hosts[1].interface = Some("eth0".into());
+        assert_eq!(
+            c.packet_link(1).unwrap().macs[1],
+            [0x52, 0x54, 0, 0x12, 0x34, 0x56]
+        );
+        c.hosts[1].mac = Some("52:54:00:12:34".into());
+        assert!(c.validate().unwrap_err().to_string().contains("aa:bb"));
+        c.hosts[1].mac = Some(
+            crate::transport::packet::loopback_mac(c.hosts[0].addr)
+                .iter()
+                .map(|b| format!("{b:02x}"))
+                .collect::<Vec<_>>()
+                .join(":"),
+        );
+        assert!(c
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("another host"));
     }
 }

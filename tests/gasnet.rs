@@ -415,6 +415,32 @@ fn portals_conduit_under_datagram_loss() {
     );
 }
 
+/// The local default runs over the packet transport as root; the portals conduit's suites
+/// over the UDP transport, with the same faults, keep that path tested too.
+#[test]
+fn portals_conduit_over_the_udp_transport_under_datagram_loss() {
+    assert!(!in_job(), "this test only launches the others by name");
+    let faults = [
+        "--conduit",
+        "portals",
+        "--fault-drop",
+        "0.1",
+        "--fault-duplicate",
+        "0.05",
+        "--fault-seed",
+        "12",
+    ];
+    let env = [ENV_SEG, ("SOFTNIC_TRANSPORT", "udp")];
+    launch_ok_env("put_get_sizes_offsets_and_handles", 2, 2, &faults, &env);
+    launch_ok_env(
+        "long_payloads_up_to_the_maximum_both_ways",
+        2,
+        2,
+        &faults,
+        &env,
+    );
+}
+
 #[test]
 fn floods_of_requests_both_ways_without_polling_all_arrive() {
     if !in_job() {

@@ -244,3 +244,57 @@ fn a_pinned_daemon_publishes_its_core_and_a_blocked_rank_leaves_it() {
     .join()
     .unwrap();
 }
+
+/// Two softnicd processes over the packet transport (raw Ethernet frames on loopback): hostile
+/// frames addressed to a host's MAC — random bytes, a truncated datagram, an empty frame, one
+/// sealed with the wrong secret — are counted and dropped, and a job then runs across both.
+#[test]
+fn hostile_frames_on_the_packet_transport_are_dropped_and_counted() {
+    use softnic::transport::packet::{loopback_mac, PacketDriver, PacketLink};
+    if !softnic::transport::packet::permitted() {
+        eprintln!("skipped: packet sockets need CAP_NET_RAW (run as root, as CI does)");
+        return;
+    }
+    let d = Daemons::start_with(2, softnic::config::TransportKind::Packet);
+    assert!(d.stat().contains("packet"), "{}", d.stat());
+    // An intruder with an address (and so a MAC) of its own on the same loopback.
+    let me = std::net::SocketAddr::from(([127, 0, 0, 9], d.cfg.hosts[0].addr.port()));
+    let link = PacketLink {
+        interface: "lo".into(),
+        macs: vec![loopback_mac(d.cfg.hosts[0].addr), loopback_mac(me)],
+    };
+    let mut x = PacketDriver::open(me, 1, &link, 1472, None).unwrap();
+    x.send(
+        0,
+        &(0..200).map(|i| (i * 37 % 256) as u8).collect::<Vec<_>>(),
+    );
+    x.send(0, &[0x53, 0x4e, 1]);
+    x.send(0, &[]);
+    let mut t = softnic::transport::Transport::new(
+        1,
+        2,
+        softnic::wire::Key([9; 32]),
+        Default::default(),
+        1,
+    );
+    let op = softnic::wire::OpRef::PutAck {
+        h: Default::default(),
+        status: Status::Ok,
+    };
+    t.push_op(0, &op).unwrap();
+    t.flush(0);
+    let forged = t.poll_transmit(0).unwrap().1.to_vec();
+    x.send(0, &forged);
+    x.flush();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while d.counter("auth_failures") < 1 || d.counter("malformed_datagrams") < 3 {
+        assert!(
+            Instant::now() < deadline,
+            "garbage not counted:\n{}",
+            d.stat()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    d.run_job_ok("small_job_body", 2);
+    assert!(d.counter("packets_received") > 0);
+}

@@ -20,6 +20,7 @@ use crate::nic::memory::{Endpoints, Perms, Region};
 use crate::shm::attach::{self, Request, Response};
 use crate::shm::process_memory::ProcessMemory;
 use crate::shm::{Command, CommandKind, CqEntry, Mapping, CMD_IMPLICIT};
+use crate::transport::packet::PacketDriver;
 use crate::transport::tcp::TcpDriver;
 use crate::transport::udp::UdpDriver;
 use crate::transport::{Driver, PushError, Transport, TransportConfig, TransportEvent};
@@ -153,9 +154,19 @@ fn udp_sizes(rcvbuf: usize, mtu: usize, window: usize) -> (usize, usize) {
     (mtu, fits.clamp(MIN_WINDOW.min(window), window))
 }
 
+/// Datagram size and window for a packet driver: what a ring slot holds, and never more in
+/// flight than half the ring (peers share it), as for a UDP receive buffer.
+fn packet_sizes(d: &PacketDriver, mtu: usize, window: usize) -> (usize, usize) {
+    let fits = d.ring_slots() / 2;
+    (
+        mtu.min(d.max_datagram()),
+        fits.clamp(MIN_WINDOW.min(window), window),
+    )
+}
+
 impl HostNic {
     /// Starts host `index` of `cfg`. Its TCP sockets are registered with `registry` under
-    /// `token`; a UDP socket only while the daemon sleeps (see [`HostNic::arm`]).
+    /// `token`; a UDP or packet socket only while the daemon sleeps (see [`HostNic::arm`]).
     pub fn new(
         cfg: &Config,
         index: u16,
@@ -176,6 +187,20 @@ impl HostNic {
                 })?;
                 Driver::Udp(d)
             }
+            TransportKind::Packet => {
+                let link = cfg
+                    .packet_link(index)
+                    .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e.to_string()))?;
+                let d = PacketDriver::open(addr, index, &link, cfg.cluster.mtu, fault).map_err(
+                    |e| {
+                        io::Error::new(
+                            e.kind(),
+                            format!("cannot open a packet socket on {}: {e}", link.interface),
+                        )
+                    },
+                )?;
+                Driver::Packet(d)
+            }
             TransportKind::Tcp => Driver::Tcp(
                 TcpDriver::bind(addr, peers, fault, registry.try_clone()?, token).map_err(|e| {
                     io::Error::new(e.kind(), format!("cannot listen on TCP {addr}: {e}"))
@@ -184,6 +209,7 @@ impl HostNic {
         };
         let (mtu, window) = match &driver {
             Driver::Udp(d) => udp_sizes(d.recv_buffer(), cfg.cluster.mtu, cfg.cluster.window),
+            Driver::Packet(d) => packet_sizes(d, cfg.cluster.mtu, cfg.cluster.window),
             Driver::Tcp(_) => (cfg.cluster.mtu, cfg.cluster.window),
         };
         let tcfg = TransportConfig {
@@ -247,22 +273,36 @@ impl HostNic {
 
     // ------------------------------------------------------------------ the turn
 
-    /// Registers the UDP socket with epoll, before the daemon sleeps. Registering reports a
+    /// Registers the UDP socket (or packet socket) with epoll, before the daemon sleeps. Registering reports a
     /// socket that already holds datagrams, so nothing that came before is missed.
     pub fn arm(&mut self, registry: &mio::Registry) -> io::Result<()> {
-        if let (Driver::Udp(d), false) = (&mut self.driver, self.armed) {
-            registry.register(d.socket(), self.token, mio::Interest::READABLE)?;
-            self.armed = true;
+        if self.armed {
+            return Ok(());
         }
+        match &mut self.driver {
+            Driver::Udp(d) => registry.register(d.socket(), self.token, mio::Interest::READABLE)?,
+            Driver::Packet(d) => registry.register(
+                &mut mio::unix::SourceFd(&d.raw_fd()),
+                self.token,
+                mio::Interest::READABLE,
+            )?,
+            Driver::Tcp(_) => return Ok(()),
+        }
+        self.armed = true;
         Ok(())
     }
 
-    /// Takes the UDP socket out of epoll again once the daemon is awake.
+    /// Takes that socket out of epoll again once the daemon is awake.
     pub fn disarm(&mut self, registry: &mio::Registry) -> io::Result<()> {
-        if let (Driver::Udp(d), true) = (&mut self.driver, self.armed) {
-            registry.deregister(d.socket())?;
-            self.armed = false;
+        if !self.armed {
+            return Ok(());
         }
+        match &mut self.driver {
+            Driver::Udp(d) => registry.deregister(d.socket())?,
+            Driver::Packet(d) => registry.deregister(&mut mio::unix::SourceFd(&d.raw_fd()))?,
+            Driver::Tcp(_) => {}
+        }
+        self.armed = false;
         Ok(())
     }
 
@@ -274,7 +314,9 @@ impl HostNic {
             busy |= self.drain_commands(slot);
         }
         let counting = matches!(self.driver, Driver::Udp(_));
-        if self.rx_watch.start(busy, counting) {
+        // A packet ring is looked at every turn: a look is a read of memory, not a syscall.
+        let ring = matches!(self.driver, Driver::Packet(_));
+        if self.rx_watch.start(busy, counting) || ring {
             let mut rx = std::mem::take(&mut self.rx);
             for _ in 0..RX_BUDGET {
                 let Some(n) = self.driver.recv(&mut rx) else {
@@ -1225,6 +1267,7 @@ impl HostNic {
                 "host",
                 format!("{} (index {} of {})", self.name, self.index, self.nhosts),
             ),
+            ("transport", self.driver.name().to_string()),
             ("clients", clients.to_string()),
             ("packets_sent", t.datagrams_sent.to_string()),
             ("packets_received", t.datagrams_received.to_string()),
@@ -1243,6 +1286,7 @@ impl HostNic {
             ("send_would_block", d.send_would_block.to_string()),
             ("send_syscalls", d.send_syscalls.to_string()),
             ("recv_syscalls", d.recv_syscalls.to_string()),
+            ("rx_bad_frames", d.rx_bad_frames.to_string()),
             ("gemini_put_issued", s.cmd_put.to_string()),
             ("gemini_get_issued", s.cmd_get.to_string()),
             ("gemini_amo_issued", s.cmd_amo.to_string()),

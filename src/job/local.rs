@@ -15,7 +15,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use super::daemon_process::{self, DaemonProcess};
-use crate::config::{Config, ConfigError, Fault};
+use crate::config::{Config, ConfigError, Fault, TransportKind};
 use crate::daemon::Daemon;
 use crate::shm::attach::{self, Request, Response};
 
@@ -174,6 +174,7 @@ fn start_local_default(
         let dir = std::env::temp_dir().join(format!("softnic-{}-{tag:08x}", std::process::id()));
         let port = 20_000 + (rand::random::<u16>() % 40_000);
         let mut cfg = Config::local_default(hosts, port, dir.clone());
+        cfg.cluster.transport = TransportKind::best_local();
         cfg.fault = fault.clone();
         cfg.apply_env();
         std::fs::create_dir_all(&dir)?;

@@ -3,11 +3,12 @@
 //! [`reliable::Transport`] owns sequence numbers, acknowledgements, retransmission, the window,
 //! duplicate suppression and peer liveness for every peer of one host. It does no I/O and reads
 //! no clock: datagrams and the current time are fed in, datagrams to send are polled out. The
-//! drivers ([`udp`], [`tcp`]) move those datagrams over sockets; [`sim`] moves them through a
+//! drivers ([`udp`], [`tcp`], [`packet`]) move those datagrams over sockets; [`sim`] moves them through a
 //! seeded lossy network for tests.
 
 pub mod fault;
 mod lazy;
+pub mod packet;
 pub mod reliable;
 pub mod sim;
 pub mod tcp;
@@ -17,18 +18,29 @@ pub use reliable::{
     PushError, Received, Transport, TransportConfig, TransportEvent, TransportStats,
 };
 
-/// The socket layer under a host's transport: UDP (default) or TCP.
+/// The socket layer under a host's transport: UDP (default), TCP, or raw Ethernet frames.
 #[allow(clippy::large_enum_variant)] // one per host, built once, never moved on a hot path
 pub enum Driver {
     Udp(udp::UdpDriver),
     Tcp(tcp::TcpDriver),
+    Packet(packet::PacketDriver),
 }
 
 impl Driver {
+    /// The transport's name as configs spell it.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Driver::Udp(_) => "udp",
+            Driver::Tcp(_) => "tcp",
+            Driver::Packet(_) => "packet",
+        }
+    }
+
     pub fn send(&mut self, to: u16, bytes: &[u8]) {
         match self {
             Driver::Udp(d) => d.send(to, bytes),
             Driver::Tcp(d) => d.send(to, bytes),
+            Driver::Packet(d) => d.send(to, bytes),
         }
     }
 
@@ -36,14 +48,16 @@ impl Driver {
         match self {
             Driver::Udp(d) => d.recv(buf),
             Driver::Tcp(d) => d.recv(buf),
+            Driver::Packet(d) => d.recv(buf),
         }
     }
 
-    /// Whether more received data is likely waiting (TCP: always ask, reads are buffered).
+    /// Whether more received data is likely waiting (TCP: always ask, reads are buffered;
+    /// packet: always ask, asking is a look at memory).
     pub fn bursting(&self) -> bool {
         match self {
             Driver::Udp(d) => d.bursting(),
-            Driver::Tcp(_) => true,
+            Driver::Tcp(_) | Driver::Packet(_) => true,
         }
     }
 
@@ -51,7 +65,7 @@ impl Driver {
     pub fn buffered(&self) -> bool {
         match self {
             Driver::Udp(d) => d.buffered(),
-            Driver::Tcp(_) => true,
+            Driver::Tcp(_) | Driver::Packet(_) => true,
         }
     }
 
@@ -68,6 +82,7 @@ impl Driver {
         match self {
             Driver::Udp(d) => d.flush(),
             Driver::Tcp(d) => d.flush(),
+            Driver::Packet(d) => d.flush(),
         }
     }
 
@@ -75,6 +90,7 @@ impl Driver {
         match self {
             Driver::Udp(d) => &d.stats,
             Driver::Tcp(d) => &d.stats,
+            Driver::Packet(d) => &d.stats,
         }
     }
 }

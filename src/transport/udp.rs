@@ -33,6 +33,8 @@ pub struct DriverStats {
     pub send_errors: u64,
     pub send_syscalls: u64,
     pub recv_syscalls: u64,
+    /// Received frames skipped as malformed or too long (packet driver).
+    pub rx_bad_frames: u64,
 }
 
 /// Datagrams waiting to be sent to one peer in one `sendmmsg`.
