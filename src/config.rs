@@ -55,6 +55,15 @@ pub enum TransportKind {
 }
 
 impl TransportKind {
+    /// The name configs and `SOFTNIC_TRANSPORT` use.
+    pub fn name(self) -> &'static str {
+        match self {
+            TransportKind::Udp => "udp",
+            TransportKind::Tcp => "tcp",
+            TransportKind::Packet => "packet",
+        }
+    }
+
     /// The local default's transport: packet where this process may open packet sockets
     /// (the daemons it starts inherit that), else UDP.
     pub fn best_local() -> TransportKind {

@@ -148,6 +148,8 @@ pub struct Ctx {
     pub hosts: u32,
     pub job_id: u32,
     pub iters: usize,
+    /// The daemons' transport, from the job's config.
+    pub transport: Option<String>,
 }
 
 impl Ctx {
@@ -166,6 +168,11 @@ impl Ctx {
             ranks: self.size,
             hosts: self.hosts,
             iters: self.iters,
+            // Rows of the raw-UDP floor and of the udp conduit never touch the daemons.
+            transport: self
+                .transport
+                .clone()
+                .filter(|_| api != "raw-udp" && conduit != "raw-udp" && conduit != "udp"),
             ..Default::default()
         }
     }
@@ -196,6 +203,11 @@ fn main() -> anyhow::Result<()> {
         hosts,
         job_id: job.job_id,
         iters: args.iters,
+        transport: job
+            .config
+            .as_deref()
+            .and_then(|p| softnic::config::Config::load(p).ok())
+            .map(|c| c.cluster.transport.name().to_string()),
     };
     if args.api.as_deref() == Some("gasnet") {
         let conduit = args.conduit.clone().unwrap_or_else(|| "udp".into());

@@ -36,12 +36,19 @@ fn group(
     xy: impl Fn(&Row) -> Option<(f64, f64)>,
 ) -> Vec<Series> {
     let mut out: Vec<Series> = Vec::new();
+    // Where the daemons ran over more than one transport, lines say which.
+    let mut transports: Vec<&str> = rows.iter().filter_map(|r| r.transport.as_deref()).collect();
+    transports.sort_unstable();
+    transports.dedup();
     for r in rows.iter().filter(|r| keep(r)) {
         let Some(p) = xy(r) else { continue };
-        let who = match r.api == r.conduit {
+        let mut who = match r.api == r.conduit {
             true => r.api.clone(),
             false => format!("{}/{}", r.api, r.conduit),
         };
+        if let (Some(t), true) = (&r.transport, transports.len() > 1) {
+            who += &format!(" ({t})");
+        }
         let name = match &r.variant {
             Some(v) => format!("{who} {} {v}", r.op),
             None => format!("{who} {}", r.op),
@@ -316,6 +323,7 @@ mod tests {
             hosts: 2,
             job_id: 0,
             iters: 1,
+            transport: None,
         };
         Row {
             lat_us: Some(lat),
@@ -343,6 +351,38 @@ mod tests {
         );
         assert_eq!(put[1].name, "gni put");
         assert!(figs[1].series.is_empty(), "one get point is not a line");
+    }
+
+    #[test]
+    fn lines_name_the_transport_only_when_the_run_used_several() {
+        let over = |t: &str, size, lat| Row {
+            transport: Some(t.into()),
+            ..row("pingpong", "gasnet", "portals", "put_blocking", size, lat)
+        };
+        let rows = vec![
+            over("packet", 8, 6.0),
+            over("packet", 64, 6.5),
+            over("udp", 8, 8.0),
+            over("udp", 64, 8.5),
+        ];
+        let names: Vec<String> = figures(&rows)[0]
+            .series
+            .iter()
+            .map(|s| s.name.clone())
+            .collect();
+        assert_eq!(
+            names,
+            [
+                "gasnet/portals (packet) put_blocking",
+                "gasnet/portals (udp) put_blocking"
+            ]
+        );
+        let names: Vec<String> = figures(&rows[..2])[0]
+            .series
+            .iter()
+            .map(|s| s.name.clone())
+            .collect();
+        assert_eq!(names, ["gasnet/portals put_blocking"]);
     }
 
     #[test]

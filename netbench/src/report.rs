@@ -29,6 +29,9 @@ pub struct Row {
     /// How many rounds (`--rounds`) this row is the median of.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rounds: Option<u32>,
+    /// The daemons' transport (udp, tcp, packet) for rows whose traffic goes through them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub transport: Option<String>,
 }
 
 impl Row {
@@ -66,9 +69,21 @@ pub fn median_p99(samples: &mut [f64]) -> (f64, f64) {
 pub fn merge_rounds(rows: Vec<Row>) -> Vec<Row> {
     // Rows of one measurement differ only in their figures.
     let same = |a: &Row, b: &Row| {
-        (&a.bench, &a.api, &a.conduit, &a.op, &a.variant)
-            == (&b.bench, &b.api, &b.conduit, &b.op, &b.variant)
-            && (a.size, a.ranks, a.hosts) == (b.size, b.ranks, b.hosts)
+        (
+            &a.bench,
+            &a.api,
+            &a.conduit,
+            &a.op,
+            &a.variant,
+            &a.transport,
+        ) == (
+            &b.bench,
+            &b.api,
+            &b.conduit,
+            &b.op,
+            &b.variant,
+            &b.transport,
+        ) && (a.size, a.ranks, a.hosts) == (b.size, b.ranks, b.hosts)
     };
     let mut groups: Vec<Vec<Row>> = Vec::new();
     for r in rows {
@@ -131,10 +146,11 @@ pub fn print(rows: &[Row], json: bool) {
     }
     let mut t = String::new();
     t += &format!(
-        "{:<13} {:<8} {:<8} {:<29} {:>9} {:>5} {:>10} {:>10} {:>10} {:>9} {:>9} {:>6}\n",
+        "{:<13} {:<8} {:<8} {:<7} {:<29} {:>9} {:>5} {:>10} {:>10} {:>10} {:>9} {:>9} {:>6}\n",
         "bench",
         "api",
         "conduit",
+        "via",
         "op",
         "size",
         "ranks",
@@ -151,10 +167,11 @@ pub fn print(rows: &[Row], json: bool) {
             None => r.op.clone(),
         };
         t += &format!(
-            "{:<13} {:<8} {:<8} {:<29} {:>9} {:>5} {:>10} {:>10} {:>10} {:>9} {:>9} {:>6}\n",
+            "{:<13} {:<8} {:<8} {:<7} {:<29} {:>9} {:>5} {:>10} {:>10} {:>10} {:>9} {:>9} {:>6}\n",
             r.bench,
             r.api,
             r.conduit,
+            r.transport.as_deref().unwrap_or("-"),
             op,
             r.size,
             r.ranks,

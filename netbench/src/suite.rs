@@ -26,13 +26,31 @@ pub struct Step {
     pub api: String,
     pub conduit: Option<String>,
     pub ranks: u32,
+    /// Environment of the step's launcher (and so of its daemons and ranks).
+    pub env: Vec<(String, String)>,
 }
 
 /// The GASNet conduits, in the order compare runs them.
 const GASNET_CONDUITS: [&str; 2] = ["udp", "portals"];
 
+/// Whether the local default's daemons use the packet transport here.
+fn local_packet() -> bool {
+    match std::env::var("SOFTNIC_TRANSPORT") {
+        Ok(t) => t == "packet",
+        Err(_) => {
+            softnic::config::TransportKind::best_local() == softnic::config::TransportKind::Packet
+        }
+    }
+}
+
 /// The jobs `args` asks for.
 pub fn plan(args: &Args) -> anyhow::Result<Vec<Step>> {
+    plan_for(args, local_packet())
+}
+
+/// The jobs `args` asks for when the local default's transport is (or is not) packet: then
+/// compare also runs the portals conduit's ping-pongs over the UDP transport, beside.
+fn plan_for(args: &Args, packet: bool) -> anyhow::Result<Vec<Step>> {
     let api = args.api.clone().unwrap_or_else(|| "all".into());
     let conduit = args.conduit.clone();
     let step = |bench, api: &str, conduit: Option<&str>, ranks| Step {
@@ -44,6 +62,7 @@ pub fn plan(args: &Args) -> anyhow::Result<Vec<Step>> {
         api: api.into(),
         conduit: conduit.map(Into::into),
         ranks,
+        env: Vec::new(),
     };
     let gasnet_conduits: Vec<&str> = match conduit.as_deref() {
         None | Some("all") => GASNET_CONDUITS.to_vec(),
@@ -68,6 +87,12 @@ pub fn plan(args: &Args) -> anyhow::Result<Vec<Step>> {
             steps.push(step(Bench::Compare, "all", conduit.as_deref(), args.ranks));
             for c in &gasnet_conduits {
                 steps.push(step(Bench::Compare, "gasnet", Some(c), args.ranks));
+            }
+            if packet && gasnet_conduits.contains(&"portals") {
+                let mut s = step(Bench::Pingpong, "gasnet", Some("portals"), args.ranks);
+                s.label += " over the udp transport";
+                s.env = vec![("SOFTNIC_TRANSPORT".into(), "udp".into())];
+                steps.push(s);
             }
             for &r in args.ra_ranks.iter().filter(|&&r| r != args.ranks) {
                 steps.push(step(Bench::Randomaccess, "all", conduit.as_deref(), r));
@@ -207,7 +232,9 @@ fn run_step(
         hosts: args.hosts,
         program: program.to_path_buf().into(),
         args: step_args(args, s),
-        env: vec![(ROWS_ENV.into(), file.display().to_string())],
+        env: std::iter::once((ROWS_ENV.into(), file.display().to_string()))
+            .chain(s.env.iter().cloned())
+            .collect(),
         ..Default::default()
     };
     let code = softnic::job::local::run(&l).with_context(|| format!("launching {}", s.label))?;
@@ -237,23 +264,42 @@ mod tests {
     use super::*;
     use clap::Parser;
 
-    fn labels(cmd: &str) -> Vec<String> {
+    fn labels_for(cmd: &str, packet: bool) -> Vec<String> {
         let args = Args::try_parse_from(cmd.split_whitespace()).unwrap();
-        plan(&args).unwrap().into_iter().map(|s| s.label).collect()
+        plan_for(&args, packet)
+            .unwrap()
+            .into_iter()
+            .map(|s| s.label)
+            .collect()
+    }
+
+    fn labels(cmd: &str) -> Vec<String> {
+        labels_for(cmd, false)
     }
 
     #[test]
     fn compare_runs_every_api_and_conduit_and_gups_vs_ranks() {
+        let udp = [
+            "compare all ×2",
+            "compare gasnet/udp ×2",
+            "compare gasnet/portals ×2",
+            "randomaccess all ×4",
+            "randomaccess gasnet/udp ×4",
+            "randomaccess gasnet/portals ×4",
+        ];
+        assert_eq!(labels("netbench compare --ranks 2 --ra-ranks 2,4"), udp);
+        let packet = labels_for("netbench compare --ranks 2 --ra-ranks 2,4", true);
+        assert_eq!(packet[..3], udp[..3]);
         assert_eq!(
-            labels("netbench compare --ranks 2 --ra-ranks 2,4"),
-            [
-                "compare all ×2",
-                "compare gasnet/udp ×2",
-                "compare gasnet/portals ×2",
-                "randomaccess all ×4",
-                "randomaccess gasnet/udp ×4",
-                "randomaccess gasnet/portals ×4",
-            ]
+            packet[3],
+            "pingpong gasnet/portals ×2 over the udp transport"
+        );
+        assert_eq!(packet[4..], udp[3..]);
+        let args = Args::try_parse_from(["netbench", "compare"]).unwrap();
+        let s = &plan_for(&args, true).unwrap()[3];
+        assert_eq!(
+            s.env,
+            [("SOFTNIC_TRANSPORT".to_string(), "udp".to_string())]
         );
     }
 
