@@ -44,13 +44,13 @@ pub enum ConfigError {
     Invalid(String),
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
 pub enum TransportKind {
     #[default]
     Udp,
     Tcp,
-    /// Raw Ethernet frames through a shared receive ring ([`crate::transport::packet`]).
+    /// Raw Ethernet frames through a receive ring shared with the kernel (needs CAP_NET_RAW).
     Packet,
 }
 

@@ -203,14 +203,15 @@ fn softnicd_is_single_threaded_and_stops_on_sigterm_and_sigint() {
 }
 
 /// The local default's daemons use the packet transport where the launcher may open packet
-/// sockets (root, CAP_NET_RAW), else UDP; `SOFTNIC_TRANSPORT` overrides either way.
+/// sockets (root, CAP_NET_RAW), else UDP; `--transport` and `SOFTNIC_TRANSPORT` choose.
 #[test]
 fn local_default_picks_the_packet_transport_when_permitted() {
     if in_job() {
         let path = std::env::var("SOFTNIC_CONFIG").expect("the launcher names the config");
         let cfg = softnic::config::Config::load(std::path::Path::new(&path)).unwrap();
-        let want = match std::env::var("SOFTNIC_TRANSPORT").as_deref() {
+        let want = match std::env::var("WANT_TRANSPORT").as_deref() {
             Ok("udp") => softnic::config::TransportKind::Udp,
+            Ok("tcp") => softnic::config::TransportKind::Tcp,
             _ => softnic::config::TransportKind::best_local(),
         };
         assert_eq!(cfg.cluster.transport, want);
@@ -220,5 +221,13 @@ fn local_default_picks_the_packet_transport_when_permitted() {
     }
     let test = "local_default_picks_the_packet_transport_when_permitted";
     launch_ok(test, 2, 2, &[]);
-    launch_ok_env(test, 2, 2, &[], &[("SOFTNIC_TRANSPORT", "udp")]);
+    let want = |t| ("WANT_TRANSPORT", t);
+    launch_ok_env(
+        test,
+        2,
+        2,
+        &[],
+        &[("SOFTNIC_TRANSPORT", "udp"), want("udp")],
+    );
+    launch_ok_env(test, 2, 2, &["--transport", "tcp"], &[want("tcp")]);
 }

@@ -26,8 +26,8 @@ pub struct Step {
     pub api: String,
     pub conduit: Option<String>,
     pub ranks: u32,
-    /// Environment of the step's launcher (and so of its daemons and ranks).
-    pub env: Vec<(String, String)>,
+    /// The daemons' transport, when the step names one.
+    pub transport: Option<softnic::config::TransportKind>,
 }
 
 /// The GASNet conduits, in the order compare runs them.
@@ -62,7 +62,7 @@ fn plan_for(args: &Args, packet: bool) -> anyhow::Result<Vec<Step>> {
         api: api.into(),
         conduit: conduit.map(Into::into),
         ranks,
-        env: Vec::new(),
+        transport: None,
     };
     let gasnet_conduits: Vec<&str> = match conduit.as_deref() {
         None | Some("all") => GASNET_CONDUITS.to_vec(),
@@ -91,7 +91,7 @@ fn plan_for(args: &Args, packet: bool) -> anyhow::Result<Vec<Step>> {
             if packet && gasnet_conduits.contains(&"portals") {
                 let mut s = step(Bench::Pingpong, "gasnet", Some("portals"), args.ranks);
                 s.label += " over the udp transport";
-                s.env = vec![("SOFTNIC_TRANSPORT".into(), "udp".into())];
+                s.transport = Some(softnic::config::TransportKind::Udp);
                 steps.push(s);
             }
             for &r in args.ra_ranks.iter().filter(|&&r| r != args.ranks) {
@@ -232,9 +232,8 @@ fn run_step(
         hosts: args.hosts,
         program: program.to_path_buf().into(),
         args: step_args(args, s),
-        env: std::iter::once((ROWS_ENV.into(), file.display().to_string()))
-            .chain(s.env.iter().cloned())
-            .collect(),
+        env: vec![(ROWS_ENV.into(), file.display().to_string())],
+        transport: s.transport,
         ..Default::default()
     };
     let code = softnic::job::local::run(&l).with_context(|| format!("launching {}", s.label))?;
@@ -297,10 +296,7 @@ mod tests {
         assert_eq!(packet[4..], udp[3..]);
         let args = Args::try_parse_from(["netbench", "compare"]).unwrap();
         let s = &plan_for(&args, true).unwrap()[3];
-        assert_eq!(
-            s.env,
-            [("SOFTNIC_TRANSPORT".to_string(), "udp".to_string())]
-        );
+        assert_eq!(s.transport, Some(softnic::config::TransportKind::Udp));
     }
 
     #[test]

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use clap::{Parser, Subcommand};
-use softnic::config::{Config, FaultArgs};
+use softnic::config::{Config, FaultArgs, TransportKind};
 use softnic::job::local::{self, Launch};
 use softnic::shm::attach::{self, Request, Response};
 
@@ -36,6 +36,11 @@ enum Cmd {
         /// Conduit for GASNet programs (exported as SOFTNIC_CONDUIT).
         #[arg(long)]
         conduit: Option<String>,
+        /// The local default's transport between daemons (default: packet where this process
+        /// may open packet sockets, i.e. root or CAP_NET_RAW, else udp; SOFTNIC_TRANSPORT
+        /// overrides).
+        #[arg(long, value_enum, conflicts_with = "config")]
+        transport: Option<TransportKind>,
         /// Fault injection in the daemons started here.
         #[command(flatten)]
         faults: FaultArgs,
@@ -67,6 +72,7 @@ fn main() -> anyhow::Result<()> {
             config,
             attach,
             conduit,
+            transport,
             faults,
             program,
         } => {
@@ -78,6 +84,7 @@ fn main() -> anyhow::Result<()> {
                 config,
                 attach,
                 fault,
+                transport,
                 conduit,
                 program: program.next().expect("clap requires a program"),
                 args: program.collect(),

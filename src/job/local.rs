@@ -50,6 +50,9 @@ pub struct Launch {
     pub attach: bool,
     /// Fault injection for the daemons this launcher starts.
     pub fault: Option<Fault>,
+    /// The local default's transport (unset: packet where permitted, else UDP);
+    /// `SOFTNIC_TRANSPORT` overrides either.
+    pub transport: Option<TransportKind>,
     /// Exported to the ranks as SOFTNIC_CONDUIT.
     pub conduit: Option<String>,
     pub program: OsString,
@@ -167,6 +170,7 @@ pub fn health_check(path: &Path, within: Duration) -> bool {
 fn start_local_default(
     hosts: usize,
     fault: Option<Fault>,
+    transport: Option<TransportKind>,
 ) -> Result<(LocalDaemons, Config), LaunchError> {
     let mut last = String::new();
     for _ in 0..20 {
@@ -174,7 +178,7 @@ fn start_local_default(
         let dir = std::env::temp_dir().join(format!("softnic-{}-{tag:08x}", std::process::id()));
         let port = 20_000 + (rand::random::<u16>() % 40_000);
         let mut cfg = Config::local_default(hosts, port, dir.clone());
-        cfg.cluster.transport = TransportKind::best_local();
+        cfg.cluster.transport = transport.unwrap_or_else(TransportKind::best_local);
         cfg.fault = fault.clone();
         cfg.apply_env();
         std::fs::create_dir_all(&dir)?;
@@ -238,7 +242,7 @@ pub fn run(l: &Launch) -> Result<i32, LaunchError> {
     install_signal_handler();
     let (daemons, cfg, cfg_path) = match &l.config {
         None => {
-            let (d, c) = start_local_default(l.hosts, l.fault.clone())?;
+            let (d, c) = start_local_default(l.hosts, l.fault.clone(), l.transport)?;
             let p = c.cluster.runtime_dir.join("cluster.toml");
             (Some(d), c, p)
         }
@@ -352,7 +356,7 @@ mod tests {
     fn a_launcher_that_cannot_start_itself_runs_its_daemons_in_a_thread() {
         // A test binary never calls `serve_if_asked`: starting it again would run the tests.
         assert!(!daemon_process::can_spawn());
-        let (d, cfg) = start_local_default(2, None).unwrap();
+        let (d, cfg) = start_local_default(2, None, None).unwrap();
         assert!(matches!(d.runner, Some(Runner::Thread(_))));
         for i in 0..2 {
             assert!(health_check(&cfg.socket_path(i), Duration::from_secs(5)));
