@@ -125,7 +125,7 @@ pub struct PacketDriver {
     /// Whole frames (Ethernet header included) waiting for the next flush.
     tx: Vec<u8>,
     tx_lens: Vec<usize>,
-    /// The largest datagram a ring slot holds whole.
+    /// The largest datagram a ring slot holds whole and the interface carries.
     max_datagram: usize,
     _reserved: std::net::UdpSocket,
     fault: Option<FaultInjector>,
@@ -262,9 +262,14 @@ impl PacketDriver {
         let mut salt = [0u8; 8];
         salt[2..].copy_from_slice(&my_mac);
         let salt = u64::from_be_bytes(salt);
+        // A frame longer than the interface's MTU would be refused at every send.
+        let if_mtu = std::fs::read_to_string(format!("/sys/class/net/{}/mtu", link.interface))
+            .ok()
+            .and_then(|m| m.trim().parse::<usize>().ok())
+            .unwrap_or(1500);
         Ok(PacketDriver {
             fd,
-            max_datagram: slot - SLOT_OVERHEAD - ETH_HEADER,
+            max_datagram: (slot - SLOT_OVERHEAD - ETH_HEADER).min(if_mtu),
             ring,
             me,
             macs: link.macs.clone(),
@@ -281,7 +286,7 @@ impl PacketDriver {
         self.ring.slots
     }
 
-    /// The largest datagram a ring slot holds whole.
+    /// The largest datagram a ring slot holds whole and the interface carries.
     pub fn max_datagram(&self) -> usize {
         self.max_datagram
     }
