@@ -104,25 +104,40 @@ impl Daemons {
             std::process::id(),
             rand::random::<u32>()
         ));
-        std::fs::create_dir_all(&dir).unwrap();
         let port = 20_000 + rand::random::<u16>() % 40_000;
         let mut cfg = softnic::config::Config::local_default(hosts, port, dir.clone());
         cfg.cluster.transport = transport;
+        Self::start_config(cfg, &[])
+    }
+
+    /// Starts one softnicd per host of `cfg`, host `i` inside network namespace `netns[i]`
+    /// when given (`ip netns exec`).
+    pub fn start_config(cfg: softnic::config::Config, netns: &[String]) -> Daemons {
+        let dir = cfg.cluster.runtime_dir.clone();
+        std::fs::create_dir_all(&dir).unwrap();
         let config = dir.join("cluster.toml");
         std::fs::write(&config, cfg.to_toml()).unwrap();
         let children = cfg
             .hosts
             .iter()
-            .map(|h| {
-                Command::new(env!("CARGO_BIN_EXE_softnicd"))
-                    .arg("--config")
+            .enumerate()
+            .map(|(i, h)| {
+                let mut c = match netns.get(i) {
+                    Some(ns) => {
+                        let mut c = Command::new("ip");
+                        c.args(["netns", "exec", ns, env!("CARGO_BIN_EXE_softnicd")]);
+                        c
+                    }
+                    None => Command::new(env!("CARGO_BIN_EXE_softnicd")),
+                };
+                c.arg("--config")
                     .arg(&config)
                     .args(["--host", &h.name])
                     .spawn()
                     .expect("softnicd starts")
             })
             .collect();
-        for i in 0..hosts as u16 {
+        for i in 0..cfg.hosts.len() as u16 {
             assert!(
                 softnic::job::local::health_check(
                     &cfg.socket_path(i),
