@@ -18,14 +18,14 @@ use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU32, Ordering};
 
 use super::fault::FaultInjector;
-use super::udp::DriverStats;
+use super::udp::{count_send_error, send_all, DriverStats};
 use crate::config::Fault;
 
 /// softnic's EtherType (IEEE 802 local experimental 1).
 pub const ETHERTYPE: u16 = 0x88b5;
 /// Destination MAC, source MAC, EtherType.
 pub const ETH_HEADER: usize = 14;
-/// Frames per sendmmsg call.
+/// Frames queued before a flush is forced.
 const BATCH: usize = 32;
 /// Where the kernel puts a frame's Ethernet header in a ring slot (TPACKET_V2: the 32-byte
 /// slot header and a sockaddr_ll, aligned to 16 bytes, minus the header length), with room.
@@ -320,75 +320,17 @@ impl PacketDriver {
     /// Sends every queued frame: one `send`, or `sendmmsg` for several. A frame the device
     /// refuses counts as loss; the transport retransmits.
     pub fn flush(&mut self) {
-        if self.tx_lens.len() == 1 {
-            self.stats.send_syscalls += 1;
-            if let Err(e) = os(rustix::net::send(
-                &self.fd,
-                &self.tx,
-                rustix::net::SendFlags::DONTWAIT,
-            )) {
-                self.count_send_error(&e, 1);
-            }
-        } else if !self.tx_lens.is_empty() {
-            self.flush_batch();
+        if let Err((e, lost)) = send_all(
+            self.fd.as_raw_fd(),
+            &mut self.tx,
+            &self.tx_lens,
+            &mut self.stats,
+        ) {
+            count_send_error(&mut self.stats, &e, lost);
+            tracing::debug!("packet send failed: {e}");
         }
         self.tx.clear();
         self.tx_lens.clear();
-    }
-
-    fn count_send_error(&mut self, e: &io::Error, n: usize) {
-        if e.kind() == io::ErrorKind::WouldBlock {
-            self.stats.send_would_block += n as u64;
-        } else {
-            self.stats.send_errors += n as u64;
-            tracing::debug!("packet send failed: {e}");
-        }
-    }
-
-    fn flush_batch(&mut self) {
-        let mut iov = [libc::iovec {
-            iov_base: std::ptr::null_mut(),
-            iov_len: 0,
-        }; BATCH];
-        // SAFETY: an all-zero mmsghdr is a valid empty header.
-        let mut msgs: [libc::mmsghdr; BATCH] = unsafe { std::mem::zeroed() };
-        let (mut at, mut k) = (0, 0);
-        while k < self.tx_lens.len() {
-            let n = (self.tx_lens.len() - k).min(BATCH);
-            let mut off = at;
-            for j in 0..n {
-                iov[j] = libc::iovec {
-                    iov_base: self.tx[off..].as_mut_ptr() as *mut _,
-                    iov_len: self.tx_lens[k + j],
-                };
-                off += self.tx_lens[k + j];
-                msgs[j].msg_hdr.msg_iov = &mut iov[j];
-                msgs[j].msg_hdr.msg_iovlen = 1;
-            }
-            // SAFETY: msgs[..n] point at iovecs that point into `self.tx`, alive for the call.
-            let sent = unsafe {
-                libc::sendmmsg(
-                    self.fd.as_raw_fd(),
-                    msgs.as_mut_ptr(),
-                    n as u32,
-                    libc::MSG_DONTWAIT,
-                )
-            };
-            self.stats.send_syscalls += 1;
-            if sent <= 0 {
-                let e = io::Error::last_os_error();
-                if e.kind() == io::ErrorKind::Interrupted {
-                    continue;
-                }
-                let left = self.tx_lens.len() - k;
-                self.count_send_error(&e, left);
-                return;
-            }
-            for j in 0..sent as usize {
-                at += self.tx_lens[k + j];
-            }
-            k += sent as usize;
-        }
     }
 
     /// The next received datagram, copied into `out`; `None` when the ring holds none. A frame

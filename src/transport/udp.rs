@@ -77,6 +77,68 @@ fn size_buffers(s: &Socket) {
     }
 }
 
+/// Sends the datagrams `lens` cuts `data` into on `fd`: one `send`, or `sendmmsg` for several
+/// (a single datagram goes ~1 µs faster alone). On an error, how many were not sent.
+pub(super) fn send_all(
+    fd: std::os::fd::RawFd,
+    data: &mut [u8],
+    lens: &[usize],
+    stats: &mut DriverStats,
+) -> Result<(), (io::Error, usize)> {
+    if lens.len() == 1 {
+        stats.send_syscalls += 1;
+        // SAFETY: `data[..lens[0]]` is a live buffer for the call.
+        let r = unsafe { libc::send(fd, data.as_ptr() as *const _, lens[0], libc::MSG_DONTWAIT) };
+        return if r < 0 {
+            Err((io::Error::last_os_error(), 1))
+        } else {
+            Ok(())
+        };
+    }
+    let mut iov = [libc::iovec {
+        iov_base: std::ptr::null_mut(),
+        iov_len: 0,
+    }; BATCH];
+    // SAFETY: an all-zero mmsghdr is a valid empty header.
+    let mut msgs: [libc::mmsghdr; BATCH] = unsafe { std::mem::zeroed() };
+    let (mut at, mut k) = (0, 0);
+    while k < lens.len() {
+        let n = (lens.len() - k).min(BATCH);
+        let mut off = at;
+        for j in 0..n {
+            iov[j] = libc::iovec {
+                iov_base: data[off..].as_mut_ptr() as *mut _,
+                iov_len: lens[k + j],
+            };
+            off += lens[k + j];
+            msgs[j].msg_hdr.msg_iov = &mut iov[j];
+            msgs[j].msg_hdr.msg_iovlen = 1;
+        }
+        // SAFETY: msgs[..n] point at iovecs that point into `data`, alive for the call.
+        let sent = unsafe { libc::sendmmsg(fd, msgs.as_mut_ptr(), n as u32, libc::MSG_DONTWAIT) };
+        stats.send_syscalls += 1;
+        if sent <= 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err((e, lens.len() - k));
+        }
+        at += lens[k..k + sent as usize].iter().sum::<usize>();
+        k += sent as usize;
+    }
+    Ok(())
+}
+
+/// Counts `lost` datagrams a send refused: a full buffer, or another error.
+pub(super) fn count_send_error(stats: &mut DriverStats, e: &io::Error, lost: usize) {
+    if e.kind() == io::ErrorKind::WouldBlock {
+        stats.send_would_block += lost as u64;
+    } else {
+        stats.send_errors += lost as u64;
+    }
+}
+
 pub struct UdpDriver {
     sock: mio::net::UdpSocket,
     senders: Vec<Option<std::net::UdpSocket>>,
@@ -182,68 +244,10 @@ impl UdpDriver {
     fn flush_peer(&mut self, i: usize) {
         let Some(sock) = &self.senders[i] else { return };
         let b = &mut self.tx[i];
-        if b.lens.len() == 1 {
-            self.stats.send_syscalls += 1;
-            match sock.send(&b.data) {
-                Ok(_) => {}
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => self.stats.send_would_block += 1,
-                Err(e) => {
-                    self.stats.send_errors += 1;
-                    tracing::debug!("send to host {i} failed: {e}");
-                }
-            }
-            b.data.clear();
-            b.lens.clear();
-            return;
-        }
-        let mut iov = [libc::iovec {
-            iov_base: std::ptr::null_mut(),
-            iov_len: 0,
-        }; BATCH];
-        // SAFETY: an all-zero mmsghdr is a valid empty header.
-        let mut msgs: [libc::mmsghdr; BATCH] = unsafe { std::mem::zeroed() };
-        let mut at = 0;
-        let mut k = 0;
-        while k < b.lens.len() {
-            let n = (b.lens.len() - k).min(BATCH);
-            let mut off = at;
-            for j in 0..n {
-                iov[j] = libc::iovec {
-                    iov_base: b.data[off..].as_mut_ptr() as *mut _,
-                    iov_len: b.lens[k + j],
-                };
-                off += b.lens[k + j];
-                msgs[j].msg_hdr.msg_iov = &mut iov[j];
-                msgs[j].msg_hdr.msg_iovlen = 1;
-            }
-            // SAFETY: msgs[..n] point at iovecs that point into `b.data`, alive for the call.
-            let sent = unsafe {
-                libc::sendmmsg(
-                    sock.as_raw_fd(),
-                    msgs.as_mut_ptr(),
-                    n as u32,
-                    libc::MSG_DONTWAIT,
-                )
-            };
-            self.stats.send_syscalls += 1;
-            if sent <= 0 {
-                let e = io::Error::last_os_error();
-                if e.kind() == io::ErrorKind::Interrupted {
-                    continue;
-                }
-                if e.kind() == io::ErrorKind::WouldBlock {
-                    self.stats.send_would_block += (b.lens.len() - k) as u64;
-                } else {
-                    // ICMP-induced errors (a dead peer's closed port) are not fatal.
-                    self.stats.send_errors += (b.lens.len() - k) as u64;
-                    tracing::debug!("send to host {i} failed: {e}");
-                }
-                break;
-            }
-            for j in 0..sent as usize {
-                at += b.lens[k + j];
-            }
-            k += sent as usize;
+        if let Err((e, lost)) = send_all(sock.as_raw_fd(), &mut b.data, &b.lens, &mut self.stats) {
+            // ICMP-induced errors (a dead peer's closed port) are not fatal.
+            count_send_error(&mut self.stats, &e, lost);
+            tracing::debug!("send to host {i} failed: {e}");
         }
         b.data.clear();
         b.lens.clear();
