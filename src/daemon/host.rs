@@ -273,8 +273,8 @@ impl HostNic {
 
     // ------------------------------------------------------------------ the turn
 
-    /// Registers the UDP socket (or packet socket) with epoll, before the daemon sleeps. Registering reports a
-    /// socket that already holds datagrams, so nothing that came before is missed.
+    /// Registers the UDP (or packet) socket with epoll, before the daemon sleeps. Registering
+    /// reports a socket that already holds datagrams, so nothing that came before is missed.
     pub fn arm(&mut self, registry: &mio::Registry) -> io::Result<()> {
         if self.armed {
             return Ok(());
