@@ -370,12 +370,9 @@ fn barriers_with_ids_anonymous_and_mismatch() {
     g.barrier().unwrap();
 }
 
-/// The same suites over the portals conduit with the daemons dropping 10% of datagrams (and
-/// duplicating 5%): results stay exact.
-#[test]
-fn portals_conduit_under_datagram_loss() {
-    assert!(!in_job(), "this test only launches the others by name");
-    let faults = [
+/// Launcher flags: the portals conduit, daemons dropping 10% of datagrams and duplicating 5%.
+fn portals_with_faults(seed: &'static str) -> [&'static str; 8] {
+    [
         "--conduit",
         "portals",
         "--fault-drop",
@@ -383,8 +380,16 @@ fn portals_conduit_under_datagram_loss() {
         "--fault-duplicate",
         "0.05",
         "--fault-seed",
-        "11",
-    ];
+        seed,
+    ]
+}
+
+/// The same suites over the portals conduit with the daemons dropping 10% of datagrams (and
+/// duplicating 5%): results stay exact.
+#[test]
+fn portals_conduit_under_datagram_loss() {
+    assert!(!in_job(), "this test only launches the others by name");
+    let faults = portals_with_faults("11");
     launch_ok_env(
         "active_messages_every_category_and_argument_count",
         4,
@@ -420,16 +425,7 @@ fn portals_conduit_under_datagram_loss() {
 #[test]
 fn portals_conduit_over_the_udp_transport_under_datagram_loss() {
     assert!(!in_job(), "this test only launches the others by name");
-    let faults = [
-        "--conduit",
-        "portals",
-        "--fault-drop",
-        "0.1",
-        "--fault-duplicate",
-        "0.05",
-        "--fault-seed",
-        "12",
-    ];
+    let faults = portals_with_faults("12");
     let env = [ENV_SEG, ("SOFTNIC_TRANSPORT", "udp")];
     launch_ok_env("put_get_sizes_offsets_and_handles", 2, 2, &faults, &env);
     launch_ok_env(

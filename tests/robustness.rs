@@ -106,18 +106,8 @@ fn small_job_body() {
     launch_ok("small_job_body", 3, 2, &[]);
 }
 
-#[test]
-fn garbage_datagrams_are_dropped_and_counted() {
-    let d = Daemons::start(2);
-    let s = UdpSocket::bind("127.0.0.1:0").unwrap();
-    let target = d.cfg.hosts[0].addr;
-    // Random bytes, a truncated datagram, and a well-formed one sealed with the wrong secret.
-    s.send_to(
-        &(0..200).map(|i| (i * 37 % 256) as u8).collect::<Vec<_>>(),
-        target,
-    )
-    .unwrap();
-    s.send_to(&[0x53, 0x4e, 1], target).unwrap();
+/// Random bytes, a truncated datagram, and a well-formed one sealed with the wrong secret.
+fn hostile_datagrams() -> [Vec<u8>; 3] {
     let mut t = softnic::transport::Transport::new(
         1,
         2,
@@ -131,10 +121,17 @@ fn garbage_datagrams_are_dropped_and_counted() {
     };
     t.push_op(0, &op).unwrap();
     t.flush(0);
-    let forged = t.poll_transmit(0).unwrap().1.to_vec();
-    s.send_to(&forged, target).unwrap();
+    [
+        (0..200).map(|i| (i * 37 % 256) as u8).collect(),
+        vec![0x53, 0x4e, 1],
+        t.poll_transmit(0).unwrap().1.to_vec(),
+    ]
+}
+
+/// Waits (5 s at most) until the daemons counted that many forged and malformed datagrams.
+fn wait_counted(d: &Daemons, auth: u64, malformed: u64) {
     let deadline = Instant::now() + Duration::from_secs(5);
-    while d.counter("auth_failures") < 1 || d.counter("malformed_datagrams") < 2 {
+    while d.counter("auth_failures") < auth || d.counter("malformed_datagrams") < malformed {
         assert!(
             Instant::now() < deadline,
             "garbage not counted:\n{}",
@@ -142,6 +139,17 @@ fn garbage_datagrams_are_dropped_and_counted() {
         );
         std::thread::sleep(Duration::from_millis(20));
     }
+}
+
+#[test]
+fn garbage_datagrams_are_dropped_and_counted() {
+    let d = Daemons::start(2);
+    let s = UdpSocket::bind("127.0.0.1:0").unwrap();
+    let target = d.cfg.hosts[0].addr;
+    for g in hostile_datagrams() {
+        s.send_to(&g, target).unwrap();
+    }
+    wait_counted(&d, 1, 2);
     d.run_job_ok("small_job_body", 2);
 }
 
@@ -264,37 +272,12 @@ fn hostile_frames_on_the_packet_transport_are_dropped_and_counted() {
         macs: vec![loopback_mac(d.cfg.hosts[0].addr), loopback_mac(me)],
     };
     let mut x = PacketDriver::open(me, 1, &link, 1472, None).unwrap();
-    x.send(
-        0,
-        &(0..200).map(|i| (i * 37 % 256) as u8).collect::<Vec<_>>(),
-    );
-    x.send(0, &[0x53, 0x4e, 1]);
-    x.send(0, &[]);
-    let mut t = softnic::transport::Transport::new(
-        1,
-        2,
-        softnic::wire::Key([9; 32]),
-        Default::default(),
-        1,
-    );
-    let op = softnic::wire::OpRef::PutAck {
-        h: Default::default(),
-        status: Status::Ok,
-    };
-    t.push_op(0, &op).unwrap();
-    t.flush(0);
-    let forged = t.poll_transmit(0).unwrap().1.to_vec();
-    x.send(0, &forged);
-    x.flush();
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while d.counter("auth_failures") < 1 || d.counter("malformed_datagrams") < 3 {
-        assert!(
-            Instant::now() < deadline,
-            "garbage not counted:\n{}",
-            d.stat()
-        );
-        std::thread::sleep(Duration::from_millis(20));
+    for g in hostile_datagrams() {
+        x.send(0, &g);
     }
+    x.send(0, &[]);
+    x.flush();
+    wait_counted(&d, 1, 3);
     d.run_job_ok("small_job_body", 2);
     assert!(d.counter("packets_received") > 0);
 }

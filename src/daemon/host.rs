@@ -150,17 +150,21 @@ const MIN_MTU: usize = 1472;
 /// configured size (a jumbo `mtu` without root and with a small `rmem_max`), datagrams shrink.
 fn udp_sizes(rcvbuf: usize, mtu: usize, window: usize) -> (usize, usize) {
     let mtu = mtu.min((rcvbuf / (2 * MIN_WINDOW)).max(MIN_MTU));
-    let fits = rcvbuf / (2 * mtu);
-    (mtu, fits.clamp(MIN_WINDOW.min(window), window))
+    (mtu, window_within(rcvbuf / (2 * mtu), window))
+}
+
+/// The configured window, cut to the datagrams a receive buffer holds (`fits`, half of it:
+/// peers share it), never below `MIN_WINDOW`.
+fn window_within(fits: usize, window: usize) -> usize {
+    fits.clamp(MIN_WINDOW.min(window), window)
 }
 
 /// Datagram size and window for a packet driver: what a ring slot holds, and never more in
 /// flight than half the ring (peers share it), as for a UDP receive buffer.
 fn packet_sizes(d: &PacketDriver, mtu: usize, window: usize) -> (usize, usize) {
-    let fits = d.ring_slots() / 2;
     (
         mtu.min(d.max_datagram()),
-        fits.clamp(MIN_WINDOW.min(window), window),
+        window_within(d.ring_slots() / 2, window),
     )
 }
 
@@ -1267,7 +1271,7 @@ impl HostNic {
                 "host",
                 format!("{} (index {} of {})", self.name, self.index, self.nhosts),
             ),
-            ("transport", self.driver.name().to_string()),
+            ("transport", self.driver.kind().name().to_string()),
             ("clients", clients.to_string()),
             ("packets_sent", t.datagrams_sent.to_string()),
             ("packets_received", t.datagrams_received.to_string()),

@@ -1,10 +1,10 @@
 //! The launcher: `softnic run`. On the local default it starts the NICs of H simulated hosts
-//! (127.0.0.2, .3, …, one UDP socket each) in one single-threaded daemon process (the
-//! launcher's binary started again, see [`super::daemon_process`]; a launcher that cannot be
-//! started so runs them in a thread of its own), health-checks them, starts N ranks spread
-//! round-robin over the hosts, and stops everything at the end. A rank that fails or is killed
-//! ends the job with a message naming it; Ctrl-C ends it too; no process, socket or file is left
-//! behind.
+//! (127.0.0.2, .3, …, one socket each: packet where permitted, else UDP) in one
+//! single-threaded daemon process (the launcher's binary started again, see
+//! [`super::daemon_process`]; a launcher that cannot be started so runs them in a thread of its
+//! own), health-checks them, starts N ranks spread round-robin over the hosts, and stops
+//! everything at the end. A rank that fails or is killed ends the job with a message naming it;
+//! Ctrl-C ends it too; no process, socket or file is left behind.
 
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};

@@ -27,12 +27,12 @@ pub enum Driver {
 }
 
 impl Driver {
-    /// The transport's name as configs spell it.
-    pub fn name(&self) -> &'static str {
+    /// Which transport this driver is.
+    pub fn kind(&self) -> crate::config::TransportKind {
         match self {
-            Driver::Udp(_) => "udp",
-            Driver::Tcp(_) => "tcp",
-            Driver::Packet(_) => "packet",
+            Driver::Udp(_) => crate::config::TransportKind::Udp,
+            Driver::Tcp(_) => crate::config::TransportKind::Tcp,
+            Driver::Packet(_) => crate::config::TransportKind::Packet,
         }
     }
 

@@ -13,7 +13,7 @@
 
 use std::io;
 use std::net::SocketAddr;
-use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU32, Ordering};
 
@@ -54,14 +54,7 @@ pub fn loopback_mac(addr: SocketAddr) -> [u8; 6] {
 
 /// Whether this process may open packet sockets (CAP_NET_RAW).
 pub fn permitted() -> bool {
-    // SAFETY: plain socket(2); closed right away.
-    let fd = unsafe { libc::socket(libc::AF_PACKET, libc::SOCK_RAW | libc::SOCK_CLOEXEC, 0) };
-    if fd < 0 {
-        return false;
-    }
-    // SAFETY: `fd` is the descriptor just opened.
-    unsafe { libc::close(fd) };
-    true
+    packet_socket().is_ok()
 }
 
 /// Where a packet-transport host lives: its interface and every host's MAC.
@@ -132,8 +125,12 @@ pub struct PacketDriver {
     pub stats: DriverStats,
 }
 
-fn os<T>(r: rustix::io::Result<T>) -> io::Result<T> {
-    r.map_err(io::Error::from)
+/// A raw packet socket that receives nothing until bound to a protocol (close-on-exec,
+/// non-blocking).
+fn packet_socket() -> io::Result<socket2::Socket> {
+    let s = socket2::Socket::new(socket2::Domain::PACKET, socket2::Type::RAW, None)?;
+    s.set_nonblocking(true)?;
+    Ok(s)
 }
 
 fn setsockopt<T>(fd: &OwnedFd, level: i32, name: i32, v: &T) -> io::Result<()> {
@@ -179,28 +176,13 @@ impl PacketDriver {
         fault: Option<Fault>,
     ) -> io::Result<PacketDriver> {
         let reserved = std::net::UdpSocket::bind(addr)?;
-        let ifindex = os(rustix::net::netdevice::name_to_index(
-            &reserved,
-            &link.interface,
-        ))?;
+        let ifindex = rustix::net::netdevice::name_to_index(&reserved, &link.interface)?;
         let my_mac = *link
             .macs
             .get(me as usize)
             .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "no MAC for this host"))?;
         // Protocol 0: nothing is received before the ring and filter are in place and bound.
-        // SAFETY: plain socket(2); the descriptor is owned right away.
-        let raw = unsafe {
-            libc::socket(
-                libc::AF_PACKET,
-                libc::SOCK_RAW | libc::SOCK_CLOEXEC | libc::SOCK_NONBLOCK,
-                0,
-            )
-        };
-        if raw < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        // SAFETY: `raw` is a fresh descriptor nobody else owns.
-        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+        let fd = OwnedFd::from(packet_socket()?);
         setsockopt(&fd, libc::SOL_PACKET, libc::PACKET_VERSION, &TPACKET_V2)?;
         let slot = (mtu + ETH_HEADER + SLOT_OVERHEAD)
             .next_power_of_two()
