@@ -7,13 +7,11 @@
 //! wait on that core (see [`crate::shm::cores`]).
 
 mod host;
-mod portals;
 mod rx_watch;
 mod session;
 pub mod signals;
 
-pub use host::{HostNic, HostStats};
-pub use portals::MAX_NIS as PORTALS_MAX_NIS;
+pub use host::HostNic;
 pub use session::{CMD_RING_BYTES, CQ_ENTRIES};
 
 use std::io;
@@ -85,7 +83,7 @@ impl Daemon {
                 Token(base + 1),
                 Interest::READABLE,
             )?;
-            tracing::info!(host = %h.name, addr = %cfg.hosts[i as usize].addr, "NIC up");
+            tracing::info!(host = %h.core.name, addr = %cfg.hosts[i as usize].addr, "NIC up");
             hosts.push(h);
         }
         let all_here = (0..cfg.hosts.len() as u16).all(|i| indices.contains(&i));
@@ -218,7 +216,7 @@ impl Daemon {
             let next = self
                 .hosts
                 .iter()
-                .filter_map(|h| h.transport.next_timeout())
+                .filter_map(|h| h.core.next_deadline())
                 .min();
             let wait = next
                 .map_or(50_000_000, |t| t.saturating_sub(now))

@@ -133,7 +133,7 @@ impl Portals {
     pub fn from_nic(nic: Nic) -> Portals {
         Portals {
             nic,
-            nis: (0..crate::daemon::PORTALS_MAX_NIS).map(|_| None).collect(),
+            nis: (0..crate::nic::host::MAX_NIS).map(|_| None).collect(),
             scratch: Vec::with_capacity(256),
         }
     }

@@ -62,12 +62,20 @@ pub struct TransportStats {
     pub datagrams_received: u64,
     pub bytes_received: u64,
     pub retransmits: u64,
+    /// Retransmissions sent before any timer ran out (selective acknowledgements showed a hole).
+    pub fast_retransmits: u64,
+    /// Retransmission timers that ran out.
+    pub timeouts: u64,
     pub duplicates: u64,
     pub out_of_window: u64,
     pub acks_sent: u64,
     pub auth_failures: u64,
     pub malformed: u64,
+    /// Authenticated datagrams of a past incarnation (ours or the peer's): dropped.
+    pub stale: u64,
     pub peers_declared_dead: u64,
+    /// Peers seen to come back as a new incarnation.
+    pub peer_restarts: u64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -1,6 +1,6 @@
-//! softnicd's Portals glue: the interfaces of each attached process, the calls they make
-//! through the command ring, Portals messages to and from peers, triggered operations, and the
-//! mirroring of event queues and counting events into the processes' memory.
+//! The Portals engine's glue in the host core: the interfaces of each attached process, the
+//! calls they make through the command ring, Portals messages to and from peers, triggered
+//! operations, and the delivery of event queues and counting events into the processes' memory.
 
 use rustc_hash::FxHashMap as HashMap;
 
@@ -18,7 +18,8 @@ use crate::shm::CqEntry;
 use crate::transport::PushError;
 use crate::wire::{ptl_acks, push_ptl_ack, OpHeader, OpKind, OpRef, PtlHeader, PTL_ACK_LEN};
 
-use super::host::{Flow, HostNic, OutItem};
+use super::gemini::OutItem;
+use super::{Flow, HostCore};
 
 /// The start scratch buffer is kept up to this capacity (small operations reuse it).
 const PAYLOAD_KEEP: usize = 64 << 10;
@@ -80,7 +81,7 @@ pub struct PortalsProc {
     nis: [Option<NiState>; MAX_NIS],
 }
 
-impl HostNic {
+impl HostCore {
     fn region_of(&self, job: u32, rank: u32, id: u32) -> Result<Region, PtlError> {
         self.endpoints
             .region(job, rank, id)
@@ -730,12 +731,7 @@ impl HostNic {
         }
         for (job, rank) in woken.drain(..) {
             if let Ok(ep) = self.endpoints.get(job, rank) {
-                let slot = (ep.session & 0xffff_ffff) as usize;
-                if let Some(Some(s)) = self.sessions.get_mut(slot) {
-                    if let Some(a) = s.attached.as_mut() {
-                        a.rung = true;
-                    }
-                }
+                self.wakes.push(ep.session);
             }
         }
         self.ptl_scratch = MirrorScratch { woken, cts };

@@ -1,0 +1,532 @@
+//! The Gemini engine's glue in the host core: commands of attached processes become FMA/BTE
+//! wire ops, ops from peers are served against registered memory, replies and bulk streams
+//! wait in per-peer queues for room in the transport.
+
+use crate::nic::gemini::{serve, Completion, Pending, PendingKind, Reply, TargetAction};
+use crate::nic::memory::{Endpoints, Region};
+use crate::shm::{Command, CommandKind, CMD_IMPLICIT};
+use crate::transport::PushError;
+use crate::wire::{AmoOp, OpHeader, OpIter, OpKind, OpRef, Status};
+
+use super::{Flow, HostCore};
+
+/// How many ops ahead of the one being served an atomic's target is prefetched.
+const PREFETCH_AHEAD: usize = 8;
+
+/// An outbound item waiting for room in the transport (kept in order per peer).
+pub(super) enum OutItem {
+    Reply(Reply),
+    Stream(Stream),
+    /// An op owned in encoded form (Portals requests and responses that found no room).
+    Encoded(Vec<u8>),
+}
+
+/// Bulk data streamed from a region as fragments: a BTE put or a get reply.
+pub(super) struct Stream {
+    kind: StreamKind,
+    h: OpHeader,
+    src: Region,
+    src_off: u64,
+    len: u64,
+    sent: u64,
+    started: bool,
+}
+
+pub(super) enum StreamKind {
+    Put {
+        region: u32,
+        dst_off: u64,
+        lazy_ack: bool,
+    },
+    GetReply,
+}
+
+impl HostCore {
+    pub(super) fn complete(&mut self, session: u64, client_req: u64, status: Status, value: u64) {
+        self.completions.push(Completion {
+            session,
+            client_req,
+            status,
+            value,
+        });
+    }
+
+    pub(super) fn command(
+        &mut self,
+        session: u64,
+        job: u32,
+        rank: u32,
+        c: &Command,
+        inline: &[u8],
+    ) -> Flow {
+        match c.kind {
+            CommandKind::PutInline | CommandKind::PutFrom => self.stats.cmd_put += 1,
+            CommandKind::Get => self.stats.cmd_get += 1,
+            CommandKind::Amo | CommandKind::AmoScatter => self.stats.cmd_amo += 1,
+            CommandKind::Portals => {
+                self.stats.cmd_portals += 1;
+                return self.ptl_command(session, job, rank, c.client_req, inline);
+            }
+        }
+        if c.host >= self.nhosts {
+            self.complete(session, c.client_req, Status::BadRequest, 0);
+            return Flow::Done;
+        }
+        let h = OpHeader {
+            job,
+            src_rank: rank,
+            dst_rank: c.rank,
+            req: 0,
+        };
+        if c.host == self.index {
+            self.stats.local_ops += 1;
+            let (status, value) = self.local(h, c, inline);
+            self.complete(session, c.client_req, status, value);
+            return Flow::Done;
+        }
+        let host = c.host;
+        match self.transport.can_push(host) {
+            Err(PushError::Full(_)) => return Flow::Backpressure,
+            Err(_) => {
+                self.complete(session, c.client_req, Status::PeerDead, 0);
+                return Flow::Done;
+            }
+            Ok(()) => {}
+        }
+        if !self.out[host as usize].is_empty() {
+            return Flow::Backpressure;
+        }
+        // The local side of BTE puts and gets must be this client's own registered memory.
+        let local = match c.kind {
+            CommandKind::PutFrom | CommandKind::Get => {
+                match self
+                    .endpoints
+                    .region(job, rank, c.local_region)
+                    .and_then(|r| r.check_local(c.local_off, c.len).map(|_| r.clone()))
+                    // BTE streams straight from and into mapped memory.
+                    .and_then(|r| r.is_mapped().then_some(r).ok_or(Status::Permission))
+                {
+                    Ok(r) => Some(r),
+                    Err(s) => {
+                        self.complete(session, c.client_req, s, 0);
+                        return Flow::Done;
+                    }
+                }
+            }
+            _ => None,
+        };
+        let pending = |kind| Pending {
+            session,
+            client_req: c.client_req,
+            host,
+            kind,
+        };
+        match c.kind {
+            // Served before any host routing (see the top of `command`).
+            CommandKind::Portals => {}
+            CommandKind::PutInline => {
+                let max = OpRef::max_data(OpKind::Put, self.transport.body_capacity());
+                let frags = inline.len().div_ceil(max).max(1);
+                if self.transport.queued_space(host) < frags + 1 {
+                    return Flow::Backpressure;
+                }
+                let req = self.initiator.start(pending(PendingKind::Put));
+                let h = OpHeader { req, ..h };
+                let mut off = 0;
+                loop {
+                    let n = (inline.len() - off).min(max);
+                    let op = OpRef::Put {
+                        h,
+                        region: c.remote_region,
+                        offset: c.remote_off + off as u64,
+                        total_off: c.remote_off,
+                        total_len: inline.len() as u64,
+                        last: off + n == inline.len(),
+                        lazy_ack: c.flags & CMD_IMPLICIT != 0,
+                        data: &inline[off..off + n],
+                    };
+                    if let Err(e) = self.transport.push_op(host, &op) {
+                        tracing::error!("push after reserving room failed: {e}");
+                        if let Some(done) = self.initiator.complete(req, Status::PeerDead, 0) {
+                            self.completions.push(done);
+                        }
+                        break;
+                    }
+                    off += n;
+                    if off == inline.len() {
+                        break;
+                    }
+                }
+            }
+            CommandKind::PutFrom => {
+                let req = self.initiator.start(pending(PendingKind::Put));
+                self.out[host as usize].push_back(OutItem::Stream(Stream {
+                    kind: StreamKind::Put {
+                        region: c.remote_region,
+                        dst_off: c.remote_off,
+                        lazy_ack: c.flags & CMD_IMPLICIT != 0,
+                    },
+                    h: OpHeader { req, ..h },
+                    src: local.expect("checked above"),
+                    src_off: c.local_off,
+                    len: c.len,
+                    sent: 0,
+                    started: false,
+                }));
+            }
+            CommandKind::Get => {
+                let region = local.expect("checked above");
+                let req = self.initiator.start(pending(PendingKind::Get {
+                    region,
+                    offset: c.local_off,
+                    len: c.len,
+                }));
+                let op = OpRef::Get {
+                    h: OpHeader { req, ..h },
+                    region: c.remote_region,
+                    offset: c.remote_off,
+                    len: c.len,
+                };
+                self.push_or_fail(host, req, &op);
+            }
+            CommandKind::AmoScatter => {
+                let amo = AmoOp::from_u8(c.amo).expect("decode checked the AMO");
+                let max =
+                    OpRef::max_data(OpKind::AmoScatter, self.transport.body_capacity()) / 16 * 16;
+                let frags = inline.len().div_ceil(max).max(1);
+                if self.transport.queued_space(host) < frags + 1 {
+                    return Flow::Backpressure;
+                }
+                let req = self.initiator.start(pending(PendingKind::Amo));
+                let h = OpHeader { req, ..h };
+                let mut chunks = inline.chunks(max).peekable();
+                loop {
+                    let pairs = chunks.next().unwrap_or(&[]);
+                    let last = chunks.peek().is_none();
+                    let op = OpRef::AmoScatter {
+                        h,
+                        region: c.remote_region,
+                        op: amo,
+                        last,
+                        pairs,
+                    };
+                    if self.transport.push_op(host, &op).is_err() {
+                        if let Some(done) = self.initiator.complete(req, Status::PeerDead, 0) {
+                            self.completions.push(done);
+                        }
+                        break;
+                    }
+                    if last {
+                        break;
+                    }
+                }
+            }
+            CommandKind::Amo => {
+                let amo = AmoOp::from_u8(c.amo).expect("decode checked the AMO");
+                let req = self.initiator.start(pending(PendingKind::Amo));
+                let op = OpRef::Amo {
+                    h: OpHeader { req, ..h },
+                    region: c.remote_region,
+                    op: amo,
+                    offset: c.remote_off,
+                    operand: c.operand,
+                    operand2: c.operand2,
+                };
+                self.push_or_fail(host, req, &op);
+            }
+        }
+        Flow::Done
+    }
+
+    fn push_or_fail(&mut self, host: u16, req: u64, op: &OpRef<'_>) {
+        if self.transport.push_op(host, op).is_err() {
+            if let Some(done) = self.initiator.complete(req, Status::PeerDead, 0) {
+                self.completions.push(done);
+            }
+        }
+    }
+
+    /// Executes a command whose target is on this host, without the network.
+    fn local(&mut self, h: OpHeader, c: &Command, inline: &[u8]) -> (Status, u64) {
+        let own = |eps: &Endpoints| {
+            eps.region(h.job, h.src_rank, c.local_region)
+                .and_then(|r| r.check_local(c.local_off, c.len).map(|_| r.clone()))
+        };
+        fn put<'a>(h: OpHeader, c: &Command, data: &'a [u8]) -> OpRef<'a> {
+            OpRef::Put {
+                h,
+                region: c.remote_region,
+                offset: c.remote_off,
+                total_off: c.remote_off,
+                total_len: data.len() as u64,
+                last: true,
+                lazy_ack: false,
+                data,
+            }
+        }
+        let action = match c.kind {
+            CommandKind::Portals => return (Status::BadRequest, 0),
+            CommandKind::PutInline => serve(&self.endpoints, &put(h, c, inline)),
+            CommandKind::PutFrom => {
+                let src = match own(&self.endpoints) {
+                    Ok(r) => r,
+                    Err(s) => return (s, 0),
+                };
+                match src.read(c.local_off, c.len as usize) {
+                    Ok(data) => serve(&self.endpoints, &put(h, c, &data)),
+                    Err(s) => return (s, 0),
+                }
+            }
+            CommandKind::Get => {
+                let dst = match own(&self.endpoints) {
+                    Ok(r) => r,
+                    Err(s) => return (s, 0),
+                };
+                match serve(
+                    &self.endpoints,
+                    &OpRef::Get {
+                        h,
+                        region: c.remote_region,
+                        offset: c.remote_off,
+                        len: c.len,
+                    },
+                ) {
+                    TargetAction::StreamGet {
+                        region,
+                        offset,
+                        len,
+                        ..
+                    } => {
+                        let moved = region
+                            .read(offset, len as usize)
+                            .and_then(|d| dst.write(c.local_off, &d));
+                        return (moved.err().unwrap_or(Status::Ok), 0);
+                    }
+                    other => other,
+                }
+            }
+            CommandKind::AmoScatter => {
+                let op = AmoOp::from_u8(c.amo).expect("decode checked the AMO");
+                serve(
+                    &self.endpoints,
+                    &OpRef::AmoScatter {
+                        h,
+                        region: c.remote_region,
+                        op,
+                        last: true,
+                        pairs: inline,
+                    },
+                )
+            }
+            CommandKind::Amo => {
+                let op = AmoOp::from_u8(c.amo).expect("decode checked the AMO");
+                serve(
+                    &self.endpoints,
+                    &OpRef::Amo {
+                        h,
+                        region: c.remote_region,
+                        op,
+                        offset: c.remote_off,
+                        operand: c.operand,
+                        operand2: c.operand2,
+                    },
+                )
+            }
+        };
+        match action {
+            TargetAction::Reply(Reply::PutAck { status, .. })
+            | TargetAction::Reply(Reply::GetError { status, .. }) => (status, 0),
+            TargetAction::Reply(Reply::AmoReply { status, value, .. }) => (status, value),
+            _ => (Status::BadRequest, 0),
+        }
+    }
+
+    pub(super) fn on_body(&mut self, now: u64, peer: u16, body: &[u8]) {
+        // Atomics a few ops ahead have their target words loaded while this one is served.
+        let mut ahead = OpIter::new(body).skip(PREFETCH_AHEAD);
+        for op in OpIter::new(body) {
+            if let Some(Ok(next)) = ahead.next() {
+                self.ptl_prefetch(&next);
+            }
+            match op {
+                Ok(op) => self.on_op(now, peer, &op),
+                Err(e) => {
+                    self.stats.malformed_ops += 1;
+                    tracing::warn!(host = %self.name, peer, "malformed op from an authenticated peer: {e}");
+                }
+            }
+        }
+        self.ptl_flush_acks();
+    }
+
+    fn on_op(&mut self, now: u64, peer: u16, op: &OpRef<'_>) {
+        match op {
+            OpRef::PtlReq { .. } | OpRef::PtlResp { .. } | OpRef::PtlAcks { .. } => {
+                self.ptl_on_op(now, peer, op)
+            }
+            // Active Messages travel between udp-conduit processes, never to a daemon.
+            OpRef::Am { .. } => self.stats.malformed_ops += 1,
+            OpRef::Put { .. }
+            | OpRef::Get { .. }
+            | OpRef::Amo { .. }
+            | OpRef::AmoScatter { .. } => {
+                match op {
+                    OpRef::Put { .. } => self.stats.served_put += 1,
+                    OpRef::Get { .. } => self.stats.served_get += 1,
+                    _ => self.stats.served_amo += 1,
+                }
+                match serve(&self.endpoints, op) {
+                    TargetAction::None => {}
+                    TargetAction::Reply(r) => self.send_reply(now, peer, r),
+                    TargetAction::StreamGet {
+                        h,
+                        region,
+                        offset,
+                        len,
+                    } => {
+                        self.out[peer as usize].push_back(OutItem::Stream(Stream {
+                            kind: StreamKind::GetReply,
+                            h,
+                            src: region,
+                            src_off: offset,
+                            len,
+                            sent: 0,
+                            started: false,
+                        }));
+                    }
+                }
+            }
+            OpRef::PutAck { h, .. } | OpRef::GetReply { h, .. } | OpRef::AmoReply { h, .. } => {
+                // Only the host we sent the request to may answer it.
+                if self.initiator.get(h.req).is_some_and(|p| p.host == peer) {
+                    if let Some(c) = self.initiator.on_reply(op) {
+                        self.completions.push(c);
+                    }
+                }
+            }
+        }
+    }
+
+    fn send_reply(&mut self, now: u64, peer: u16, r: Reply) {
+        if self.out[peer as usize].is_empty() {
+            let pushed = match r {
+                Reply::PutAck { lazy: true, .. } => {
+                    self.transport.push_op_lazy(peer, &r.as_op(), now)
+                }
+                _ => self.transport.push_op(peer, &r.as_op()),
+            };
+            match pushed {
+                Ok(()) => return,
+                Err(PushError::Full(_)) => {}
+                Err(_) => return, // a dead peer is not waiting for answers
+            }
+        }
+        self.out[peer as usize].push_back(OutItem::Reply(r));
+    }
+
+    /// Moves queued replies and stream fragments into the transport while it has room.
+    pub(super) fn drain_out(&mut self, peer: u16) {
+        let p = peer as usize;
+        while let Some(item) = self.out[p].front_mut() {
+            match item {
+                OutItem::Encoded(b) => {
+                    let pushed = match OpRef::decode(b) {
+                        Ok((op, _)) => self.transport.push_op(peer, &op),
+                        Err(_) => Ok(()), // our own encoding: cannot happen; drop it
+                    };
+                    match pushed {
+                        Err(PushError::Full(_)) => return,
+                        _ => {
+                            self.out[p].pop_front();
+                        }
+                    }
+                }
+                OutItem::Reply(r) => match self.transport.push_op(peer, &r.as_op()) {
+                    Err(PushError::Full(_)) => return,
+                    _ => {
+                        self.out[p].pop_front();
+                    }
+                },
+                OutItem::Stream(st) => {
+                    if matches!(st.kind, StreamKind::Put { .. })
+                        && self.initiator.get(st.h.req).is_none()
+                    {
+                        self.out[p].pop_front(); // its operation was failed meanwhile
+                        continue;
+                    }
+                    loop {
+                        let kind = match st.kind {
+                            StreamKind::Put { .. } => OpKind::Put,
+                            StreamKind::GetReply => OpKind::GetReply,
+                        };
+                        let remaining = st.len - st.sent;
+                        let room = OpRef::max_data(kind, self.transport.open_room(peer));
+                        // Fill the open datagram, unless only a sliver is left in it.
+                        let max = if room >= remaining as usize || room >= 1024 {
+                            room
+                        } else {
+                            OpRef::max_data(kind, self.transport.body_capacity())
+                        };
+                        let n = (remaining as usize).min(max);
+                        let last = st.sent + n as u64 == st.len;
+                        let data = match st.src.read(st.src_off + st.sent, n) {
+                            Ok(d) => d,
+                            Err(s) => {
+                                // Streams are mapped (checked at the command); never expected.
+                                if let Some(c) = self.initiator.complete(st.h.req, s, 0) {
+                                    self.completions.push(c);
+                                }
+                                break;
+                            }
+                        };
+                        let op = match st.kind {
+                            StreamKind::Put {
+                                region,
+                                dst_off,
+                                lazy_ack,
+                            } => OpRef::Put {
+                                h: st.h,
+                                region,
+                                offset: dst_off + st.sent,
+                                total_off: dst_off,
+                                total_len: st.len,
+                                last,
+                                lazy_ack,
+                                data: &data,
+                            },
+                            StreamKind::GetReply => OpRef::GetReply {
+                                h: st.h,
+                                status: Status::Ok,
+                                frag_off: st.sent,
+                                last,
+                                data: &data,
+                            },
+                        };
+                        match self.transport.push_op(peer, &op) {
+                            Ok(()) => {
+                                st.sent += n as u64;
+                                st.started = true;
+                                if last {
+                                    break;
+                                }
+                            }
+                            Err(PushError::Full(_)) => return,
+                            Err(_) => {
+                                if matches!(st.kind, StreamKind::Put { .. }) {
+                                    let req = st.h.req;
+                                    if let Some(c) =
+                                        self.initiator.complete(req, Status::PeerDead, 0)
+                                    {
+                                        self.completions.push(c);
+                                    }
+                                }
+                                break;
+                            }
+                        }
+                    }
+                    self.out[p].pop_front();
+                }
+            }
+        }
+    }
+}

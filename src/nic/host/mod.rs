@@ -1,0 +1,288 @@
+//! The host core: the whole soft NIC of one host as a pure state machine.
+//!
+//! It owns the reliable transport to every peer, the Gemini and Portals engines, the sessions
+//! of attached processes and their registered memory, and does no I/O and reads no clock. The
+//! shape is quinn-proto's: inputs go in through `handle_*` (a datagram, a command of a session,
+//! the passing of time, attach and detach), outputs come out of `poll_*` (datagrams to send,
+//! completions for sessions, sessions to wake) and [`HostCore::next_deadline`]. The daemon
+//! drives it over sockets and shared memory; the simulation harness (`nic::sim`) drives the same
+//! type over a seeded lossy network and plain buffers.
+//!
+//! Memory is reached only through [`crate::nic::memory::Region`]s the driver registers, so the
+//! core works the same over shared mappings and over heap buffers.
+
+mod gemini;
+mod portals;
+mod sessions;
+
+use std::collections::VecDeque;
+
+// Fx: the core looks these up per operation; keys are small ids from its own sessions and
+// authenticated peers.
+use rustc_hash::FxHashMap as HashMap;
+
+use crate::nic::gemini::{Completion, Initiator};
+use crate::nic::memory::Endpoints;
+use crate::shm::{Command, CqEntry};
+use crate::transport::{Transport, TransportConfig, TransportEvent};
+use crate::wire::Key;
+
+pub use portals::MAX_NIS;
+pub use sessions::AttachError;
+
+use gemini::OutItem;
+use sessions::SessionInfo;
+
+/// Counters of this host beyond the transport's.
+#[derive(Debug, Default, Clone)]
+pub struct HostStats {
+    pub cmd_put: u64,
+    pub cmd_get: u64,
+    pub cmd_amo: u64,
+    pub served_put: u64,
+    pub served_get: u64,
+    pub served_amo: u64,
+    pub local_ops: u64,
+    pub cmd_portals: u64,
+    pub served_portals: u64,
+    pub malformed_ops: u64,
+    pub clients_attached: u64,
+    pub clients_detached: u64,
+    pub attach_refused: u64,
+    /// Operations failed because their peer died or restarted.
+    pub failed_peer_ops: u64,
+}
+
+/// Did a command go through, or must it wait for room (and be handed in again)?
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Flow {
+    Done,
+    Backpressure,
+}
+
+/// One host's soft NIC; see the module doc.
+pub struct HostCore {
+    pub index: u16,
+    pub name: String,
+    pub(crate) nhosts: u16,
+    pub transport: Transport,
+    pub(crate) endpoints: Endpoints,
+    initiator: Initiator,
+    sessions: HashMap<u64, SessionInfo>,
+    jobs: HashMap<u32, (u64, usize)>,
+    out: Vec<VecDeque<OutItem>>,
+    completions: Vec<Completion>,
+    /// Completions with a raw status (Portals return codes).
+    raw_completions: Vec<(u64, CqEntry)>,
+    /// What `poll_completion` hands out, in the order the operations completed.
+    ready: VecDeque<(u64, CqEntry)>,
+    /// Sessions whose event queues or counts changed (for `poll_wake`).
+    wakes: Vec<u64>,
+    /// Portals interfaces of the attached processes, by (job, rank).
+    portals: HashMap<(u32, u32), portals::PortalsProc>,
+    ptl_asm: crate::nic::portals::wire::Reassembly,
+    /// Scratch for the payload of the Portals operation being started.
+    ptl_payload: Vec<u8>,
+    ptl_acks: portals::AckBatch,
+    ptl_scratch: portals::MirrorScratch,
+    /// An interface was reached (so its events or counts may have changed) or a ring still
+    /// held unconsumed events at the last delivery: the next one looks.
+    ptl_dirty: bool,
+    pub stats: HostStats,
+}
+
+impl HostCore {
+    /// Host `index` of `nhosts`, authenticating with `key`; `seed` makes its incarnation
+    /// distinct (randomness in the daemon, a constant in simulations).
+    pub fn new(
+        index: u16,
+        nhosts: u16,
+        name: impl Into<String>,
+        key: Key,
+        cfg: TransportConfig,
+        seed: u64,
+    ) -> HostCore {
+        HostCore {
+            index,
+            name: name.into(),
+            nhosts,
+            transport: Transport::new(index, nhosts, key, cfg, seed),
+            endpoints: Endpoints::default(),
+            initiator: Initiator::default(),
+            sessions: HashMap::default(),
+            jobs: HashMap::default(),
+            out: (0..nhosts).map(|_| VecDeque::new()).collect(),
+            completions: Vec::new(),
+            raw_completions: Vec::new(),
+            ready: VecDeque::new(),
+            wakes: Vec::new(),
+            portals: HashMap::default(),
+            ptl_asm: Default::default(),
+            ptl_payload: Vec::new(),
+            ptl_acks: Default::default(),
+            ptl_scratch: Default::default(),
+            ptl_dirty: false,
+            stats: HostStats::default(),
+        }
+    }
+
+    // ------------------------------------------------------------------ inputs
+
+    /// A command of an attached session. `Flow::Backpressure`: nothing was done; hand the same
+    /// command in again later (the transport has no room now).
+    pub fn handle_command(
+        &mut self,
+        _now: u64,
+        session: u64,
+        cmd: &Command,
+        inline: &[u8],
+    ) -> Flow {
+        let Some(s) = self.sessions.get(&session) else {
+            // Not attached (or detached meanwhile): nobody to answer.
+            return Flow::Done;
+        };
+        let (job, rank) = (s.job, s.rank);
+        self.command(session, job, rank, cmd, inline)
+    }
+
+    /// A datagram from the network (from whom is proven by its authentication tag, not by
+    /// where it came from). Anything invalid is counted and dropped.
+    pub fn handle_datagram(&mut self, now: u64, d: &[u8]) {
+        let r = match self.transport.on_datagram(now, d) {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::debug!(host = %self.name, "dropped datagram: {e}");
+                return;
+            }
+        };
+        let peer = r.peer;
+        if let Some(body) = r.body {
+            self.on_body(now, peer, body);
+        }
+        while let Some(b) = self.transport.take_ready(peer) {
+            self.on_body(now, peer, &b);
+            self.transport.give_back(b);
+        }
+    }
+
+    /// Runs timers (retransmission, liveness, delayed acks), fails what was pending on dead or
+    /// restarted peers, and moves queued replies and streams into the transport.
+    pub fn handle_timeout(&mut self, now: u64) {
+        self.transport.handle_timeout(now);
+        while let Some(ev) = self.transport.poll_event() {
+            match ev {
+                TransportEvent::PeerDead(h) | TransportEvent::PeerReset(h) => {
+                    tracing::warn!(host = %self.name, peer = h, "peer {ev:?}: failing its pending operations");
+                    let before = self.completions.len();
+                    self.initiator.fail_host(h, &mut self.completions);
+                    self.stats.failed_peer_ops += (self.completions.len() - before) as u64;
+                    self.out[h as usize].clear();
+                    self.ptl_peer_dead(h);
+                }
+            }
+        }
+        for peer in 0..self.nhosts {
+            self.drain_out(peer);
+        }
+        self.transport.flush(now);
+    }
+
+    // ------------------------------------------------------------------ outputs
+
+    /// The next datagram to send and its destination host.
+    pub fn poll_transmit(&mut self, now: u64) -> Option<(u16, &[u8])> {
+        self.transport.poll_transmit(now)
+    }
+
+    /// Moves Portals events and counts into the sessions' memory (their event rings and
+    /// counting-event slots); returns whether anything moved. Sessions that got something
+    /// come out of [`HostCore::poll_wake`].
+    pub fn deliver_events(&mut self) -> bool {
+        self.ptl_mirror()
+    }
+
+    /// The next completion for a session: (session, entry).
+    pub fn poll_completion(&mut self) -> Option<(u64, CqEntry)> {
+        if !self.completions.is_empty() || !self.raw_completions.is_empty() {
+            let typed = self.completions.drain(..).map(|c| {
+                (
+                    c.session,
+                    CqEntry {
+                        client_req: c.client_req,
+                        status: c.status as u32,
+                        value: c.value,
+                    },
+                )
+            });
+            self.ready
+                .extend(typed.chain(self.raw_completions.drain(..)));
+        }
+        self.ready.pop_front()
+    }
+
+    /// Whether completions wait to be polled.
+    pub fn has_completions(&self) -> bool {
+        !self.ready.is_empty() || !self.completions.is_empty() || !self.raw_completions.is_empty()
+    }
+
+    /// A session whose event queues or counting events changed since the last call.
+    pub fn poll_wake(&mut self) -> Option<u64> {
+        self.wakes.pop()
+    }
+
+    /// When [`HostCore::handle_timeout`] next has work (ns on the caller's clock).
+    pub fn next_deadline(&self) -> Option<u64> {
+        self.transport.next_timeout()
+    }
+
+    /// Whether replies or streams wait for room in the transport (the driver must not sleep
+    /// on them).
+    pub fn has_backlog(&self) -> bool {
+        self.out.iter().any(|q| !q.is_empty())
+    }
+
+    /// Operations this host started and that have not completed.
+    pub fn outstanding(&self) -> usize {
+        self.initiator.outstanding()
+    }
+
+    /// Counter lines for `softnic stat` (name, value).
+    pub fn stat_lines(&self) -> Vec<(&'static str, String)> {
+        let t = &self.transport.stats;
+        let s = &self.stats;
+        let out_depth: usize = self.out.iter().map(|q| q.len()).sum();
+        vec![
+            ("packets_sent", t.datagrams_sent.to_string()),
+            ("packets_received", t.datagrams_received.to_string()),
+            ("bytes_sent", t.bytes_sent.to_string()),
+            ("bytes_received", t.bytes_received.to_string()),
+            ("retransmits", t.retransmits.to_string()),
+            ("fast_retransmits", t.fast_retransmits.to_string()),
+            ("timeouts", t.timeouts.to_string()),
+            ("duplicates_suppressed", t.duplicates.to_string()),
+            ("out_of_window", t.out_of_window.to_string()),
+            ("acks_sent", t.acks_sent.to_string()),
+            ("auth_failures", t.auth_failures.to_string()),
+            ("malformed_datagrams", t.malformed.to_string()),
+            ("stale_datagrams", t.stale.to_string()),
+            ("malformed_ops", s.malformed_ops.to_string()),
+            ("peers_declared_dead", t.peers_declared_dead.to_string()),
+            ("peer_restarts", t.peer_restarts.to_string()),
+            ("failed_peer_ops", s.failed_peer_ops.to_string()),
+            ("gemini_put_issued", s.cmd_put.to_string()),
+            ("gemini_get_issued", s.cmd_get.to_string()),
+            ("gemini_amo_issued", s.cmd_amo.to_string()),
+            ("gemini_put_served", s.served_put.to_string()),
+            ("gemini_get_served", s.served_get.to_string()),
+            ("gemini_amo_served", s.served_amo.to_string()),
+            ("portals_calls", s.cmd_portals.to_string()),
+            ("portals_served", s.served_portals.to_string()),
+            ("local_ops", s.local_ops.to_string()),
+            ("clients_attached_total", s.clients_attached.to_string()),
+            ("clients_detached_total", s.clients_detached.to_string()),
+            ("attach_refused", s.attach_refused.to_string()),
+            ("ops_outstanding", self.initiator.outstanding().to_string()),
+            ("out_queue_depth", out_depth.to_string()),
+        ]
+    }
+}
