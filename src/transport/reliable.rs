@@ -1,22 +1,42 @@
 //! The reliable-delivery state machine.
 //!
-//! Unit of reliability is the datagram body (a run of coalesced ops), numbered per peer from 1.
-//! The receiver delivers bodies in sequence order exactly once; out-of-order bodies wait in a
-//! bounded reorder buffer and are announced in the selective-ack bitmap. The sender keeps every
-//! unacknowledged body (so replies of fetching ops live until acknowledged), retransmits on
-//! timeout (RTO from measured RTT, Karn's rule, exponential backoff; the timer restarts on ack
-//! progress, so a long burst is not resent while the receiver still works through it) or when
-//! three later bodies were selectively acked, and declares a peer dead when it stays silent for `peer_timeout`
-//! while data is outstanding. A dead peer's queued and unacknowledged bodies are discarded and a
-//! [`TransportEvent::PeerDead`] tells the engine to fail what was pending on it.
+//! **Sessions and incarnations.** Each host has, towards each peer, a random 32-bit epoch (its
+//! incarnation: new at every start, and new when it gives that peer up for dead). A datagram
+//! carries the sender's epoch and the receiver's epoch as the sender knows it. A receiver
+//! accepts a datagram into the session only when it names the receiver's current epoch and the
+//! sender's known one. Anything else is stale: dropped, counted, and answered (rate-limited)
+//! with a pure datagram that tells the sender our epoch. A new sender epoch is believed only
+//! from a datagram that also names our current epoch — proof that the sender heard us in this
+//! life — so random or replayed headers can never reset a session. A host that starts, or
+//! comes back, greets every peer until it answers; a restarted peer is thus noticed within one
+//! round trip, what was pending on its old incarnation fails, and the new one is admitted.
+//!
+//! **Delivery.** The unit of reliability is the datagram body (a run of coalesced ops),
+//! numbered per session from 1. The receiver delivers bodies in sequence order exactly once;
+//! out-of-order bodies wait in a bounded reorder buffer and are announced in the selective-ack
+//! bitmap. Acknowledgements are validated: nothing can acknowledge a body never sent.
+//!
+//! **Loss recovery** follows QUIC's (RFC 9002) with RACK's time order: a body is lost when one
+//! transmitted after it was delivered and either three transmissions separate them or 9/8 of
+//! the round trip has passed since it left; a probe timeout (smoothed RTT + 4·RTTVAR + the
+//! peer's ack delay, doubling while nothing is acknowledged) resends the oldest bodies when the
+//! tail of a burst was lost. Timers come from the measured round trip (the greeting gives the
+//! first sample), not from a fixed floor.
+//!
+//! **Liveness.** A peer is declared dead when data to it makes no progress (nothing newly
+//! acknowledged) for `peer_timeout`; its queued and unacknowledged bodies are discarded, a
+//! [`TransportEvent::PeerDead`] tells the engines to fail what was pending on it, and pushes
+//! to it fail at once until it answers a greeting again.
 
 use std::collections::{BTreeMap, VecDeque};
 
 use super::lazy::LazyPolicy;
 use crate::wire::{DatagramHeader, Key, OpRef, WireError, HEADER_LEN, TAG_LEN};
 
-/// Holes resent per partial ack during timeout recovery.
-const RECOVERY_BURST: usize = 8;
+/// Bodies transmitted after a lost one (and delivered) that prove its loss at once.
+const PACKET_THRESHOLD: u64 = 3;
+/// Bodies a probe timeout resends.
+const PROBE_BODIES: usize = 2;
 
 /// Tunables; times in nanoseconds.
 #[derive(Debug, Clone)]
@@ -27,15 +47,20 @@ pub struct TransportConfig {
     pub window: usize,
     /// Most sealed datagrams per peer waiting for the window; beyond it pushes fail with Full.
     pub max_queued: usize,
+    /// Probe timeout before any round trip was measured, and the first greeting interval.
     pub rto_init: u64,
+    /// Timer granularity: no loss timer is shorter.
     pub rto_min: u64,
+    /// Longest probe timeout and greeting interval.
     pub rto_max: u64,
-    /// Silence (while data is outstanding) after which a peer is declared dead.
+    /// No progress (while data is outstanding) for this long declares a peer dead.
     pub peer_timeout: u64,
     /// Longest a pure acknowledgement is delayed hoping to piggyback on data.
     pub ack_delay: u64,
     /// Longest a lazy op (see [`Transport::push_op_lazy`]) waits for company.
     pub lazy_delay: u64,
+    /// Least time between two answers to stale datagrams from one peer.
+    pub stale_answer_gap: u64,
 }
 
 impl Default for TransportConfig {
@@ -44,12 +69,13 @@ impl Default for TransportConfig {
             mtu: 1472,
             window: 512,
             max_queued: 512,
-            rto_init: 20_000_000,
-            rto_min: 2_000_000,
+            rto_init: 5_000_000,
+            rto_min: 100_000,
             rto_max: 1_000_000_000,
             peer_timeout: 10_000_000_000,
             ack_delay: 100_000,
             lazy_delay: 50_000,
+            stale_answer_gap: 1_000_000,
         }
     }
 }
@@ -62,16 +88,17 @@ pub struct TransportStats {
     pub datagrams_received: u64,
     pub bytes_received: u64,
     pub retransmits: u64,
-    /// Retransmissions sent before any timer ran out (selective acknowledgements showed a hole).
+    /// Bodies declared lost from acknowledgements (before any timer ran out).
     pub fast_retransmits: u64,
-    /// Retransmission timers that ran out.
+    /// Probe timeouts that ran out.
     pub timeouts: u64,
     pub duplicates: u64,
     pub out_of_window: u64,
     pub acks_sent: u64,
     pub auth_failures: u64,
     pub malformed: u64,
-    /// Authenticated datagrams of a past incarnation (ours or the peer's): dropped.
+    /// Authenticated datagrams outside the current session (a past incarnation, ours or the
+    /// peer's, or a greeting): dropped.
     pub stale: u64,
     pub peers_declared_dead: u64,
     /// Peers seen to come back as a new incarnation.
@@ -80,9 +107,10 @@ pub struct TransportStats {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum TransportEvent {
-    /// The peer went silent; everything outstanding on it was dropped.
+    /// The peer made no progress for `peer_timeout`; everything outstanding on it was dropped.
     PeerDead(u16),
-    /// The peer restarted (new epoch) or came back after being declared dead.
+    /// The peer came back as a new incarnation; everything outstanding on the old one was
+    /// dropped.
     PeerReset(u16),
 }
 
@@ -114,14 +142,50 @@ struct InFlight {
     buf: Vec<u8>,
     /// Where the body ends (the tag starts) in `buf`.
     body_end: usize,
+    /// When, and as which transmission to this peer, it last left.
     sent_at: u64,
+    tx: u64,
     retries: u32,
     sacked: bool,
     resend: bool,
 }
 
+/// The round-trip estimate (RFC 6298 smoothing).
+#[derive(Debug, Default, Clone, Copy)]
+struct Rtt {
+    srtt: Option<u64>,
+    rttvar: u64,
+    latest: u64,
+}
+
+impl Rtt {
+    fn sample(&mut self, r: u64) {
+        self.latest = r;
+        match self.srtt {
+            None => {
+                self.srtt = Some(r);
+                self.rttvar = r / 2;
+            }
+            Some(s) => {
+                self.rttvar = (3 * self.rttvar + s.abs_diff(r)) / 4;
+                self.srtt = Some((7 * s + r) / 8);
+            }
+        }
+    }
+}
+
 struct Peer {
-    send_epoch: u32,
+    /// Our incarnation towards this peer.
+    local_epoch: u32,
+    /// The peer's, once it named ours (then the session is open).
+    peer_epoch: Option<u32>,
+    /// When to greet next while the session is not open, and the current interval.
+    hello_at: u64,
+    hello_interval: u64,
+    hello_sent: Option<u64>,
+    /// The epoch a stale datagram came with: answered by a pure datagram naming it.
+    answer: Option<u32>,
+    answered_at: Option<u64>,
     next_seq: u64,
     open: Option<Vec<u8>>,
     /// The open datagram holds an op that must go out at the next flush.
@@ -133,28 +197,42 @@ struct Peer {
     lazy: LazyPolicy,
     queued: VecDeque<Vec<u8>>,
     inflight: VecDeque<InFlight>,
-    highest_sacked: u64,
-    /// After a timeout: the first sequence number sent after it. Until acks pass it, each
-    /// partial ack resends the next holes at once (NewReno-style), so a run of losses longer
-    /// than the SACK bitmap is repaired in round trips, not in timeouts.
-    recovery: Option<u64>,
-    recv_epoch: Option<u32>,
+    /// Transmissions to this peer so far (orders them in time, ties within a turn broken).
+    tx_count: u64,
+    /// The latest transmission known delivered.
+    rack_tx: u64,
+    /// The highest sequence number the peer's acknowledgements can speak of yet (its
+    /// cumulative ack + the 64 of the bitmap): a body beyond it may have arrived unreported.
+    sack_horizon: u64,
+    /// When a body sent before `rack_tx` becomes lost by time, if one is waiting for that.
+    loss_time: Option<u64>,
+    /// Probe timeouts in a row without progress.
+    pto_count: u32,
+    /// When a body last left.
+    last_sent: u64,
     recv_next: u64,
     reorder: BTreeMap<u64, Vec<u8>>,
     ack_due: Option<u64>,
     unacked_received: u32,
-    srtt: Option<u64>,
-    rttvar: u64,
-    rto: u64,
-    last_heard: u64,
-    waiting_since: u64,
+    rtt: Rtt,
+    /// Last time data to this peer made progress (or began to be outstanding).
+    progress_at: u64,
+    /// Nothing was outstanding at the last timer run (the next one that finds data starts
+    /// the progress clock).
+    idle: bool,
     dead: bool,
 }
 
 impl Peer {
     fn new(cfg: &TransportConfig, epoch: u32) -> Peer {
         Peer {
-            send_epoch: epoch,
+            local_epoch: epoch,
+            peer_epoch: None,
+            hello_at: 0,
+            hello_interval: cfg.rto_init,
+            hello_sent: None,
+            answer: None,
+            answered_at: None,
             next_seq: 1,
             open: None,
             open_eager: false,
@@ -163,18 +241,19 @@ impl Peer {
             lazy: LazyPolicy::default(),
             queued: VecDeque::new(),
             inflight: VecDeque::new(),
-            highest_sacked: 0,
-            recovery: None,
-            recv_epoch: None,
+            tx_count: 0,
+            rack_tx: 0,
+            sack_horizon: 0,
+            loss_time: None,
+            pto_count: 0,
+            last_sent: 0,
             recv_next: 1,
             reorder: BTreeMap::new(),
             ack_due: None,
             unacked_received: 0,
-            srtt: None,
-            rttvar: 0,
-            rto: cfg.rto_init,
-            last_heard: 0,
-            waiting_since: 0,
+            rtt: Rtt::default(),
+            progress_at: 0,
+            idle: true,
             dead: false,
         }
     }
@@ -189,6 +268,58 @@ impl Peer {
 
     fn has_outstanding(&self) -> bool {
         !self.inflight.is_empty() || !self.queued.is_empty()
+    }
+
+    fn is_open(&self) -> bool {
+        self.peer_epoch.is_some()
+    }
+
+    /// The probe timeout (before backoff).
+    fn pto(&self, cfg: &TransportConfig) -> u64 {
+        match self.rtt.srtt {
+            Some(s) => s + (4 * self.rtt.rttvar).max(cfg.rto_min) + cfg.ack_delay,
+            None => cfg.rto_init,
+        }
+    }
+
+    /// How long after its transmission a body sent before a delivered one counts as lost.
+    fn loss_delay(&self, cfg: &TransportConfig) -> u64 {
+        let base = self
+            .rtt
+            .srtt
+            .map_or(cfg.rto_init, |s| s.max(self.rtt.latest));
+        (base * 9 / 8).max(cfg.rto_min)
+    }
+
+    /// When the probe timer of this peer runs out, if it runs.
+    fn pto_deadline(&self, cfg: &TransportConfig) -> Option<u64> {
+        if self.loss_time.is_some() || !self.inflight.iter().any(|f| !f.sacked && !f.resend) {
+            return None;
+        }
+        let backoff = self.pto(cfg).saturating_mul(1 << self.pto_count.min(20));
+        Some(self.last_sent + backoff.min(cfg.rto_max))
+    }
+
+    /// Marks bodies lost by RACK's rules; arms `loss_time` for the ones not yet lost by time.
+    fn detect_losses(&mut self, now: u64, cfg: &TransportConfig, stats: &mut TransportStats) {
+        let delay = self.loss_delay(cfg);
+        let rack = self.rack_tx;
+        self.loss_time = None;
+        for f in self.inflight.iter_mut() {
+            if f.seq > self.sack_horizon {
+                break; // in sequence order: the rest is beyond it too
+            }
+            if f.sacked || f.resend || f.tx >= rack {
+                continue;
+            }
+            let lost_at = f.sent_at + delay;
+            if rack - f.tx >= PACKET_THRESHOLD || now >= lost_at {
+                f.resend = true;
+                stats.fast_retransmits += 1;
+            } else {
+                self.loss_time = Some(self.loss_time.map_or(lost_at, |t| t.min(lost_at)));
+            }
+        }
     }
 }
 
@@ -213,6 +344,15 @@ pub fn auth_friendly_body(mtu: usize) -> usize {
     authed - HEADER_LEN
 }
 
+/// Why a datagram's header is refused (for the counters).
+enum Verdict {
+    /// In the current session (possibly just opened by it).
+    Session,
+    /// Outside it: answered with our epoch, otherwise ignored.
+    Stale,
+    Malformed(&'static str),
+}
+
 /// Reliable delivery to every peer of one host.
 pub struct Transport {
     host: u16,
@@ -231,7 +371,7 @@ pub struct Transport {
 
 impl Transport {
     /// `nhosts` peers numbered 0.., of which `host` is this one. `seed` makes epochs distinct
-    /// per daemon start (pass randomness in production, a constant in simulations).
+    /// per start (pass randomness in production, a constant in simulations).
     pub fn new(host: u16, nhosts: u16, key: Key, mut cfg: TransportConfig, seed: u64) -> Transport {
         // Backoff must leave ~20 attempts before a silent peer is declared dead: at 30% loss
         // each way a datagram and its ack both get through only half the time.
@@ -257,11 +397,16 @@ impl Transport {
     }
 
     fn next_epoch(&mut self) -> u32 {
-        // xorshift64*: epochs only need to differ, not to be secret.
-        self.rng_state ^= self.rng_state >> 12;
-        self.rng_state ^= self.rng_state << 25;
-        self.rng_state ^= self.rng_state >> 27;
-        (self.rng_state.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 32) as u32
+        // xorshift64*: epochs only need to differ, not to be secret (0 means "unknown").
+        loop {
+            self.rng_state ^= self.rng_state >> 12;
+            self.rng_state ^= self.rng_state << 25;
+            self.rng_state ^= self.rng_state >> 27;
+            let e = (self.rng_state.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 32) as u32;
+            if e != 0 {
+                return e;
+            }
+        }
     }
 
     pub fn host(&self) -> u16 {
@@ -272,14 +417,19 @@ impl Transport {
         &self.cfg
     }
 
-    /// Lowers (or restores) the window, e.g. to what the receive buffers hold.
-    pub fn set_window(&mut self, w: usize) {
-        self.cfg.window = w.max(1);
-    }
-
     /// Body bytes one datagram can carry.
     pub fn body_capacity(&self) -> usize {
         self.body_cap
+    }
+
+    /// Whether a session with `peer` is open (it answered a greeting in our current life).
+    pub fn is_open(&self, peer: u16) -> bool {
+        self.peers.get(peer as usize).is_some_and(Peer::is_open)
+    }
+
+    /// The smoothed round trip to `peer`, once measured (ns).
+    pub fn srtt(&self, peer: u16) -> Option<u64> {
+        self.peers.get(peer as usize).and_then(|p| p.rtt.srtt)
     }
 
     fn buf(&mut self) -> Vec<u8> {
@@ -385,7 +535,9 @@ impl Transport {
             }
             _ => p.open_eager = true,
         }
-        let b = p.open.as_mut().expect("just opened");
+        let Some(b) = p.open.as_mut() else {
+            unreachable!("opened above");
+        };
         let at = b.len();
         b.resize(at + len, 0);
         op.encode(&mut b[at..]);
@@ -412,12 +564,40 @@ impl Transport {
     /// one turn share datagrams.
     pub fn flush(&mut self, now: u64) {
         for i in 0..self.peers.len() {
-            let p = &self.peers[i];
+            let p = &mut self.peers[i];
             if p.open_eager || p.open_lazy_deadline.is_some_and(|d| now >= d) {
                 let expired = !p.open_eager;
                 self.seal(i as u16, expired);
             }
         }
+    }
+
+    /// Decides what a datagram's epochs and acknowledgement fields mean for `peer`'s session,
+    /// before anything changes: a session change must come with a fresh stream's fields.
+    fn verdict(&self, peer: u16, h: &DatagramHeader, body_len: usize) -> Verdict {
+        let p = &self.peers[peer as usize];
+        if h.flags != 0 {
+            return Verdict::Malformed("unknown datagram flags");
+        }
+        if h.seq == 0 && body_len != 0 {
+            return Verdict::Malformed("an acknowledgement with a body");
+        }
+        if h.dst_epoch != p.local_epoch || h.src_epoch == 0 {
+            return Verdict::Stale;
+        }
+        // A new session starts our stream at 1: only an ack of nothing is valid for it.
+        let fresh = p.peer_epoch != Some(h.src_epoch);
+        let next_seq = if fresh { 1 } else { p.next_seq };
+        if h.ack == 0 || h.ack > next_seq {
+            return Verdict::Malformed("acknowledges a body never sent");
+        }
+        if h.sack != 0 {
+            let highest = h.ack + 64 - h.sack.leading_zeros() as u64;
+            if highest >= next_seq {
+                return Verdict::Malformed("selectively acknowledges a body never sent");
+            }
+        }
+        Verdict::Session
     }
 
     /// Handles one incoming datagram.
@@ -444,35 +624,38 @@ impl Transport {
             self.stats.malformed += 1;
             return Err(WireError::BadField("datagram not addressed to this host"));
         }
+        let peer = h.src_host;
+        match self.verdict(peer, &h, body.len()) {
+            Verdict::Malformed(why) => {
+                self.stats.malformed += 1;
+                return Err(WireError::BadField(why));
+            }
+            Verdict::Stale => {
+                self.stats.stale += 1;
+                let p = &mut self.peers[peer as usize];
+                // Tell the sender who we are now, at most once per gap: a barrage of stale
+                // datagrams is not amplified.
+                if h.src_epoch != 0
+                    && p.answered_at
+                        .is_none_or(|t| now.saturating_sub(t) >= self.cfg.stale_answer_gap)
+                {
+                    p.answer = Some(h.src_epoch);
+                }
+                return Ok(Received { peer, body: None });
+            }
+            Verdict::Session => {}
+        }
         self.stats.datagrams_received += 1;
         self.stats.bytes_received += dgram.len() as u64;
-        let peer = h.src_host;
-        let cfg_window = self.cfg.window as u64;
-        let ack_delay = self.cfg.ack_delay;
-        let p = &mut self.peers[peer as usize];
-        if p.recv_epoch != Some(h.epoch) {
-            // A new sender session: the peer restarted or reset its stream to us.
-            let reset = p.recv_epoch.is_some();
-            p.recv_epoch = Some(h.epoch);
-            p.recv_next = 1;
-            let old: Vec<_> = std::mem::take(&mut p.reorder).into_values().collect();
-            for b in old {
-                self.recycle(b);
-            }
-            if reset {
-                self.events.push_back(TransportEvent::PeerReset(peer));
-            }
-        }
-        let p = &mut self.peers[peer as usize];
-        p.last_heard = now;
-        if p.dead {
-            p.dead = false;
-            self.events.push_back(TransportEvent::PeerReset(peer));
+        if self.peers[peer as usize].peer_epoch != Some(h.src_epoch) {
+            self.open_session(now, peer, h.src_epoch);
         }
         self.process_ack(now, peer, h.ack, h.sack);
         if h.seq == 0 {
             return Ok(Received { peer, body: None });
         }
+        let cfg_window = self.cfg.window as u64;
+        let ack_delay = self.cfg.ack_delay;
         let p = &mut self.peers[peer as usize];
         if h.seq < p.recv_next || p.reorder.contains_key(&h.seq) {
             self.stats.duplicates += 1;
@@ -484,7 +667,8 @@ impl Transport {
             return Ok(Received { peer, body: None });
         }
         p.unacked_received += 1;
-        let due = if p.unacked_received >= 8 || h.seq != p.recv_next {
+        // A gap (or one filled) is reported at once: the sender's loss detection runs on it.
+        let due = if p.unacked_received >= 8 || h.seq != p.recv_next || !p.reorder.is_empty() {
             now
         } else {
             now + ack_delay
@@ -504,6 +688,54 @@ impl Transport {
         Ok(Received { peer, body: None })
     }
 
+    /// `peer` named our epoch with an epoch of its own we did not know: a session opens. If
+    /// another was open, the peer restarted (or gave us up): everything of the old session is
+    /// dropped and the engines fail what was pending on it.
+    fn open_session(&mut self, now: u64, peer: u16, epoch: u32) {
+        let restarted = self.peers[peer as usize].peer_epoch.is_some();
+        if restarted {
+            self.stats.peer_restarts += 1;
+            self.reset_streams(peer);
+            self.events.push_back(TransportEvent::PeerReset(peer));
+        }
+        let p = &mut self.peers[peer as usize];
+        p.peer_epoch = Some(epoch);
+        p.dead = false;
+        p.hello_interval = self.cfg.rto_init;
+        if let Some(t) = p.hello_sent.take() {
+            p.rtt.sample(now.saturating_sub(t));
+        }
+        // Answer at once, so that the peer learns that we know it (its session opens too).
+        p.ack_due = Some(now);
+        if p.has_outstanding() {
+            p.progress_at = now;
+        }
+    }
+
+    /// Drops both streams of `peer`'s session, with what waits to be sent: requests and
+    /// replies of the old session, whose operations the engines fail.
+    fn reset_streams(&mut self, peer: u16) {
+        let p = &mut self.peers[peer as usize];
+        let mut bufs: Vec<Vec<u8>> = p.inflight.drain(..).map(|f| f.buf).collect();
+        bufs.extend(p.queued.drain(..));
+        bufs.extend(p.open.take());
+        bufs.extend(std::mem::take(&mut p.reorder).into_values());
+        p.open_eager = false;
+        p.open_lazy_deadline = None;
+        p.open_lazy_ops = 0;
+        p.next_seq = 1;
+        p.recv_next = 1;
+        p.rack_tx = 0;
+        p.sack_horizon = 0;
+        p.loss_time = None;
+        p.pto_count = 0;
+        p.ack_due = None;
+        p.unacked_received = 0;
+        for b in bufs {
+            self.recycle(b);
+        }
+    }
+
     /// The next body from `peer` that became deliverable in order, if any. Hand the buffer back
     /// with [`Transport::give_back`] when done.
     pub fn take_ready(&mut self, peer: u16) -> Option<Vec<u8>> {
@@ -519,41 +751,26 @@ impl Transport {
     }
 
     fn process_ack(&mut self, now: u64, peer: u16, ack: u64, sack: u64) {
-        let rto_min = self.cfg.rto_min;
-        let rto_max = self.cfg.rto_max;
         let p = &mut self.peers[peer as usize];
-        let mut sample = None;
-        let mut freed = false;
+        // The latest transmission newly known delivered: its round trip is a sample unless
+        // it was a retransmission (Karn), and bodies sent before it may be lost.
+        let mut newest: Option<(u64, u64, bool)> = None; // (tx, sent_at, first transmission)
+        let mut note = |f: &InFlight| {
+            if newest.is_none_or(|(tx, ..)| f.tx > tx) {
+                newest = Some((f.tx, f.sent_at, f.retries == 0));
+            }
+        };
         while let Some(f) = p.inflight.front() {
             if f.seq >= ack {
                 break;
             }
-            let f = p.inflight.pop_front().expect("front exists");
-            if f.retries == 0 && !f.sacked {
-                sample = Some(now.saturating_sub(f.sent_at));
+            let Some(f) = p.inflight.pop_front() else {
+                break;
+            };
+            if !f.sacked {
+                note(&f);
             }
             recycle_into(&mut self.pool, f.buf);
-            freed = true;
-        }
-        if freed {
-            p.waiting_since = now;
-            if let Some(r) = p.recovery {
-                if ack >= r {
-                    p.recovery = None;
-                } else {
-                    let gap = p.srtt.unwrap_or(p.rto) / 2;
-                    for f in p
-                        .inflight
-                        .iter_mut()
-                        .filter(|f| !f.sacked && f.seq < r)
-                        .take(RECOVERY_BURST)
-                    {
-                        if now.saturating_sub(f.sent_at) >= gap {
-                            f.resend = true;
-                        }
-                    }
-                }
-            }
         }
         if sack != 0 {
             for f in p.inflight.iter_mut() {
@@ -563,93 +780,76 @@ impl Transport {
                     && !f.sacked
                 {
                     f.sacked = true;
-                    p.waiting_since = now;
-                    if f.retries == 0 {
-                        sample = Some(now.saturating_sub(f.sent_at));
-                    }
-                    p.highest_sacked = p.highest_sacked.max(f.seq);
-                }
-            }
-            // Fast retransmit: three later bodies made it, this one is very likely lost.
-            let srtt = p.srtt.unwrap_or(p.rto);
-            let hs = p.highest_sacked;
-            for f in p.inflight.iter_mut() {
-                if !f.sacked && f.seq + 3 <= hs && now.saturating_sub(f.sent_at) >= srtt {
-                    f.resend = true;
+                    f.resend = false;
+                    note(f);
                 }
             }
         }
-        if let Some(r) = sample {
-            // RFC 6298 smoothing.
-            match p.srtt {
-                None => {
-                    p.srtt = Some(r);
-                    p.rttvar = r / 2;
-                }
-                Some(s) => {
-                    let d = s.abs_diff(r);
-                    p.rttvar = (3 * p.rttvar + d) / 4;
-                    p.srtt = Some((7 * s + r) / 8);
-                }
-            }
-            p.rto = (p.srtt.unwrap_or(0) + 4 * p.rttvar).clamp(rto_min, rto_max);
+        p.sack_horizon = p.sack_horizon.max(ack + 64);
+        let Some((tx, sent_at, first)) = newest else {
+            return;
+        };
+        p.progress_at = now;
+        p.pto_count = 0;
+        if first {
+            p.rtt.sample(now.saturating_sub(sent_at));
         }
+        p.rack_tx = p.rack_tx.max(tx);
+        p.detect_losses(now, &self.cfg, &mut self.stats);
     }
 
-    /// Runs timers: retransmission timeouts and peer liveness.
+    /// Runs timers: loss detection by time, probe timeouts and peer liveness (greetings and
+    /// answers are sent by [`Transport::poll_transmit`] when due).
     pub fn handle_timeout(&mut self, now: u64) {
         for i in 0..self.peers.len() {
-            let timeout = self.cfg.peer_timeout;
-            let rto_max = self.cfg.rto_max;
-            let p = &mut self.peers[i];
-            if p.dead || !p.has_outstanding() {
+            if i == self.host as usize {
                 continue;
             }
-            if now.saturating_sub(p.last_heard.max(p.waiting_since)) > timeout {
+            let p = &mut self.peers[i];
+            if p.dead || !p.has_outstanding() {
+                p.idle = true;
+                continue;
+            }
+            if std::mem::take(&mut p.idle) {
+                p.progress_at = now;
+            }
+            if now.saturating_sub(p.progress_at) > self.cfg.peer_timeout {
                 self.declare_dead(i as u16);
                 continue;
             }
-            let rto = p.rto;
-            let mut backoff = false;
-            // The timer restarts on ack progress (as TCP's does): a long burst drains at the
-            // receiver's pace, and its tail must not time out while acks still arrive.
-            // Only the oldest unacknowledged body is resent on timeout: a stalled receiver (not
-            // a lossy path) is the usual cause, and the holes a real loss leaves behind are
-            // repaired by SACK-driven fast retransmit once acks flow again.
-            let anchor = p.waiting_since;
-            if let Some(f) = p.inflight.iter_mut().find(|f| !f.sacked) {
-                if !f.resend && now.saturating_sub(f.sent_at.max(anchor)) >= rto {
+            let cfg = &self.cfg;
+            if p.loss_time.is_some_and(|t| now >= t) {
+                p.detect_losses(now, cfg, &mut self.stats);
+            } else if p.pto_deadline(cfg).is_some_and(|t| now >= t) {
+                // The tail of what was sent may be lost and nothing later will tell: probe
+                // with the oldest bodies not known delivered.
+                self.stats.timeouts += 1;
+                p.pto_count += 1;
+                for f in p
+                    .inflight
+                    .iter_mut()
+                    .filter(|f| !f.sacked)
+                    .take(PROBE_BODIES)
+                {
                     f.resend = true;
-                    backoff = true;
                 }
-            }
-            if backoff {
-                p.rto = (p.rto * 2).min(rto_max);
-                p.recovery = Some(p.next_seq);
             }
         }
     }
 
     fn declare_dead(&mut self, peer: u16) {
         self.stats.peers_declared_dead += 1;
+        self.reset_streams(peer);
+        // A new incarnation towards it: if it is alive after all, its old session with us
+        // is refused from now on, and the greeting opens a new one on both sides.
         let epoch = self.next_epoch();
         let p = &mut self.peers[peer as usize];
+        p.local_epoch = epoch;
+        p.peer_epoch = None;
         p.dead = true;
-        // Start a new send session so that, if the peer comes back, it does not wait for the
-        // bodies we are discarding.
-        p.send_epoch = epoch;
-        p.next_seq = 1;
-        p.highest_sacked = 0;
-        p.recovery = None;
-        let mut bufs: Vec<Vec<u8>> = p.queued.drain(..).collect();
-        bufs.extend(p.inflight.drain(..).map(|f| f.buf));
-        bufs.extend(p.open.take());
-        p.open_eager = false;
-        p.open_lazy_deadline = None;
-        p.open_lazy_ops = 0;
-        for b in bufs {
-            self.recycle(b);
-        }
+        p.hello_sent = None;
+        p.hello_at = 0;
+        p.hello_interval = self.cfg.rto_init;
         self.events.push_back(TransportEvent::PeerDead(peer));
     }
 
@@ -662,41 +862,61 @@ impl Transport {
     pub fn next_timeout(&self) -> Option<u64> {
         let mut t: Option<u64> = None;
         let mut at = |x: u64| t = Some(t.map_or(x, |y| y.min(x)));
-        for p in &self.peers {
+        for (i, p) in self.peers.iter().enumerate() {
+            if i == self.host as usize {
+                continue;
+            }
             if let Some(d) = p.ack_due {
                 at(d);
             }
             if let Some(d) = p.open_lazy_deadline {
                 at(d);
             }
-            if p.dead {
+            if !p.is_open() {
+                at(p.hello_at);
+            }
+            if p.answer.is_some() {
+                at(0);
+            }
+            if p.dead || !p.has_outstanding() {
                 continue;
             }
-            if let Some(f) = p.inflight.iter().find(|f| !f.sacked) {
-                at(f.sent_at.max(p.waiting_since) + p.rto);
+            if p.idle {
+                at(0); // the progress clock starts at the next timer run
+                continue;
             }
-            if p.has_outstanding() {
-                at(p.last_heard.max(p.waiting_since) + self.cfg.peer_timeout + 1);
+            if let Some(d) = p.loss_time {
+                at(d);
             }
+            if let Some(d) = p.pto_deadline(&self.cfg) {
+                at(d);
+            }
+            at(p.progress_at + self.cfg.peer_timeout + 1);
         }
         t
     }
 
-    fn header(&self, peer: u16, seq: u64) -> DatagramHeader {
+    /// The header of a datagram to `peer` naming `dst_epoch` as its epoch. Acknowledgements
+    /// belong to the session: a datagram naming another epoch (a greeting, an answer to a
+    /// stale datagram) acknowledges as a fresh stream would, nothing.
+    fn header(&self, peer: u16, seq: u64, dst_epoch: u32) -> DatagramHeader {
         let p = &self.peers[peer as usize];
+        let in_session = dst_epoch != 0 && p.peer_epoch == Some(dst_epoch);
         DatagramHeader {
             flags: 0,
             src_host: self.host,
             dst_host: peer,
-            epoch: p.send_epoch,
+            src_epoch: p.local_epoch,
+            dst_epoch,
             seq,
-            ack: p.recv_next,
-            sack: p.sack_bits(),
+            ack: if in_session { p.recv_next } else { 1 },
+            sack: if in_session { p.sack_bits() } else { 0 },
         }
     }
 
     /// The next datagram to send and its destination host, or `None` when nothing is due.
-    /// Retransmissions go first, then new data within the window, then pure acks.
+    /// Retransmissions go first, then new data within the window, then pure acks, answers to
+    /// stale datagrams and greetings.
     pub fn poll_transmit(&mut self, now: u64) -> Option<(u16, &[u8])> {
         let n = self.peers.len();
         for k in 0..n {
@@ -716,32 +936,47 @@ impl Transport {
     }
 
     /// Builds one datagram for `peer`: in place in its in-flight buffer (returning its index),
-    /// or a pure ack in `scratch`; returns where and its length.
+    /// or a pure one in `scratch`; returns where and its length.
     fn transmit_one(&mut self, now: u64, peer: u16) -> Option<(Option<usize>, usize)> {
         if peer == self.host {
             return None;
         }
         let window = self.cfg.window;
         let p = &mut self.peers[peer as usize];
+        if let Some(epoch) = p.answer.take() {
+            // A pure datagram naming the stale sender's epoch: if it is the peer's new
+            // incarnation, it opens the session with it.
+            p.answered_at = Some(now);
+            let h = self.header(peer, 0, epoch);
+            return Some((None, self.seal_scratch(&h)));
+        }
+        let Some(peer_epoch) = p.peer_epoch else {
+            if now < p.hello_at {
+                return None;
+            }
+            // A greeting: our epoch, theirs unknown. Sent until the peer answers, backing off.
+            p.hello_sent = Some(now);
+            p.hello_at = now + p.hello_interval;
+            p.hello_interval = (p.hello_interval * 2).min(self.cfg.rto_max);
+            let h = self.header(peer, 0, 0);
+            return Some((None, self.seal_scratch(&h)));
+        };
         let (seq, idx) = if let Some(idx) = p.inflight.iter().position(|f| f.resend) {
             let f = &mut p.inflight[idx];
             f.resend = false;
             f.retries += 1;
-            f.sent_at = now;
             self.stats.retransmits += 1;
             (f.seq, Some(idx))
         } else if p.inflight.len() < window && !p.queued.is_empty() {
-            let buf = p.queued.pop_front().expect("non-empty");
+            let buf = p.queued.pop_front()?;
             let seq = p.next_seq;
             p.next_seq += 1;
-            if p.inflight.is_empty() {
-                p.waiting_since = now;
-            }
             p.inflight.push_back(InFlight {
                 seq,
                 body_end: buf.len(),
                 buf,
                 sent_at: now,
+                tx: 0,
                 retries: 0,
                 sacked: false,
                 resend: false,
@@ -753,13 +988,17 @@ impl Transport {
         } else {
             return None;
         };
-        let h = self.header(peer, seq);
+        let h = self.header(peer, seq, peer_epoch);
         let p = &mut self.peers[peer as usize];
         p.ack_due = None;
         p.unacked_received = 0;
         match idx {
             Some(i) => {
+                p.tx_count += 1;
+                p.last_sent = now;
                 let f = &mut p.inflight[i];
+                f.sent_at = now;
+                f.tx = p.tx_count;
                 f.buf.resize(f.body_end + TAG_LEN, 0);
                 h.write(&mut f.buf);
                 Some((
@@ -767,15 +1006,15 @@ impl Transport {
                     DatagramHeader::seal(&self.key, &mut f.buf, f.body_end),
                 ))
             }
-            None => {
-                self.scratch.resize(HEADER_LEN + TAG_LEN, 0);
-                h.write(&mut self.scratch);
-                Some((
-                    None,
-                    DatagramHeader::seal(&self.key, &mut self.scratch, HEADER_LEN),
-                ))
-            }
+            None => Some((None, self.seal_scratch(&h))),
         }
+    }
+
+    /// Writes a body-less datagram with header `h` into `scratch`; returns its length.
+    fn seal_scratch(&mut self, h: &DatagramHeader) -> usize {
+        self.scratch.resize(HEADER_LEN + TAG_LEN, 0);
+        h.write(&mut self.scratch);
+        DatagramHeader::seal(&self.key, &mut self.scratch, HEADER_LEN)
     }
 }
 
@@ -784,6 +1023,8 @@ mod tests {
     use super::*;
     use crate::transport::sim::{SimConfig, SimNet};
     use crate::wire::{OpHeader, OpIter, Status};
+    use rand::rngs::StdRng;
+    use rand::{Rng, SeedableRng};
 
     fn cfg() -> TransportConfig {
         TransportConfig {
@@ -855,6 +1096,49 @@ mod tests {
         (a, b)
     }
 
+    /// Delivers every datagram each side has to send to the other, until neither has any.
+    fn shuttle(t: &mut [Transport; 2], now: u64) {
+        for _ in 0..10 {
+            let mut any = false;
+            for h in 0..2 {
+                while let Some((to, d)) = t[h].poll_transmit(now) {
+                    let d = d.to_vec();
+                    any = true;
+                    let _ = t[to as usize].on_datagram(now, &d);
+                }
+            }
+            if !any {
+                break;
+            }
+        }
+    }
+
+    /// Shuttles datagrams between both, 100 µs apart, until their session is open; returns
+    /// when (`now` is where to start).
+    fn converge(t: &mut [Transport; 2], mut now: u64) -> u64 {
+        let start = now;
+        while !(t[0].is_open(1) && t[1].is_open(0)) {
+            assert!(now - start < 3_000_000_000, "no session within 3 s");
+            now += 100_000;
+            shuttle(t, now);
+        }
+        now
+    }
+
+    /// Two transports whose session is open (greetings exchanged at time 0).
+    fn pair() -> [Transport; 2] {
+        let mut t = [
+            Transport::new(0, 2, Key([1; 32]), cfg(), 11),
+            Transport::new(1, 2, Key([1; 32]), cfg(), 22),
+        ];
+        shuttle(&mut t, 0);
+        assert!(
+            t[0].is_open(1) && t[1].is_open(0),
+            "greetings open the session"
+        );
+        t
+    }
+
     /// Pushes one lazy op at `now` (deadline `now + 10 µs`), flushes, and says whether a
     /// datagram left at once.
     fn lazy_leaves_at_once(t: &mut Transport, now: u64) -> bool {
@@ -865,7 +1149,7 @@ mod tests {
 
     #[test]
     fn lone_lazy_ops_stop_waiting_and_company_makes_them_wait_again() {
-        let mut t = Transport::new(0, 2, Key([1; 32]), cfg(), 11);
+        let [mut t, _] = pair();
         let mut now = 0;
         // Two lazy ops that sit out their deadline alone (a blocking put's ACK)...
         for _ in 0..2 {
@@ -901,8 +1185,7 @@ mod tests {
 
     #[test]
     fn settled_once_data_is_acked_and_acks_are_sent() {
-        let mut a = Transport::new(0, 2, Key([1; 32]), cfg(), 11);
-        let mut b = Transport::new(1, 2, Key([1; 32]), cfg(), 22);
+        let [mut a, mut b] = pair();
         assert!(!a.unsettled() && !b.unsettled());
         a.push_op(1, &op(1)).unwrap();
         assert!(a.unsettled(), "queued, not yet sent");
@@ -954,40 +1237,269 @@ mod tests {
         }
     }
 
+    /// Runs `t` alone through `net` from `*now` until `stop` or `limit`; returns the events.
+    fn run_alone(
+        t: &mut Transport,
+        net: &mut SimNet,
+        now: &mut u64,
+        limit: u64,
+        mut stop: impl FnMut(&TransportEvent) -> bool,
+    ) -> Vec<TransportEvent> {
+        let mut evs = Vec::new();
+        while *now < limit {
+            t.flush(*now);
+            t.handle_timeout(*now);
+            while let Some((to, d)) = t.poll_transmit(*now) {
+                let d = d.to_vec();
+                net.send(*now, 0, to, &d);
+            }
+            while let Some(ev) = t.poll_event() {
+                let done = stop(&ev);
+                evs.push(ev);
+                if done {
+                    return evs;
+                }
+            }
+            *now += 1_000_000;
+        }
+        evs
+    }
+
     #[test]
-    fn silent_peer_is_declared_dead_and_revives_on_contact() {
+    fn silent_peer_is_declared_dead_after_the_timeout_and_revives_on_contact() {
+        let mut net = SimNet::new(SimConfig::default());
+        let [mut t, mut other] = pair();
+        net.set_down(1, true);
+        t.push_op(1, &op(1)).unwrap();
+        let mut now = 1_000;
+        let evs = run_alone(&mut t, &mut net, &mut now, 2_000_000_000, |e| {
+            *e == TransportEvent::PeerDead(1)
+        });
+        assert_eq!(evs, vec![TransportEvent::PeerDead(1)]);
+        assert!(now >= cfg().peer_timeout, "not before peer_timeout");
+        assert!(now <= cfg().peer_timeout + 3_000_000, "soon after it");
+        assert!(t.stats.retransmits > 0 && t.stats.timeouts > 0);
+        assert_eq!(t.push_op(1, &op(2)), Err(PushError::Dead(1)));
+        // The peer answers the greeting: the session opens again, on both sides, and data
+        // flows (the peer's old session with us was ended by it).
+        let mut both = [t, other];
+        let opened = converge(&mut both, now);
+        [t, other] = both;
+        assert!(
+            opened - now <= cfg().rto_max + 1_000_000,
+            "within one greeting interval"
+        );
+        let now = opened;
+        assert_eq!(other.poll_event(), Some(TransportEvent::PeerReset(0)));
+        t.push_op(1, &op(3)).unwrap();
+        t.flush(now);
+        let (_, d) = t.poll_transmit(now).unwrap();
+        let d = d.to_vec();
+        assert!(other.on_datagram(now, &d).unwrap().body.is_some());
+    }
+
+    #[test]
+    fn data_for_a_peer_that_never_answers_fails_after_the_timeout() {
         let mut net = SimNet::new(SimConfig::default());
         net.set_down(1, true);
         let mut t = Transport::new(0, 2, Key([1; 32]), cfg(), 5);
         t.push_op(1, &op(1)).unwrap();
-        t.flush(0);
         let mut now = 0;
-        let mut dead_at = None;
-        while now < 2_000_000_000 && dead_at.is_none() {
-            t.handle_timeout(now);
-            while let Some((to, d)) = t.poll_transmit(now) {
-                let d = d.to_vec();
-                net.send(now, 0, to, &d);
-            }
-            if let Some(TransportEvent::PeerDead(1)) = t.poll_event() {
-                dead_at = Some(now);
-            }
+        let evs = run_alone(&mut t, &mut net, &mut now, 2_000_000_000, |_| true);
+        assert_eq!(evs, vec![TransportEvent::PeerDead(1)]);
+        assert!(now >= cfg().peer_timeout);
+        assert!(!t.is_open(1));
+    }
+
+    #[test]
+    fn a_restarted_peer_is_noticed_within_a_round_trip_and_admitted() {
+        let [mut a, _b] = pair();
+        // Data from a is in flight when b dies.
+        a.push_op(1, &op(1)).unwrap();
+        a.flush(10);
+        let _lost = a.poll_transmit(10).unwrap();
+        // b starts again (5 ms later): a new incarnation greets a, and a notices at once.
+        let b2 = Transport::new(1, 2, Key([1; 32]), cfg(), 99);
+        let mut t = [a, b2];
+        shuttle(&mut t, 5_000_000);
+        let [a2, mut b] = t;
+        a = a2;
+        assert!(a.is_open(1) && b.is_open(0));
+        assert_eq!(a.poll_event(), Some(TransportEvent::PeerReset(1)));
+        assert_eq!(a.stats.peer_restarts, 1);
+        assert!(!a.unsettled(), "the old session's data was dropped");
+        // The next op goes to the new incarnation at once.
+        a.push_op(1, &op(2)).unwrap();
+        a.flush(5_000_010);
+        let (_, d) = a.poll_transmit(5_000_010).unwrap();
+        let d = d.to_vec();
+        let r = b.on_datagram(5_000_020, &d).unwrap();
+        let got: Vec<u64> = OpIter::new(r.body.unwrap())
+            .map(|o| o.unwrap().header().req)
+            .collect();
+        assert_eq!(got, vec![2]);
+        assert_eq!(b.poll_event(), None, "a fresh start has nothing to fail");
+    }
+
+    /// A datagram from host 1 to host 0 with this header, correctly authenticated.
+    fn forged(h: DatagramHeader, body: &[u8]) -> Vec<u8> {
+        let mut b = vec![0u8; HEADER_LEN + body.len() + TAG_LEN];
+        h.write(&mut b);
+        b[HEADER_LEN..HEADER_LEN + body.len()].copy_from_slice(body);
+        let n = DatagramHeader::seal(&Key([1; 32]), &mut b, HEADER_LEN + body.len());
+        b.truncate(n);
+        b
+    }
+
+    #[test]
+    fn authenticated_headers_at_extremes_change_only_counters() {
+        let [mut a, mut b] = pair();
+        a.push_op(1, &op(1)).unwrap();
+        a.flush(10);
+        let (_, d) = a.poll_transmit(10).unwrap();
+        let first = d.to_vec();
+        let (a_epoch, b_epoch) = (a.peers[1].local_epoch, b.peers[0].local_epoch);
+        let base = DatagramHeader {
+            flags: 0,
+            src_host: 1,
+            dst_host: 0,
+            src_epoch: b_epoch,
+            dst_epoch: a_epoch,
+            seq: 0,
+            ack: 1,
+            sack: 0,
+        };
+        let mut hostile = Vec::new();
+        for (seq, ack, sack) in [
+            (0, u64::MAX, 0),
+            (0, 3, 0),
+            (0, 0, 0),
+            (0, 1, u64::MAX),
+            (0, 1, 1 << 63),
+            (u64::MAX, 1, 0),
+            (1 << 40, 1, 0),
+        ] {
+            hostile.push(forged(
+                DatagramHeader {
+                    seq,
+                    ack,
+                    sack,
+                    ..base
+                },
+                &[],
+            ));
+            hostile.push(forged(
+                DatagramHeader {
+                    seq,
+                    ack,
+                    sack,
+                    ..base
+                },
+                &[1, 2, 3],
+            ));
+        }
+        let mut rng = StdRng::seed_from_u64(7);
+        for _ in 0..2000 {
+            let h = DatagramHeader {
+                flags: rng.gen(),
+                src_host: 1,
+                dst_host: 0,
+                src_epoch: rng.gen(),
+                dst_epoch: if rng.gen_bool(0.5) {
+                    a_epoch
+                } else {
+                    rng.gen()
+                },
+                seq: rng.gen(),
+                ack: rng.gen(),
+                sack: rng.gen(),
+            };
+            hostile.push(forged(h, &[]));
+        }
+        for (k, d) in hostile.iter().enumerate() {
+            let _ = a.on_datagram(20 + k as u64, d);
+        }
+        assert_eq!(a.poll_event(), None, "no session was reset");
+        assert!(a.is_open(1));
+        assert_eq!(a.stats.peer_restarts, 0);
+        assert_eq!(
+            a.peers[1].inflight.len(),
+            1,
+            "nothing unsent was acknowledged"
+        );
+        assert!(a.stats.malformed > 0 && a.stats.stale > 0);
+        // The real session goes on: b gets the body and a its acknowledgement.
+        let r = b.on_datagram(10_000, &first).unwrap();
+        assert!(r.body.is_some());
+        b.flush(1_000_000);
+        let (_, ack) = b.poll_transmit(1_000_000).unwrap();
+        let ack = ack.to_vec();
+        a.on_datagram(1_000_000, &ack).unwrap();
+        assert!(!a.unsettled());
+    }
+
+    #[test]
+    fn a_lost_tail_is_resent_after_a_round_trip_scale_probe_not_a_fixed_timer() {
+        let [mut a, mut b] = pair();
+        // Measure the round trip: 50 µs each way.
+        let mut now = 1_000_000;
+        for k in 0..8 {
+            a.push_op(1, &op(k)).unwrap();
+            a.flush(now);
+            let (_, d) = a.poll_transmit(now).unwrap();
+            let d = d.to_vec();
+            b.on_datagram(now + 50_000, &d).unwrap();
+            b.flush(now + 50_000 + cfg().ack_delay);
+            let (_, ack) = b.poll_transmit(now + 50_000 + cfg().ack_delay).unwrap();
+            let ack = ack.to_vec();
+            a.on_datagram(now + 100_000 + cfg().ack_delay, &ack)
+                .unwrap();
             now += 1_000_000;
         }
-        let dead_at = dead_at.expect("peer declared dead");
-        assert!(dead_at >= cfg().peer_timeout, "not before peer_timeout");
-        assert!(t.stats.retransmits > 0);
-        assert_eq!(t.push_op(1, &op(2)), Err(PushError::Dead(1)));
-        // The peer speaks again: it becomes usable.
-        let mut other = Transport::new(1, 2, Key([1; 32]), cfg(), 6);
-        other.push_op(0, &op(9)).unwrap();
-        other.flush(0);
-        let (_, d) = other.poll_transmit(now).unwrap();
-        let d = d.to_vec();
-        let r = t.on_datagram(now, &d).unwrap();
-        assert!(r.body.is_some());
-        assert_eq!(t.poll_event(), Some(TransportEvent::PeerReset(1)));
-        assert!(t.push_op(1, &op(3)).is_ok());
+        let srtt = a.srtt(1).unwrap();
+        assert!((100_000..=260_000).contains(&srtt), "srtt {srtt}");
+        // The last body of a burst is lost: the probe resends it after about srtt + ack delay.
+        a.push_op(1, &op(100)).unwrap();
+        a.flush(now);
+        let _lost = a.poll_transmit(now).unwrap();
+        let start = now;
+        loop {
+            now += 10_000;
+            a.handle_timeout(now);
+            if a.poll_transmit(now).is_some() {
+                break;
+            }
+            assert!(now - start < 2_000_000, "no probe within 2 ms");
+        }
+        assert!(now - start >= srtt, "not before a round trip");
+        assert_eq!(a.stats.timeouts, 1);
+    }
+
+    #[test]
+    fn a_hole_is_resent_as_soon_as_later_bodies_are_acknowledged() {
+        let [mut a, mut b] = pair();
+        let now = 1_000_000;
+        for k in 0..5 {
+            a.push_op(1, &op(k)).unwrap();
+            a.flush(now);
+        }
+        let mut sent = Vec::new();
+        while let Some((_, d)) = a.poll_transmit(now) {
+            sent.push(d.to_vec());
+        }
+        assert!(sent.len() >= 5);
+        // The first is lost, the rest arrive: b acks at once (a gap), a resends the hole.
+        for d in &sent[1..] {
+            b.on_datagram(now + 50_000, d).unwrap();
+        }
+        let (_, ack) = b.poll_transmit(now + 50_000).unwrap();
+        let ack = ack.to_vec();
+        a.on_datagram(now + 100_000, &ack).unwrap();
+        assert_eq!(a.stats.fast_retransmits, 1);
+        let (_, again) = a.poll_transmit(now + 100_000).unwrap();
+        let again = again.to_vec();
+        assert_eq!(again[HEADER_LEN..], sent[0][HEADER_LEN..], "the same body");
+        assert!(b.on_datagram(now + 150_000, &again).unwrap().body.is_some());
     }
 
     #[test]

@@ -1,19 +1,21 @@
 //! The datagram envelope: a fixed header, a body of ops, a keyed authentication tag.
 //!
 //! Layout (little endian):
-//! `magic u16 | version u8 | flags u8 | src_host u16 | dst_host u16 | epoch u32 | seq u64 |
-//!  ack u64 | sack u64 | body… | tag [16]`.
+//! `magic u16 | version u8 | flags u8 | src_host u16 | dst_host u16 | src_epoch u32 |
+//!  dst_epoch u32 | seq u64 | ack u64 | sack u64 | body… | tag [16]`.
 //! `seq == 0` marks a pure acknowledgement (no body). `ack` is the next sequence number the
 //! sender expects from the receiver; bit i of `sack` says `ack + 1 + i` arrived out of order.
-//! The tag is a BLAKE3 keyed hash (the cluster secret) of everything before it. BLAKE3 costs
-//! about the same for every started 64-byte block: a lone acknowledgement op (24 bytes) after
-//! this 36-byte header is authenticated in one block.
+//! The epochs name the session between the two hosts: the sender's incarnation towards the
+//! receiver and what it believes the receiver's is (0: not yet known); see
+//! [`crate::transport::reliable`]. The tag is a BLAKE3 keyed hash (the cluster secret) of
+//! everything before it. BLAKE3 costs about the same for every started 64-byte block: a lone
+//! acknowledgement op (24 bytes) after this 40-byte header is authenticated in one block.
 
 use super::{get_u16, get_u32, get_u64, WireError};
 
 pub const MAGIC: u16 = 0x4e53; // "SN"
-pub const VERSION: u8 = 3;
-pub const HEADER_LEN: usize = 36;
+pub const VERSION: u8 = 4;
+pub const HEADER_LEN: usize = 40;
 pub const TAG_LEN: usize = 16;
 
 /// The 32-byte cluster secret shared by all daemons of a cluster.
@@ -40,8 +42,11 @@ pub struct DatagramHeader {
     pub flags: u8,
     pub src_host: u16,
     pub dst_host: u16,
-    /// Random per daemon start: a change tells the peer that this daemon restarted.
-    pub epoch: u32,
+    /// The sender's incarnation towards the receiver: random per start, new when the sender
+    /// gave the receiver up for dead.
+    pub src_epoch: u32,
+    /// The receiver's incarnation as the sender knows it (0: unknown).
+    pub dst_epoch: u32,
     pub seq: u64,
     pub ack: u64,
     pub sack: u64,
@@ -55,10 +60,11 @@ impl DatagramHeader {
         buf[3] = self.flags;
         buf[4..6].copy_from_slice(&self.src_host.to_le_bytes());
         buf[6..8].copy_from_slice(&self.dst_host.to_le_bytes());
-        buf[8..12].copy_from_slice(&self.epoch.to_le_bytes());
-        buf[12..20].copy_from_slice(&self.seq.to_le_bytes());
-        buf[20..28].copy_from_slice(&self.ack.to_le_bytes());
-        buf[28..36].copy_from_slice(&self.sack.to_le_bytes());
+        buf[8..12].copy_from_slice(&self.src_epoch.to_le_bytes());
+        buf[12..16].copy_from_slice(&self.dst_epoch.to_le_bytes());
+        buf[16..24].copy_from_slice(&self.seq.to_le_bytes());
+        buf[24..32].copy_from_slice(&self.ack.to_le_bytes());
+        buf[32..40].copy_from_slice(&self.sack.to_le_bytes());
     }
 
     /// Appends the tag over `buf[..len]` at `buf[len..len + TAG_LEN]`; returns the total length.
@@ -94,10 +100,11 @@ impl DatagramHeader {
             flags: dgram[3],
             src_host: get_u16(dgram, 4),
             dst_host: get_u16(dgram, 6),
-            epoch: get_u32(dgram, 8),
-            seq: get_u64(dgram, 12),
-            ack: get_u64(dgram, 20),
-            sack: get_u64(dgram, 28),
+            src_epoch: get_u32(dgram, 8),
+            dst_epoch: get_u32(dgram, 12),
+            seq: get_u64(dgram, 16),
+            ack: get_u64(dgram, 24),
+            sack: get_u64(dgram, 32),
         };
         Ok((h, &dgram[HEADER_LEN..body_end]))
     }
@@ -118,7 +125,8 @@ mod tests {
             flags: 1,
             src_host: 3,
             dst_host: 4,
-            epoch: 9,
+            src_epoch: 9,
+            dst_epoch: 12,
             seq: 10,
             ack: 11,
             sack: 0b101,
