@@ -1,292 +1,300 @@
-//! Portals matching through the real transport over the seeded lossy simulated network:
-//! messages between a pair of NIs are matched in the order they were sent, exactly once,
-//! whatever the network loses, duplicates or reorders; fragmented messages arrive whole.
-
-use std::collections::VecDeque;
+//! Portals matching through host cores (the daemon's NIC) over the seeded lossy simulated
+//! network, driven by the same Portals calls a client sends down its command ring: messages
+//! between a pair of NIs are matched in the order they were sent, exactly once, whatever the
+//! network loses, duplicates or reorders; fragmented messages arrive whole.
 
 use softnic::nic::memory::{HeapBacking, Perms, Region};
 use softnic::nic::portals::types::{me, RANK_ANY};
-use softnic::nic::portals::wire::{encode_kind, request_ops, response_ops, Reassembly};
-use softnic::nic::portals::{
-    AckReq, EventKind, Limits, List, MatchEntry, NiFail, OpSpec, PortalsNi, ProcessId, ReqKind,
-};
-use softnic::transport::sim::{SimConfig, SimNet};
-use softnic::transport::{Transport, TransportConfig};
-use softnic::wire::{Key, OpHeader, OpIter, OpRef, PtlHeader};
+use softnic::nic::portals::{EventKind, NiFail};
+use softnic::nic::sim::SimCluster;
+use softnic::shm::event_ring::{ring_bytes, EventRing};
+use softnic::shm::ptl_call::{result_of, Buf, MeArgs, OpArgs, PtlCall};
+use softnic::shm::{Command, CommandKind};
+use softnic::transport::sim::SimConfig;
+use softnic::transport::TransportConfig;
+
+const EQ_COUNT: usize = 4096;
 
 fn region(len: usize) -> Region {
     Region::new(HeapBacking::new(len), Perms::READ_WRITE)
 }
 
-fn me_entry(r: &Region, start: u64, length: u64, options: u32, bits: u64) -> MatchEntry {
-    MatchEntry {
-        region: r.clone(),
-        start,
-        length,
-        ct: None,
-        uid: u32::MAX,
-        options: me::OP_PUT | me::OP_GET | options,
-        match_id: ProcessId::Logical { rank: RANK_ANY },
-        match_bits: bits,
-        ignore_bits: 0,
-        min_free: 0,
+/// One rank's process on a simulated host: its session, its registered memory, its calls.
+struct Proc {
+    host: u16,
+    session: u64,
+    next_req: u64,
+}
+
+impl Proc {
+    fn new(c: &mut SimCluster, host: u16, rank: u32) -> Proc {
+        let session = 10 + rank as u64;
+        c.attach(host, session, 1, 99, rank, 2).unwrap();
+        Proc {
+            host,
+            session,
+            next_req: 1,
+        }
     }
-}
 
-struct Host {
-    t: Transport,
-    ni: PortalsNi,
-    asm: Reassembly,
-    /// Encoded ops waiting for room in the transport.
-    backlog: VecDeque<Vec<u8>>,
-}
+    fn register(&self, c: &mut SimCluster, r: &Region) -> u32 {
+        c.register(self.host, self.session, r.clone()).unwrap()
+    }
 
-impl Host {
-    fn new(i: u16) -> Host {
-        let cfg = TransportConfig {
-            mtu: 1472,
-            window: 64,
-            max_queued: 64,
-            rto_init: 300_000,
-            rto_min: 200_000,
-            peer_timeout: 60_000_000_000,
+    fn submit(&mut self, c: &mut SimCluster, call: &PtlCall, oneway: bool) -> u64 {
+        let mut inline = Vec::new();
+        call.encode_into(&mut inline);
+        let req = if oneway { 0 } else { self.next_req };
+        self.next_req += 1;
+        let cmd = Command {
+            kind: CommandKind::Portals,
+            client_req: req,
+            len: inline.len() as u64,
             ..Default::default()
         };
-        Host {
-            t: Transport::new(i, 2, Key([5; 32]), cfg, 40 + i as u64),
-            ni: PortalsNi::new(true, Limits::default()),
-            asm: Reassembly::default(),
-            backlog: VecDeque::new(),
-        }
+        c.submit(self.host, self.session, cmd, &inline);
+        req
     }
 
-    fn queue(&mut self, op: &OpRef<'_>) {
-        let mut b = vec![0u8; op.encoded_len()];
-        op.encode(&mut b);
-        self.backlog.push_back(b);
+    /// A call that returns a handle, run to its completion.
+    fn call(&mut self, c: &mut SimCluster, call: PtlCall) -> u64 {
+        let req = self.submit(c, &call, false);
+        let s = self.session;
+        c.run_until(1_000_000_000, |c| {
+            c.completions(s).iter().any(|e| e.client_req == req)
+        })
+        .unwrap();
+        let e = c
+            .take_completions(s)
+            .into_iter()
+            .find(|e| e.client_req == req);
+        let e = e.unwrap();
+        result_of(e.status, e.value).unwrap_or_else(|err| panic!("{call:?}: {err:?}"))
     }
 
-    fn pump(&mut self, peer: u16) {
-        while let Some(b) = self.backlog.front() {
-            let (op, _) = OpRef::decode(b).expect("own encoding");
-            if self.t.push_op(peer, &op).is_err() {
-                break;
-            }
-            self.backlog.pop_front();
-        }
+    fn eq(&mut self, c: &mut SimCluster) -> (u32, EventRing) {
+        let len = ring_bytes(EQ_COUNT);
+        let mem = region(len);
+        let handle = self.register(c, &mem);
+        let eq = self.call(
+            c,
+            PtlCall::EqAlloc {
+                ni: 0,
+                count: EQ_COUNT as u32,
+                ring: Buf {
+                    region: handle,
+                    offset: 0,
+                    length: len as u64,
+                },
+            },
+        );
+        (eq as u32, EventRing::new(mem, 0, len as u64).unwrap())
     }
-}
 
-/// Host 0 starts `specs` (op id → completion); host 1 serves; runs until all complete.
-fn run(net: &mut SimNet, hosts: &mut [Host; 2], specs: Vec<OpSpec>) {
-    let body = hosts[0].t.body_capacity();
-    for (i, s) in specs.into_iter().enumerate() {
-        let mut payload = Vec::new();
-        let id = hosts[0]
-            .ni
-            .start(s.clone(), &mut payload)
-            .expect("valid op");
-        let (kind, op, dt) = encode_kind(s.kind);
-        let m = PtlHeader {
-            ni: 0,
-            kind,
-            atomic_op: op,
-            datatype: dt,
-            pt_index: s.pt_index,
-            match_bits: s.match_bits,
-            remote_offset: s.remote_offset,
-            rlength: s.length,
-            hdr_data: s.hdr_data,
-            uid: 0,
-        };
-        let h = OpHeader {
-            job: 1,
-            src_rank: 0,
-            dst_rank: 1,
-            req: id as u64,
-        };
-        assert!(i < 1_000_000);
-        for o in request_ops(h, m, &s.operand, &payload, body) {
-            hosts[0].queue(&o);
-        }
-    }
-    let mut now = 0u64;
-    while hosts[0].ni.outgoing_len() > 0 {
-        assert!(now < 600_000_000_000, "did not finish");
-        for (i, h) in hosts.iter_mut().enumerate() {
-            h.pump(1 - i as u16);
-            h.t.flush(now);
-            h.t.handle_timeout(now);
-            while let Some((to, d)) = h.t.poll_transmit(now) {
-                let d = d.to_vec();
-                net.send(now, i as u16, to, &d);
-            }
-        }
-        while let Some((to, d)) = net.recv_due(now) {
-            let h = &mut hosts[to as usize];
-            let Ok(r) = h.t.on_datagram(now, &d) else {
-                continue;
-            };
-            let mut bodies: Vec<Vec<u8>> = r.body.map(|b| b.to_vec()).into_iter().collect();
-            while let Some(b) = h.t.take_ready(r.peer) {
-                bodies.push(b);
-            }
-            for b in bodies {
-                for op in OpIter::new(&b) {
-                    let op = op.expect("valid op");
-                    match op {
-                        OpRef::PtlReq { .. } => {
-                            let Some(Ok(whole)) = h.asm.request(r.peer, &op) else {
-                                continue;
-                            };
-                            let (rh, ..) = whole.parts();
-                            let resp = match whole.request(ProcessId::Logical { rank: rh.src_rank })
-                            {
-                                Ok(req) => h.ni.deliver(&req),
-                                Err(f) => panic!("bad kind {f:?}"),
-                            };
-                            let back = OpHeader {
-                                src_rank: rh.dst_rank,
-                                dst_rank: rh.src_rank,
-                                ..rh
-                            };
-                            let body = h.t.body_capacity();
-                            for o in response_ops(back, &resp, body) {
-                                h.queue(&o);
-                            }
-                        }
-                        OpRef::PtlResp { .. } => {
-                            if let Some((req, resp)) = h.asm.response(r.peer, &op) {
-                                h.ni.complete(req as u32, &resp);
-                            }
-                        }
-                        _ => unreachable!(),
-                    }
-                }
-            }
-        }
-        now += 50_000;
+    fn append(
+        &mut self,
+        c: &mut SimCluster,
+        buf: (u32, u64, u64),
+        options: u32,
+        bits: u64,
+        user_ptr: u64,
+    ) {
+        self.call(
+            c,
+            PtlCall::Append {
+                ni: 0,
+                pt: 0,
+                overflow: false,
+                user_ptr,
+                me: MeArgs {
+                    buf: Buf {
+                        region: buf.0,
+                        offset: buf.1,
+                        length: buf.2,
+                    },
+                    ct: None,
+                    uid: u32::MAX,
+                    options: me::OP_PUT | me::OP_GET | options,
+                    match_id: (0, RANK_ANY, 0),
+                    match_bits: bits,
+                    ignore_bits: 0,
+                    min_free: 0,
+                },
+            },
+        );
     }
 }
 
 #[test]
 fn matching_order_and_exactly_once_under_loss_duplication_reordering() {
     for seed in [1u64, 2, 3] {
-        let mut net = SimNet::new(SimConfig {
-            seed,
-            loss: 0.3,
-            duplicate: 0.2,
-            reorder: 0.2,
-            mtu: 1472,
-            ..Default::default()
-        });
-        let mut hosts = [Host::new(0), Host::new(1)];
-        let t = &mut hosts[1].ni;
-        let teq = t.eq_alloc(4096).unwrap();
-        t.pt_alloc(0, Some(teq), Some(0)).unwrap();
+        let mut c = SimCluster::new(
+            2,
+            TransportConfig {
+                peer_timeout: 60_000_000_000,
+                ..Default::default()
+            },
+            SimConfig {
+                seed,
+                loss: 0.3,
+                duplicate: 0.2,
+                reorder: 0.2,
+                mtu: 1472,
+                ..Default::default()
+            },
+        );
+        let mut i = Proc::new(&mut c, 0, 0);
+        let mut t = Proc::new(&mut c, 1, 1);
+        for p in [&mut i, &mut t] {
+            p.call(
+                &mut c,
+                PtlCall::NiInit {
+                    ni: 0,
+                    matching: true,
+                },
+            );
+        }
+        let (teq, mut teq_ring) = t.eq(&mut c);
+        t.call(
+            &mut c,
+            PtlCall::PtAlloc {
+                ni: 0,
+                options: 0,
+                eq: Some(teq),
+                index: Some(0),
+            },
+        );
         // Bits 1: a packing buffer (locally managed): arrival order is visible in memory.
         let packed = region(8 * 400);
-        t.append(
-            0,
-            me_entry(&packed, 0, 8 * 400, me::MANAGE_LOCAL, 1),
-            List::Priority,
-            0,
-        )
-        .unwrap();
+        let h = t.register(&mut c, &packed);
+        t.append(&mut c, (h, 0, 8 * 400), me::MANAGE_LOCAL, 1, 0);
         // Bits 2: 50 use-once entries, each matched by the next message in order.
         let slots = region(8 * 50);
-        for i in 0..50u64 {
-            t.append(
-                0,
-                me_entry(&slots, i * 8, 8, me::USE_ONCE, 2),
-                List::Priority,
-                i,
-            )
-            .unwrap();
+        let h = t.register(&mut c, &slots);
+        for k in 0..50u64 {
+            t.append(&mut c, (h, k * 8, 8), me::USE_ONCE, 2, k);
         }
         // Bits 4: a large buffer for a fragmented put and gets back.
         let big = region(20_000);
-        t.append(0, me_entry(&big, 0, 20_000, 0, 4), List::Priority, 0)
-            .unwrap();
+        let h = t.register(&mut c, &big);
+        t.append(&mut c, (h, 0, 20_000), 0, 4, 0);
 
-        let i = &mut hosts[0].ni;
-        let ieq = i.eq_alloc(4096).unwrap();
+        let (ieq, mut ieq_ring) = i.eq(&mut c);
         let src = region(8 * 400 + 20_000);
         for k in 0..400u64 {
             src.write(k * 8, &k.to_le_bytes()).unwrap();
         }
         let pattern: Vec<u8> = (0..20_000u32).map(|x| (x * 7 % 251) as u8).collect();
         src.write(3200, &pattern).unwrap();
-        let md = i
-            .md_bind(src.clone(), vec![(0, 8 * 400 + 20_000)], 0, Some(ieq), None)
-            .unwrap();
+        let md_bind = |i: &mut Proc, c: &mut SimCluster, r: &Region| {
+            let region = i.register(c, r);
+            i.call(
+                c,
+                PtlCall::MdBind {
+                    ni: 0,
+                    region,
+                    segments: vec![(0, r.len() as u64)],
+                    options: 0,
+                    eq: Some(ieq),
+                    ct: None,
+                },
+            ) as u32
+        };
+        let md = md_bind(&mut i, &mut c, &src);
         let back = region(20_000);
-        let gmd = i
-            .md_bind(back.clone(), vec![(0, 20_000)], 0, Some(ieq), None)
-            .unwrap();
-        let put = |bits, offset, length| OpSpec {
-            kind: ReqKind::Put,
+        let gmd = md_bind(&mut i, &mut c, &back);
+        let put = |bits, offset, length| OpArgs {
+            kind: 0,
+            ack_req: 0,
             md,
             offset,
             length,
-            get_md: None,
-            get_offset: 0,
-            ack_req: AckReq::Ack,
-            target: ProcessId::Logical { rank: 1 },
+            target_rank: 1,
+            target_host: 1,
             pt_index: 0,
             match_bits: bits,
-            remote_offset: 0,
             user_ptr: offset,
-            hdr_data: 0,
-            operand: Vec::new(),
+            ..Default::default()
         };
-        let mut specs = Vec::new();
         for k in 0..300u64 {
-            specs.push(put(1, k * 8, 8));
+            i.submit(
+                &mut c,
+                &PtlCall::Op {
+                    ni: 0,
+                    op: put(1, k * 8, 8),
+                },
+                true,
+            );
             if k < 50 {
-                specs.push(put(2, k * 8, 8));
+                i.submit(
+                    &mut c,
+                    &PtlCall::Op {
+                        ni: 0,
+                        op: put(2, k * 8, 8),
+                    },
+                    true,
+                );
             }
         }
-        specs.push(put(4, 3200, 20_000));
+        i.submit(
+            &mut c,
+            &PtlCall::Op {
+                ni: 0,
+                op: put(4, 3200, 20_000),
+            },
+            true,
+        );
         for g in 0..10u64 {
-            specs.push(OpSpec {
-                kind: ReqKind::Get,
+            let get = OpArgs {
+                kind: 1,
                 get_md: Some(gmd),
                 get_offset: g * 2000,
                 remote_offset: g * 2000,
-                length: 2000,
                 ..put(4, 0, 2000)
-            });
+            };
+            i.submit(&mut c, &PtlCall::Op { ni: 0, op: get }, true);
         }
-        run(&mut net, &mut hosts, specs);
+        let mut ievents = Vec::new();
+        c.run_until(60_000_000_000, |c| {
+            c.host_mut(0).unwrap().deliver_events();
+            while let Some(e) = ieq_ring.pop() {
+                ievents.push(e);
+            }
+            ievents
+                .iter()
+                .filter(|(e, _)| matches!(e.kind, EventKind::Ack | EventKind::Reply))
+                .count()
+                >= 361
+        })
+        .unwrap_or_else(|e| panic!("seed {seed}: {e}"));
 
         for k in 0..300u64 {
             assert_eq!(
-                packed.bytes(k * 8, 8),
+                packed.to_vec(k * 8, 8),
                 k.to_le_bytes(),
                 "seed {seed}: put {k} packed in send order"
             );
         }
         for k in 0..50u64 {
             assert_eq!(
-                slots.bytes(k * 8, 8),
+                slots.to_vec(k * 8, 8),
                 k.to_le_bytes(),
                 "seed {seed}: use-once entry {k} got message {k}"
             );
         }
         assert_eq!(
-            big.bytes(0, 20_000),
+            big.to_vec(0, 20_000),
             &pattern[..],
             "seed {seed}: fragmented put whole"
         );
         assert_eq!(
-            back.bytes(0, 20_000),
+            back.to_vec(0, 20_000),
             &pattern[..],
             "seed {seed}: gets back"
         );
         let mut acks = 0;
         let mut replies = 0;
-        while let Ok((e, dropped)) = hosts[0].ni.eq_get(ieq) {
+        for (e, dropped) in ievents {
             assert!(!dropped);
             assert_eq!(e.ni_fail, NiFail::Ok);
             match e.kind {
@@ -301,16 +309,17 @@ fn matching_order_and_exactly_once_under_loss_duplication_reordering() {
             "seed {seed}: every op completed exactly once"
         );
         let mut puts = 0;
-        while let Ok((e, _)) = hosts[1].ni.eq_get(teq) {
+        c.host_mut(1).unwrap().deliver_events();
+        while let Some((e, _)) = teq_ring.pop() {
             if e.kind == EventKind::Put {
                 puts += 1;
             }
         }
         assert_eq!(puts, 351, "seed {seed}: each put delivered once");
         assert!(
-            net.stats.lost > 20 && net.stats.duplicated > 10 && net.stats.reordered > 10,
+            c.net.stats.lost > 20 && c.net.stats.duplicated > 10 && c.net.stats.reordered > 10,
             "{:?}",
-            net.stats
+            c.net.stats
         );
     }
 }

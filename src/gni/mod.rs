@@ -551,7 +551,7 @@ impl Nic {
         operand2: u64,
     ) -> Result<Command, GniError> {
         let mut c = self.cmd(CommandKind::Amo, dst, 8)?;
-        c.amo = op as u8;
+        c.amo = Some(op);
         c.operand = operand;
         c.operand2 = operand2;
         Ok(c)
@@ -626,7 +626,7 @@ impl Nic {
                 },
                 buf.len(),
             )?;
-            c.amo = op as u8;
+            c.amo = Some(op);
             let r = self.post(c, &buf, true);
             if let Err(e) = r {
                 self.scatter_buf = buf;

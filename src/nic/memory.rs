@@ -11,7 +11,6 @@
 //! list entries, because those need the bytes mapped here.
 
 use rustc_hash::FxHashMap as HashMap;
-use std::borrow::Cow;
 use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 
@@ -143,61 +142,46 @@ impl Region {
         Ok(())
     }
 
-    /// The bytes at `[off, off+len)`: borrowed when mapped, copied otherwise. Bounds must have
-    /// been checked (asserted). The owner may change them while they are read, exactly as under
-    /// a hardware NIC's DMA.
-    pub fn read(&self, off: u64, len: usize) -> Result<Cow<'_, [u8]>, Status> {
+    /// Copies the bytes at `[off, off+len)` into `out` (`len = out.len()`). Bounds must have
+    /// been checked (asserted); `Status::Fault` when memory reached by copy is gone.
+    ///
+    /// Never a borrowed slice: the owner may write these bytes while the NIC reads them, as
+    /// under a hardware NIC's DMA, and a `&[u8]` over them would promise Rust they cannot
+    /// change. The copy goes through raw pointers, so what is read is whatever bytes were there.
+    pub fn read_into(&self, off: u64, out: &mut [u8]) -> Result<(), Status> {
         assert!(
-            off as usize + len <= self.len(),
+            off as usize + out.len() <= self.len(),
             "read past a checked region"
         );
         match self.backing.ptr() {
-            // SAFETY: in bounds (asserted) and mapped for the lifetime of `self`.
-            Some(base) => Ok(Cow::Borrowed(unsafe {
-                std::slice::from_raw_parts(base.add(off as usize), len)
-            })),
-            None => {
-                let mut v = vec![0; len];
-                self.backing.read_at(off as usize, &mut v)?;
-                Ok(Cow::Owned(v))
-            }
+            // SAFETY: in bounds (asserted) and mapped for the lifetime of `self`; `out` is our
+            // own buffer and cannot overlap NIC memory we hold no reference into.
+            Some(base) => unsafe {
+                std::ptr::copy(base.add(off as usize), out.as_mut_ptr(), out.len());
+                Ok(())
+            },
+            None => self.backing.read_at(off as usize, out),
         }
     }
 
     /// Appends the bytes at `[off, off+len)` to `out`, copied once whatever the backing. Bounds
     /// must have been checked (asserted); on `Status::Fault`, `out` is left as it was.
     pub fn append_to(&self, off: u64, len: usize, out: &mut Vec<u8>) -> Result<(), Status> {
-        if self.is_mapped() {
-            out.extend_from_slice(&self.read(off, len)?);
-            return Ok(());
-        }
-        assert!(
-            off as usize + len <= self.len(),
-            "read past a checked region"
-        );
         let at = out.len();
         out.resize(at + len, 0);
-        self.backing
-            .read_at(off as usize, &mut out[at..])
+        self.read_into(off, &mut out[at..])
             .inspect_err(|_| out.truncate(at))
     }
 
-    /// The bytes at `[off, off+len)` of a mapped region (tests and diagnostics; the engines use
-    /// [`Region::read`]).
+    /// A copy of the bytes at `[off, off+len)` (tests and diagnostics).
     ///
     /// # Panics
-    /// Out of bounds, or on a region reached by copy.
-    pub fn bytes(&self, off: u64, len: usize) -> &[u8] {
-        assert!(
-            off as usize + len <= self.len(),
-            "read past a checked region"
-        );
-        let base = self
-            .backing
-            .ptr()
-            .expect("bytes() of a region reached by copy");
-        // SAFETY: in bounds (asserted) and mapped for the lifetime of `self`.
-        unsafe { std::slice::from_raw_parts(base.add(off as usize), len) }
+    /// Out of bounds, or memory reached by copy that is gone.
+    pub fn to_vec(&self, off: u64, len: usize) -> Vec<u8> {
+        let mut v = Vec::new();
+        self.append_to(off, len, &mut v)
+            .expect("to_vec() of memory that is gone");
+        v
     }
 
     /// Where `[off, off+len)` is mapped, for atomics applied in place: bounds checked, and

@@ -9,3 +9,4 @@ pub mod gemini;
 pub mod host;
 pub mod memory;
 pub mod portals;
+pub mod sim;

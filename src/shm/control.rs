@@ -70,7 +70,8 @@ pub enum CommandKind {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Command {
     pub kind: CommandKind,
-    pub amo: u8,
+    /// The AMO of `Amo` and `AmoScatter` commands (decode refuses those without a valid one).
+    pub amo: Option<AmoOp>,
     /// [`CMD_IMPLICIT`]…
     pub flags: u8,
     /// Target host index (from the job's rank map).
@@ -89,7 +90,7 @@ pub struct Command {
 impl Command {
     pub fn encode(&self, b: &mut [u8]) {
         b[0] = self.kind as u8;
-        b[1] = self.amo;
+        b[1] = self.amo.map_or(0, |a| a as u8);
         b[2] = self.flags;
         b[3] = 0;
         b[4..6].copy_from_slice(&self.host.to_le_bytes());
@@ -120,9 +121,9 @@ impl Command {
             6 => CommandKind::Portals,
             k => return Err(ControlError::BadCommand(k)),
         };
-        let c = Command {
+        let mut c = Command {
             kind,
-            amo: b[1],
+            amo: None,
             flags: b[2],
             host: get_u16(b, 4),
             rank: get_u32(b, 8),
@@ -135,17 +136,12 @@ impl Command {
             operand: get_u64(b, 56),
             operand2: get_u64(b, 64),
         };
-        match AmoOp::from_u8(c.amo) {
-            None if kind == CommandKind::Amo || kind == CommandKind::AmoScatter => {
-                return Err(ControlError::BadCommand(c.amo))
+        if kind == CommandKind::Amo || kind == CommandKind::AmoScatter {
+            let op = AmoOp::from_u8(b[1]).ok_or(ControlError::BadCommand(b[1]))?;
+            if kind == CommandKind::AmoScatter && (op.is_fetching() || !c.len.is_multiple_of(16)) {
+                return Err(ControlError::BadInline(c.len));
             }
-            Some(op)
-                if kind == CommandKind::AmoScatter
-                    && (op.is_fetching() || !c.len.is_multiple_of(16)) =>
-            {
-                return Err(ControlError::BadInline(c.len))
-            }
-            _ => {}
+            c.amo = Some(op);
         }
         let rest = &b[COMMAND_LEN..];
         let inline = if matches!(

@@ -31,7 +31,9 @@
 use std::collections::{BTreeMap, VecDeque};
 
 use super::lazy::LazyPolicy;
-use crate::wire::{DatagramHeader, Key, OpRef, WireError, HEADER_LEN, TAG_LEN};
+use crate::wire::{
+    DatagramHeader, Key, OpRef, WireError, FLAG_CONFIRM, FLAG_IN_SESSION, HEADER_LEN, TAG_LEN,
+};
 
 /// Bodies transmitted after a lost one (and delivered) that prove its loss at once.
 const PACKET_THRESHOLD: u64 = 3;
@@ -179,6 +181,11 @@ struct Peer {
     local_epoch: u32,
     /// The peer's, once it named ours (then the session is open).
     peer_epoch: Option<u32>,
+    /// The peer is known to have our epoch as its session peer (it sent `FLAG_IN_SESSION`).
+    /// Until then, pure datagrams asking it to confirm go out on the greeting schedule: the
+    /// last datagram of the opening may be lost, and a peer left with our old epoch would
+    /// fail the next operation it sends us.
+    confirmed: bool,
     /// When to greet next while the session is not open, and the current interval.
     hello_at: u64,
     hello_interval: u64,
@@ -228,6 +235,7 @@ impl Peer {
         Peer {
             local_epoch: epoch,
             peer_epoch: None,
+            confirmed: false,
             hello_at: 0,
             hello_interval: cfg.rto_init,
             hello_sent: None,
@@ -576,7 +584,7 @@ impl Transport {
     /// before anything changes: a session change must come with a fresh stream's fields.
     fn verdict(&self, peer: u16, h: &DatagramHeader, body_len: usize) -> Verdict {
         let p = &self.peers[peer as usize];
-        if h.flags != 0 {
+        if h.flags & !(FLAG_IN_SESSION | FLAG_CONFIRM) != 0 {
             return Verdict::Malformed("unknown datagram flags");
         }
         if h.seq == 0 && body_len != 0 {
@@ -650,6 +658,13 @@ impl Transport {
         if self.peers[peer as usize].peer_epoch != Some(h.src_epoch) {
             self.open_session(now, peer, h.src_epoch);
         }
+        let p = &mut self.peers[peer as usize];
+        if h.flags & FLAG_IN_SESSION != 0 {
+            p.confirmed = true;
+        }
+        if h.flags & FLAG_CONFIRM != 0 {
+            p.ack_due = Some(now);
+        }
         self.process_ack(now, peer, h.ack, h.sack);
         if h.seq == 0 {
             return Ok(Received { peer, body: None });
@@ -700,8 +715,10 @@ impl Transport {
         }
         let p = &mut self.peers[peer as usize];
         p.peer_epoch = Some(epoch);
+        p.confirmed = false;
         p.dead = false;
         p.hello_interval = self.cfg.rto_init;
+        p.hello_at = now + p.hello_interval;
         if let Some(t) = p.hello_sent.take() {
             p.rtt.sample(now.saturating_sub(t));
         }
@@ -872,7 +889,7 @@ impl Transport {
             if let Some(d) = p.open_lazy_deadline {
                 at(d);
             }
-            if !p.is_open() {
+            if !p.is_open() || !p.confirmed {
                 at(p.hello_at);
             }
             if p.answer.is_some() {
@@ -902,8 +919,13 @@ impl Transport {
     fn header(&self, peer: u16, seq: u64, dst_epoch: u32) -> DatagramHeader {
         let p = &self.peers[peer as usize];
         let in_session = dst_epoch != 0 && p.peer_epoch == Some(dst_epoch);
+        let flags = match (in_session, p.confirmed) {
+            (false, _) => 0,
+            (true, true) => FLAG_IN_SESSION,
+            (true, false) => FLAG_IN_SESSION | FLAG_CONFIRM,
+        };
         DatagramHeader {
-            flags: 0,
+            flags,
             src_host: self.host,
             dst_host: peer,
             src_epoch: p.local_epoch,
@@ -984,6 +1006,11 @@ impl Transport {
             (seq, Some(p.inflight.len() - 1))
         } else if p.ack_due.is_some_and(|d| d <= now) {
             self.stats.acks_sent += 1;
+            (0, None)
+        } else if !p.confirmed && now >= p.hello_at {
+            // Ask again for the confirmation, backing off as greetings do.
+            p.hello_at = now + p.hello_interval;
+            p.hello_interval = (p.hello_interval * 2).min(self.cfg.rto_max);
             (0, None)
         } else {
             return None;

@@ -124,7 +124,8 @@ impl SimNet {
         }
     }
 
-    pub fn next_time(&self) -> Option<u64> {
+    /// When the next datagram is due, if any is in flight.
+    pub fn next_due(&self) -> Option<u64> {
         self.queue.peek().map(|Reverse((at, ..))| *at)
     }
 }

@@ -18,6 +18,13 @@ pub const VERSION: u8 = 4;
 pub const HEADER_LEN: usize = 40;
 pub const TAG_LEN: usize = 16;
 
+/// Header flag: the sender has the receiver's epoch (`dst_epoch`) as its session peer. An
+/// answer to a stale datagram names the epoch without it.
+pub const FLAG_IN_SESSION: u8 = 1;
+/// Header flag: the sender opened its session from an answer and does not yet know that the
+/// receiver took its epoch; the receiver acknowledges at once.
+pub const FLAG_CONFIRM: u8 = 2;
+
 /// The 32-byte cluster secret shared by all daemons of a cluster.
 #[derive(Clone)]
 pub struct Key(pub [u8; 32]);

@@ -214,7 +214,7 @@ mod tests {
             })
             .unwrap();
         assert_eq!((c.client_req, c.status), (9, Status::Ok));
-        assert_eq!(r.bytes(4, 4), b"abcd");
+        assert_eq!(r.to_vec(4, 4), b"abcd");
         // A duplicate or late reply is ignored.
         assert_eq!(
             i.on_reply(&OpRef::GetReply {
@@ -226,7 +226,7 @@ mod tests {
             }),
             None
         );
-        assert_eq!(r.bytes(4, 4), b"abcd");
+        assert_eq!(r.to_vec(4, 4), b"abcd");
     }
 
     #[test]

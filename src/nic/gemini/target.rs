@@ -283,7 +283,7 @@ mod tests {
             }
             _ => panic!("expected an ack"),
         }
-        assert_eq!(r.bytes(3, 4), b"abcd");
+        assert_eq!(r.to_vec(3, 4), b"abcd");
     }
 
     #[test]
@@ -309,7 +309,7 @@ mod tests {
                 ..
             })
         ));
-        assert_eq!(r.bytes(60, 4), &[0; 4]);
+        assert_eq!(r.to_vec(60, 4), &[0; 4]);
         let a = serve(
             &e,
             &OpRef::Put {

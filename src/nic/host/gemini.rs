@@ -6,7 +6,7 @@ use crate::nic::gemini::{serve, Completion, Pending, PendingKind, Reply, TargetA
 use crate::nic::memory::{Endpoints, Region};
 use crate::shm::{Command, CommandKind, CMD_IMPLICIT};
 use crate::transport::PushError;
-use crate::wire::{AmoOp, OpHeader, OpIter, OpKind, OpRef, Status};
+use crate::wire::{OpHeader, OpIter, OpKind, OpRef, Status};
 
 use super::{Flow, HostCore};
 
@@ -96,25 +96,6 @@ impl HostCore {
         if !self.out[host as usize].is_empty() {
             return Flow::Backpressure;
         }
-        // The local side of BTE puts and gets must be this client's own registered memory.
-        let local = match c.kind {
-            CommandKind::PutFrom | CommandKind::Get => {
-                match self
-                    .endpoints
-                    .region(job, rank, c.local_region)
-                    .and_then(|r| r.check_local(c.local_off, c.len).map(|_| r.clone()))
-                    // BTE streams straight from and into mapped memory.
-                    .and_then(|r| r.is_mapped().then_some(r).ok_or(Status::Permission))
-                {
-                    Ok(r) => Some(r),
-                    Err(s) => {
-                        self.complete(session, c.client_req, s, 0);
-                        return Flow::Done;
-                    }
-                }
-            }
-            _ => None,
-        };
         let pending = |kind| Pending {
             session,
             client_req: c.client_req,
@@ -159,6 +140,9 @@ impl HostCore {
                 }
             }
             CommandKind::PutFrom => {
+                let Some(src) = self.own_mapped(session, job, rank, c) else {
+                    return Flow::Done;
+                };
                 let req = self.initiator.start(pending(PendingKind::Put));
                 self.out[host as usize].push_back(OutItem::Stream(Stream {
                     kind: StreamKind::Put {
@@ -167,7 +151,7 @@ impl HostCore {
                         lazy_ack: c.flags & CMD_IMPLICIT != 0,
                     },
                     h: OpHeader { req, ..h },
-                    src: local.expect("checked above"),
+                    src,
                     src_off: c.local_off,
                     len: c.len,
                     sent: 0,
@@ -175,7 +159,9 @@ impl HostCore {
                 }));
             }
             CommandKind::Get => {
-                let region = local.expect("checked above");
+                let Some(region) = self.own_mapped(session, job, rank, c) else {
+                    return Flow::Done;
+                };
                 let req = self.initiator.start(pending(PendingKind::Get {
                     region,
                     offset: c.local_off,
@@ -190,7 +176,10 @@ impl HostCore {
                 self.push_or_fail(host, req, &op);
             }
             CommandKind::AmoScatter => {
-                let amo = AmoOp::from_u8(c.amo).expect("decode checked the AMO");
+                let Some(amo) = c.amo else {
+                    self.complete(session, c.client_req, Status::BadRequest, 0);
+                    return Flow::Done;
+                };
                 let max =
                     OpRef::max_data(OpKind::AmoScatter, self.transport.body_capacity()) / 16 * 16;
                 let frags = inline.len().div_ceil(max).max(1);
@@ -222,7 +211,10 @@ impl HostCore {
                 }
             }
             CommandKind::Amo => {
-                let amo = AmoOp::from_u8(c.amo).expect("decode checked the AMO");
+                let Some(amo) = c.amo else {
+                    self.complete(session, c.client_req, Status::BadRequest, 0);
+                    return Flow::Done;
+                };
                 let req = self.initiator.start(pending(PendingKind::Amo));
                 let op = OpRef::Amo {
                     h: OpHeader { req, ..h },
@@ -236,6 +228,24 @@ impl HostCore {
             }
         }
         Flow::Done
+    }
+
+    /// The local side of a BTE put or get: this client's own registered memory, mapped (BTE
+    /// streams straight from and into it). On anything else the command completes with the
+    /// reason and `None` comes back.
+    fn own_mapped(&mut self, session: u64, job: u32, rank: u32, c: &Command) -> Option<Region> {
+        let r = self
+            .endpoints
+            .region(job, rank, c.local_region)
+            .and_then(|r| r.check_local(c.local_off, c.len).map(|_| r.clone()))
+            .and_then(|r| r.is_mapped().then_some(r).ok_or(Status::Permission));
+        match r {
+            Ok(r) => Some(r),
+            Err(s) => {
+                self.complete(session, c.client_req, s, 0);
+                None
+            }
+        }
     }
 
     fn push_or_fail(&mut self, host: u16, req: u64, op: &OpRef<'_>) {
@@ -272,8 +282,14 @@ impl HostCore {
                     Ok(r) => r,
                     Err(s) => return (s, 0),
                 };
-                match src.read(c.local_off, c.len as usize) {
-                    Ok(data) => serve(&self.endpoints, &put(h, c, &data)),
+                let mut data = std::mem::take(&mut self.copy_buf);
+                data.clear();
+                let served = src
+                    .append_to(c.local_off, c.len as usize, &mut data)
+                    .map(|()| serve(&self.endpoints, &put(h, c, &data)));
+                self.copy_buf = data;
+                match served {
+                    Ok(a) => a,
                     Err(s) => return (s, 0),
                 }
             }
@@ -297,16 +313,21 @@ impl HostCore {
                         len,
                         ..
                     } => {
+                        let mut data = std::mem::take(&mut self.copy_buf);
+                        data.clear();
                         let moved = region
-                            .read(offset, len as usize)
-                            .and_then(|d| dst.write(c.local_off, &d));
+                            .append_to(offset, len as usize, &mut data)
+                            .and_then(|()| dst.write(c.local_off, &data));
+                        self.copy_buf = data;
                         return (moved.err().unwrap_or(Status::Ok), 0);
                     }
                     other => other,
                 }
             }
             CommandKind::AmoScatter => {
-                let op = AmoOp::from_u8(c.amo).expect("decode checked the AMO");
+                let Some(op) = c.amo else {
+                    return (Status::BadRequest, 0);
+                };
                 serve(
                     &self.endpoints,
                     &OpRef::AmoScatter {
@@ -319,7 +340,9 @@ impl HostCore {
                 )
             }
             CommandKind::Amo => {
-                let op = AmoOp::from_u8(c.amo).expect("decode checked the AMO");
+                let Some(op) = c.amo else {
+                    return (Status::BadRequest, 0);
+                };
                 serve(
                     &self.endpoints,
                     &OpRef::Amo {
@@ -469,8 +492,10 @@ impl HostCore {
                         };
                         let n = (remaining as usize).min(max);
                         let last = st.sent + n as u64 == st.len;
-                        let data = match st.src.read(st.src_off + st.sent, n) {
-                            Ok(d) => d,
+                        let data = &mut self.copy_buf;
+                        data.clear();
+                        match st.src.append_to(st.src_off + st.sent, n, data) {
+                            Ok(()) => {}
                             Err(s) => {
                                 // Streams are mapped (checked at the command); never expected.
                                 if let Some(c) = self.initiator.complete(st.h.req, s, 0) {
@@ -492,14 +517,14 @@ impl HostCore {
                                 total_len: st.len,
                                 last,
                                 lazy_ack,
-                                data: &data,
+                                data,
                             },
                             StreamKind::GetReply => OpRef::GetReply {
                                 h: st.h,
                                 status: Status::Ok,
                                 frag_off: st.sent,
                                 last,
-                                data: &data,
+                                data,
                             },
                         };
                         match self.transport.push_op(peer, &op) {

@@ -83,6 +83,8 @@ pub struct HostCore {
     ptl_asm: crate::nic::portals::wire::Reassembly,
     /// Scratch for the payload of the Portals operation being started.
     ptl_payload: Vec<u8>,
+    /// Scratch for bytes copied out of registered memory (puts from it, streamed data).
+    copy_buf: Vec<u8>,
     ptl_acks: portals::AckBatch,
     ptl_scratch: portals::MirrorScratch,
     /// An interface was reached (so its events or counts may have changed) or a ring still
@@ -119,6 +121,7 @@ impl HostCore {
             portals: HashMap::default(),
             ptl_asm: Default::default(),
             ptl_payload: Vec::new(),
+            copy_buf: Vec::new(),
             ptl_acks: Default::default(),
             ptl_scratch: Default::default(),
             ptl_dirty: false,

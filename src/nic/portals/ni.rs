@@ -792,10 +792,11 @@ impl PortalsNi {
                     return fail(self, NiFail::Segv);
                 }
             }
-            ReqKind::Get => match e.region.read(at, mlength as usize) {
-                Ok(d) => data = d.into_owned(),
-                Err(_) => return fail(self, NiFail::Segv),
-            },
+            ReqKind::Get => {
+                if e.region.append_to(at, mlength as usize, &mut data).is_err() {
+                    return fail(self, NiFail::Segv);
+                }
+            }
             ReqKind::Atomic(op, dt) | ReqKind::FetchAtomic(op, dt) | ReqKind::Swap(op, dt) => {
                 let w = dt.size() as u64;
                 mlength = mlength.min(req.data.len() as u64) / w * w;

@@ -132,8 +132,8 @@ fn first_matching_entry_in_list_order_wins() {
     n.append(0, entry(&b, 0, 16, ME_ALL, 0, u64::MAX), List::Priority, 2)
         .unwrap();
     n.deliver(&put(0, 5, b"hi"));
-    assert_eq!(a.bytes(0, 2), b"hi");
-    assert_eq!(b.bytes(0, 2), &[0, 0]);
+    assert_eq!(a.to_vec(0, 2), b"hi");
+    assert_eq!(b.to_vec(0, 2), &[0, 0]);
     assert_eq!(events(&mut n, eq).last().unwrap().user_ptr, 1);
 }
 
@@ -186,8 +186,8 @@ fn priority_list_before_overflow_list_then_unexpected_search_on_append() {
     // Bits 1 go to the priority entry; bits 2 fall through to the overflow entry.
     n.deliver(&put(0, 1, b"expected"));
     n.deliver(&put(0, 2, b"unexpected"));
-    assert_eq!(pri.bytes(0, 8), b"expected");
-    assert_eq!(ovf.bytes(0, 10), b"unexpected");
+    assert_eq!(pri.to_vec(0, 8), b"expected");
+    assert_eq!(ovf.to_vec(0, 10), b"unexpected");
     assert_eq!(n.unexpected_len(0), 1);
     let ev = events(&mut n, eq);
     let put_ovf = ev
@@ -334,7 +334,7 @@ fn locally_managed_offsets_pack_messages_and_min_free_unlinks() {
         (0, 10),
         "the remote offset is ignored"
     );
-    assert_eq!(r.bytes(0, 20), b"aaaaaaaaaabbbbbbbbbb");
+    assert_eq!(r.to_vec(0, 20), b"aaaaaaaaaabbbbbbbbbb");
     assert_eq!(n.local_offset(h), Some(20));
     assert!(n.is_linked(h), "12 bytes free is not below min_free");
     n.deliver(&put(0, 0, b"ccc"));
@@ -400,7 +400,7 @@ fn truncation_and_no_truncate() {
     )
     .unwrap();
     assert_eq!(n.deliver(&put(0, 0, b"123456")).mlength, 6);
-    assert_eq!(big.bytes(0, 6), b"123456");
+    assert_eq!(big.to_vec(0, 6), b"123456");
     // Remote offset beyond the entry: truncated to zero bytes.
     let r = n.deliver(&Request {
         remote_offset: 100,
@@ -420,7 +420,7 @@ fn operation_and_user_permissions() {
     e.ct = Some(ct);
     n.append(0, e, List::Priority, 0).unwrap();
     assert_eq!(n.deliver(&put(0, 0, b"no")).ni_fail, NiFail::OpViolation);
-    assert_eq!(r.bytes(0, 2), &[0, 0]);
+    assert_eq!(r.to_vec(0, 2), &[0, 0]);
     assert_eq!(
         n.ct_get(ct).unwrap(),
         CtEvent {
@@ -470,7 +470,7 @@ fn get_atomic_fetch_and_swap_at_the_target() {
         ..put(0, 0, &new)
     };
     assert_eq!(n.deliver(&cswap).data, 20u64.to_le_bytes());
-    assert_eq!(r.bytes(0, 8), 99u64.to_le_bytes());
+    assert_eq!(r.to_vec(0, 8), 99u64.to_le_bytes());
     let ev: Vec<_> = kinds(&mut n, eq);
     assert_eq!(
         ev,

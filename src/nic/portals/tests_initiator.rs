@@ -130,7 +130,7 @@ fn put_event_sequences_for_every_ack_request() {
         src.write(0, b"sixteen bytes!!!").unwrap();
         let m = p.bind(src, 16, md::EVENT_CT_ACK);
         p.run(spec(ReqKind::Put, m, 16, ack));
-        assert_eq!(tr.bytes(0, 16), b"sixteen bytes!!!");
+        assert_eq!(tr.to_vec(0, 16), b"sixteen bytes!!!");
         assert_eq!(p.a_kinds(), want_events, "{ack:?}");
         assert_eq!(p.a.ct_get(p.a_ct).unwrap().success, counted, "{ack:?}");
     }
@@ -164,8 +164,8 @@ fn get_replies_scatter_into_an_iovec_md() {
         .unwrap();
     let r = p.run(spec(ReqKind::Get, m, 10, AckReq::NoAck));
     assert_eq!(r.mlength, 10);
-    assert_eq!(dst.bytes(40, 4), b"abcd");
-    assert_eq!(dst.bytes(10, 6), b"efghij");
+    assert_eq!(dst.to_vec(40, 4), b"abcd");
+    assert_eq!(dst.to_vec(10, 6), b"efghij");
     assert_eq!(p.a_kinds(), [EventKind::Reply], "gets post no SEND");
     assert_eq!(p.a.ct_get(p.a_ct).unwrap().success, 10, "bytes counted");
 }
@@ -211,8 +211,8 @@ fn fetch_atomic_and_swap_reply_with_the_old_value() {
     );
     s.get_offset = 16;
     p.run(s);
-    assert_eq!(buf.bytes(16, 8), 40u64.to_le_bytes());
-    assert_eq!(tr.bytes(0, 8), 42u64.to_le_bytes());
+    assert_eq!(buf.to_vec(16, 8), 40u64.to_le_bytes());
+    assert_eq!(tr.to_vec(0, 8), 42u64.to_le_bytes());
     let mut s = spec(
         ReqKind::Swap(AtomicOp::Cswap, Datatype::Uint64),
         m,
@@ -222,8 +222,12 @@ fn fetch_atomic_and_swap_reply_with_the_old_value() {
     s.operand = 42u64.to_le_bytes().to_vec();
     s.get_offset = 24;
     p.run(s);
-    assert_eq!(buf.bytes(24, 8), 42u64.to_le_bytes());
-    assert_eq!(tr.bytes(0, 8), 2u64.to_le_bytes(), "swapped in the payload");
+    assert_eq!(buf.to_vec(24, 8), 42u64.to_le_bytes());
+    assert_eq!(
+        tr.to_vec(0, 8),
+        2u64.to_le_bytes(),
+        "swapped in the payload"
+    );
     assert_eq!(
         p.a_kinds(),
         [
