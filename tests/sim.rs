@@ -11,7 +11,7 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use softnic::nic::memory::{HeapBacking, Perms, Region};
 use softnic::nic::sim::SimCluster;
-use softnic::shm::{Command, CommandKind, CqEntry};
+use softnic::shm::{Command, CommandKind, CqEntry, FailedOp, PeerFailure};
 use softnic::transport::sim::SimConfig;
 use softnic::transport::TransportConfig;
 use softnic::wire::{AmoOp, DatagramHeader, Status, HEADER_LEN, TAG_LEN};
@@ -342,7 +342,10 @@ fn crash_fails_pending_operations_and_the_restarted_host_is_admitted_at_once() {
             for e in c.take_completions(session(r)) {
                 match Status::from_u32(e.status) {
                     Status::Ok => {}
-                    Status::PeerDead => failed += 1,
+                    Status::PeerDead => {
+                        failed += 1;
+                        assert_eq!(PeerFailure::unpack(e.value).host, 2, "seed {seed}");
+                    }
                     // Started after the restart was noticed: rank 3 is not there any more.
                     Status::NoSuchEndpoint => {}
                     s => panic!("seed {seed}: rank {r}: {s:?}"),
@@ -397,10 +400,13 @@ fn silent_host_fails_pending_operations_after_peer_timeout_not_before() {
     c.run_until(1_000_000_000, |c| c.completions(session(0)).len() == 10)
         .expect("failed soon after peer_timeout");
     assert!(c.now - t0 >= 2_000_000_000);
-    assert!(c
-        .take_completions(session(0))
-        .iter()
-        .all(|e| Status::from_u32(e.status) == Status::PeerDead));
+    for e in c.take_completions(session(0)) {
+        assert_eq!(Status::from_u32(e.status), Status::PeerDead);
+        // The failure names the host, the operation and how long it waited.
+        let f = PeerFailure::unpack(e.value);
+        assert_eq!((f.host, f.op), (2, Some(FailedOp::Amo)));
+        assert!((2_000..2_500).contains(&f.waited_ms), "{f:?}");
+    }
     assert_eq!(c.host(0).unwrap().transport.stats.peers_declared_dead, 1);
 }
 

@@ -16,7 +16,7 @@ use std::sync::Arc;
 use crate::client::{Client, ClientError};
 use crate::job::{JobError, JobInfo};
 use crate::nic::memory::Perms;
-use crate::shm::{Command, CommandKind, Mapping, CMD_IMPLICIT};
+use crate::shm::{Command, CommandKind, FailedOp, Mapping, PeerFailure, CMD_IMPLICIT};
 use crate::wire::{AmoOp, Status};
 
 pub use crate::wire::AmoOp as Amo;
@@ -41,6 +41,19 @@ pub enum GniError {
     },
     #[error("unknown or already completed sync id {0}")]
     BadSyncId(u64),
+    #[error(
+        "{} failed after {waited_ms} ms: host {host}{} stopped answering or restarted \
+         (is its softnicd running? `softnic stat --host` it)",
+        op.map_or("operation".to_string(), |o| o.to_string()),
+        name.as_ref().map_or(String::new(), |n| format!(" ({n})"))
+    )]
+    PeerFailed {
+        host: u16,
+        /// The host's name in the cluster config, when the job knows its config.
+        name: Option<String>,
+        op: Option<FailedOp>,
+        waited_ms: u64,
+    },
 }
 
 fn explain(s: Status) -> &'static str {
@@ -142,7 +155,8 @@ pub struct Nic {
     next_req: u64,
     explicit: HashMap<u64, Slot>,
     implicit: u64,
-    implicit_error: Option<Status>,
+    /// The first failure among implicit operations: status and completion value.
+    implicit_error: Option<(Status, u64)>,
     outstanding: usize,
     regions: Vec<MemRegion>,
     sys: MemRegion,
@@ -266,7 +280,7 @@ impl Nic {
         if req & IMPLICIT != 0 {
             self.implicit -= 1;
             if !status.is_ok() && self.implicit_error.is_none() {
-                self.implicit_error = Some(status);
+                self.implicit_error = Some((status, value));
             }
         } else if let Some(s) = self.explicit.get_mut(&req) {
             *s = Slot::Done(raw, value);
@@ -307,7 +321,27 @@ impl Nic {
         if s.is_ok() {
             Ok(v)
         } else {
-            Err(GniError::Remote(s))
+            Err(self.error_of(s, v))
+        }
+    }
+
+    /// The error for a failed completion: a peer failure names host, operation and wait.
+    fn error_of(&self, s: Status, value: u64) -> GniError {
+        if s != Status::PeerDead {
+            return GniError::Remote(s);
+        }
+        let f = PeerFailure::unpack(value);
+        let name = self
+            .job
+            .config
+            .as_deref()
+            .and_then(|p| crate::config::Config::load(p).ok())
+            .and_then(|c| c.hosts.get(f.host as usize).map(|h| h.name.clone()));
+        GniError::PeerFailed {
+            host: f.host,
+            name,
+            op: f.op,
+            waited_ms: f.waited_ms,
         }
     }
 
@@ -366,7 +400,7 @@ impl Nic {
             self.wait_one()?;
         }
         match self.implicit_error.take() {
-            Some(s) => Err(GniError::Remote(s)),
+            Some((s, v)) => Err(self.error_of(s, v)),
             None => Ok(()),
         }
     }

@@ -66,6 +66,56 @@ pub enum CommandKind {
     Portals = 6,
 }
 
+/// Which operation a peer failure cut short.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FailedOp {
+    Put = 1,
+    Get = 2,
+    Amo = 3,
+}
+
+impl std::fmt::Display for FailedOp {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            FailedOp::Put => "put",
+            FailedOp::Get => "get",
+            FailedOp::Amo => "AMO",
+        })
+    }
+}
+
+/// What a `PeerDead` completion says in its `value`: the peer host, the operation and how
+/// long it waited (packed: host in bits 48..64, operation in 40..48, milliseconds below).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PeerFailure {
+    pub host: u16,
+    pub op: Option<FailedOp>,
+    pub waited_ms: u64,
+}
+
+impl PeerFailure {
+    const MS_MASK: u64 = (1 << 40) - 1;
+
+    pub fn pack(&self) -> u64 {
+        (self.host as u64) << 48
+            | (self.op.map_or(0, |o| o as u64)) << 40
+            | self.waited_ms.min(Self::MS_MASK)
+    }
+
+    pub fn unpack(v: u64) -> PeerFailure {
+        PeerFailure {
+            host: (v >> 48) as u16,
+            op: match (v >> 40) as u8 {
+                1 => Some(FailedOp::Put),
+                2 => Some(FailedOp::Get),
+                3 => Some(FailedOp::Amo),
+                _ => None,
+            },
+            waited_ms: v & Self::MS_MASK,
+        }
+    }
+}
+
 /// A command descriptor as the client writes it. Decoded from a private copy, never in place.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Command {

@@ -11,5 +11,7 @@ pub mod mapping;
 pub mod process_memory;
 pub mod ptl_call;
 
-pub use control::{Command, CommandKind, Control, ControlError, CqEntry, CMD_IMPLICIT};
+pub use control::{
+    Command, CommandKind, Control, ControlError, CqEntry, FailedOp, PeerFailure, CMD_IMPLICIT,
+};
 pub use mapping::Mapping;

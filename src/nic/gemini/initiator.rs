@@ -2,6 +2,7 @@
 //! the reply (or a dead peer, or a departed client) completes them.
 
 use crate::nic::memory::Region;
+use crate::shm::{FailedOp, PeerFailure};
 use crate::wire::{OpRef, Status};
 
 pub enum PendingKind {
@@ -24,6 +25,8 @@ pub struct Pending {
     /// Target host, to fail the operation if that host dies.
     pub host: u16,
     pub kind: PendingKind,
+    /// When it started (ns on the driver's clock), to say how long it waited if it fails.
+    pub started: u64,
 }
 
 /// A finished operation, to be posted to the client's completion queue.
@@ -143,28 +146,48 @@ impl Initiator {
         }
     }
 
-    /// Fails every operation aimed at `host` (declared dead).
-    pub fn fail_host(&mut self, host: u16, out: &mut Vec<Completion>) {
-        self.fail_where(|p| p.host == host, Status::PeerDead, out)
+    /// Fails every operation aimed at `host` (declared dead or restarted) at `now`; each
+    /// completion's value is a [`PeerFailure`] naming host, operation and time waited.
+    pub fn fail_host(&mut self, host: u16, now: u64, out: &mut Vec<Completion>) {
+        let failure = |p: &Pending| {
+            PeerFailure {
+                host,
+                op: Some(match p.kind {
+                    PendingKind::Put => FailedOp::Put,
+                    PendingKind::Get { .. } => FailedOp::Get,
+                    PendingKind::Amo => FailedOp::Amo,
+                }),
+                waited_ms: now.saturating_sub(p.started) / 1_000_000,
+            }
+            .pack()
+        };
+        self.fail_where(|p| p.host == host, Status::PeerDead, failure, out)
     }
 
     /// Forgets every operation of a departed client (nobody is left to tell).
     pub fn drop_session(&mut self, session: u64) {
         let mut sink = Vec::new();
-        self.fail_where(|p| p.session == session, Status::NoSuchEndpoint, &mut sink)
+        self.fail_where(
+            |p| p.session == session,
+            Status::NoSuchEndpoint,
+            |_| 0,
+            &mut sink,
+        )
     }
 
     fn fail_where(
         &mut self,
         pred: impl Fn(&Pending) -> bool,
         status: Status,
+        value: impl Fn(&Pending) -> u64,
         out: &mut Vec<Completion>,
     ) {
         for i in 0..self.slots.len() {
             let s = &self.slots[i];
-            if s.op.as_ref().is_some_and(&pred) {
+            if let Some(p) = s.op.as_ref().filter(|p| pred(p)) {
                 let req = ((s.gen as u64) << 32) | i as u64;
-                out.extend(self.complete(req, status, 0));
+                let v = value(p);
+                out.extend(self.complete(req, status, v));
             }
         }
     }
@@ -181,6 +204,7 @@ mod tests {
         let mut i = Initiator::default();
         let r = Region::new(HeapBacking::new(16), Perms::READ_WRITE);
         let req = i.start(Pending {
+            started: 0,
             session: 1,
             client_req: 9,
             host: 1,
@@ -234,6 +258,7 @@ mod tests {
         let mut i = Initiator::default();
         let r = Region::new(HeapBacking::new(16), Perms::READ_WRITE);
         let req = i.start(Pending {
+            started: 0,
             session: 1,
             client_req: 9,
             host: 1,
@@ -263,12 +288,14 @@ mod tests {
     fn dead_host_fails_its_ops_only() {
         let mut i = Initiator::default();
         let a = i.start(Pending {
+            started: 0,
             session: 1,
             client_req: 1,
             host: 1,
             kind: PendingKind::Amo,
         });
         let _b = i.start(Pending {
+            started: 0,
             session: 1,
             client_req: 2,
             host: 2,

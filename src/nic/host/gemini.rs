@@ -4,11 +4,21 @@
 
 use crate::nic::gemini::{serve, Completion, Pending, PendingKind, Reply, TargetAction};
 use crate::nic::memory::{Endpoints, Region};
-use crate::shm::{Command, CommandKind, CMD_IMPLICIT};
+use crate::shm::{Command, CommandKind, PeerFailure, CMD_IMPLICIT};
 use crate::transport::PushError;
 use crate::wire::{OpHeader, OpIter, OpKind, OpRef, Status};
 
 use super::{Flow, HostCore};
+
+/// The completion value of an operation refused because `host` cannot be reached.
+fn lost(host: u16) -> u64 {
+    PeerFailure {
+        host,
+        op: None,
+        waited_ms: 0,
+    }
+    .pack()
+}
 
 /// How many ops ahead of the one being served an atomic's target is prefetched.
 const PREFETCH_AHEAD: usize = 8;
@@ -53,6 +63,7 @@ impl HostCore {
 
     pub(super) fn command(
         &mut self,
+        now: u64,
         session: u64,
         job: u32,
         rank: u32,
@@ -88,7 +99,7 @@ impl HostCore {
         match self.transport.can_push(host) {
             Err(PushError::Full(_)) => return Flow::Backpressure,
             Err(_) => {
-                self.complete(session, c.client_req, Status::PeerDead, 0);
+                self.complete(session, c.client_req, Status::PeerDead, lost(c.host));
                 return Flow::Done;
             }
             Ok(()) => {}
@@ -97,6 +108,7 @@ impl HostCore {
             return Flow::Backpressure;
         }
         let pending = |kind| Pending {
+            started: now,
             session,
             client_req: c.client_req,
             host,
@@ -128,7 +140,9 @@ impl HostCore {
                     };
                     if let Err(e) = self.transport.push_op(host, &op) {
                         tracing::error!("push after reserving room failed: {e}");
-                        if let Some(done) = self.initiator.complete(req, Status::PeerDead, 0) {
+                        if let Some(done) =
+                            self.initiator.complete(req, Status::PeerDead, lost(host))
+                        {
                             self.completions.push(done);
                         }
                         break;
@@ -200,7 +214,9 @@ impl HostCore {
                         pairs,
                     };
                     if self.transport.push_op(host, &op).is_err() {
-                        if let Some(done) = self.initiator.complete(req, Status::PeerDead, 0) {
+                        if let Some(done) =
+                            self.initiator.complete(req, Status::PeerDead, lost(host))
+                        {
                             self.completions.push(done);
                         }
                         break;
@@ -250,7 +266,7 @@ impl HostCore {
 
     fn push_or_fail(&mut self, host: u16, req: u64, op: &OpRef<'_>) {
         if self.transport.push_op(host, op).is_err() {
-            if let Some(done) = self.initiator.complete(req, Status::PeerDead, 0) {
+            if let Some(done) = self.initiator.complete(req, Status::PeerDead, lost(host)) {
                 self.completions.push(done);
             }
         }
@@ -540,7 +556,7 @@ impl HostCore {
                                 if matches!(st.kind, StreamKind::Put { .. }) {
                                     let req = st.h.req;
                                     if let Some(c) =
-                                        self.initiator.complete(req, Status::PeerDead, 0)
+                                        self.initiator.complete(req, Status::PeerDead, lost(peer))
                                     {
                                         self.completions.push(c);
                                     }

@@ -133,19 +133,13 @@ impl HostCore {
 
     /// A command of an attached session. `Flow::Backpressure`: nothing was done; hand the same
     /// command in again later (the transport has no room now).
-    pub fn handle_command(
-        &mut self,
-        _now: u64,
-        session: u64,
-        cmd: &Command,
-        inline: &[u8],
-    ) -> Flow {
+    pub fn handle_command(&mut self, now: u64, session: u64, cmd: &Command, inline: &[u8]) -> Flow {
         let Some(s) = self.sessions.get(&session) else {
             // Not attached (or detached meanwhile): nobody to answer.
             return Flow::Done;
         };
         let (job, rank) = (s.job, s.rank);
-        self.command(session, job, rank, cmd, inline)
+        self.command(now, session, job, rank, cmd, inline)
     }
 
     /// A datagram from the network (from whom is proven by its authentication tag, not by
@@ -177,7 +171,7 @@ impl HostCore {
                 TransportEvent::PeerDead(h) | TransportEvent::PeerReset(h) => {
                     tracing::warn!(host = %self.name, peer = h, "peer {ev:?}: failing its pending operations");
                     let before = self.completions.len();
-                    self.initiator.fail_host(h, &mut self.completions);
+                    self.initiator.fail_host(h, now, &mut self.completions);
                     self.stats.failed_peer_ops += (self.completions.len() - before) as u64;
                     self.out[h as usize].clear();
                     self.ptl_peer_dead(h);
