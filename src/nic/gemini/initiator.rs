@@ -302,7 +302,7 @@ mod tests {
             kind: PendingKind::Put,
         });
         let mut out = Vec::new();
-        i.fail_host(1, &mut out);
+        i.fail_host(1, 0, &mut out);
         assert_eq!(out.len(), 1);
         assert_eq!((out[0].client_req, out[0].status), (1, Status::PeerDead));
         assert_eq!(i.outstanding(), 1);
