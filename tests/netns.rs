@@ -149,3 +149,168 @@ fn daemons_in_two_namespaces_over_a_veth_pair_packet_and_udp() {
         drop(d);
     }
 }
+
+/// Installs the loss of an unreliable LAN in namespace `ns`: the kernel drops one incoming UDP
+/// datagram in ten at random (nftables `numgen random`; netem is not available everywhere).
+fn drop_tenth_of_udp(ns: &str) -> Result<(), String> {
+    let rules = "table inet softnic_loss {\n\
+                 \tchain input {\n\
+                 \t\ttype filter hook input priority 0;\n\
+                 \t\tmeta l4proto udp numgen random mod 10 0 drop\n\
+                 \t}\n\
+                 }\n";
+    let mut c = Command::new("ip")
+        .args(["netns", "exec", ns, "nft", "-f", "-"])
+        .stdin(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .map_err(|e| format!("nft: {e} (install nftables)"))?;
+    use std::io::Write;
+    c.stdin.take().unwrap().write_all(rules.as_bytes()).unwrap();
+    let out = c.wait_with_output().map_err(|e| e.to_string())?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(format!("nft: {}", String::from_utf8_lossy(&out.stderr)))
+    }
+}
+
+/// RandomAccess over gni: `updates` AXORs per rank to words spread over the whole table
+/// (2^16 words per rank), then the same again, so every word must be back to zero.
+fn random_access(updates: u64, rounds: u32) {
+    const WORDS: u64 = 1 << 16;
+    let mut nic = init();
+    let mem = nic
+        .mem_register((WORDS * 8) as usize, Perms::READ_WRITE)
+        .unwrap();
+    nic.barrier().unwrap();
+    let total = WORDS * nic.size() as u64;
+    for _ in 0..rounds * 2 {
+        let mut x = 0x9e37_79b9_7f4a_7c15u64 ^ nic.rank() as u64;
+        for _ in 0..updates {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let w = x % total;
+            let dst = remote((w / WORDS) as u32, mem.handle, (w % WORDS) * 8);
+            nic.amo_nbi(softnic::wire::AmoOp::Axor, dst, x, 0)
+                .unwrap_or_else(|e| panic!("{e}"));
+        }
+        nic.gsync_wait().unwrap_or_else(|e| panic!("{e}"));
+        nic.barrier().unwrap_or_else(|e| panic!("{e}"));
+    }
+    let errors = (0..WORDS)
+        .filter(|&i| mem.read_u64(i as usize * 8) != 0)
+        .count();
+    assert_eq!(errors, 0, "RandomAccess verification errors");
+    nic.barrier().unwrap();
+}
+
+/// Two namespace hosts, each with its own softnicd, the kernel dropping 10% of incoming UDP:
+/// RandomAccess verifies exactly; a daemon SIGKILLed in the middle of a job makes the job end
+/// with an error naming that host; started again, it takes the next job at once.
+#[test]
+fn lossy_namespaces_randomaccess_verifies_and_a_killed_daemon_is_named() {
+    if in_job() {
+        return match std::env::var("SOFTNIC_TEST_PHASE").as_deref() {
+            Ok("ra") => random_access(1 << 16, 1),
+            Ok("long") => random_access(1 << 16, 1000),
+            _ => job_body(),
+        };
+    }
+    if !rustix::process::geteuid().is_root() {
+        eprintln!("skipped: network namespaces and nftables need root (CI runs as root)");
+        return;
+    }
+    let test = "lossy_namespaces_randomaccess_verifies_and_a_killed_daemon_is_named";
+    let pair = Pair::new("l").unwrap();
+    let dir = std::env::temp_dir().join(format!(
+        "softnic-loss-{}-{:08x}",
+        std::process::id(),
+        rand::random::<u32>()
+    ));
+    let mut cfg = Config::local_default(2, 7701, dir);
+    cfg.cluster.transport = TransportKind::Udp;
+    cfg.cluster.mtu = 1472;
+    cfg.cluster.nic_cpu = None;
+    cfg.cluster.peer_timeout_ms = 3000;
+    for (i, h) in cfg.hosts.iter_mut().enumerate() {
+        h.addr = format!("10.77.0.{}:7701", i + 1).parse().unwrap();
+    }
+    cfg.validate().unwrap();
+    let mut d = Daemons::start_config(cfg, &pair.ns);
+    let config = d.config.clone();
+    let run = |phase: &str| {
+        Command::new(env!("CARGO_BIN_EXE_softnic"))
+            .args(["run", "-n", "2", "--attach", "--config"])
+            .arg(&config)
+            .arg("--")
+            .arg(std::env::current_exe().unwrap())
+            .args(["--exact", test, "--nocapture"])
+            .env("SOFTNIC_TEST_PHASE", phase)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+
+    // RandomAccess loss-free, then with the kernel dropping 10%: exact, and the loss real.
+    let t = std::time::Instant::now();
+    let out = run("ra").wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    eprintln!("RandomAccess 2^16 words/rank loss-free: {:?}", t.elapsed());
+    for ns in &pair.ns {
+        drop_tenth_of_udp(ns).unwrap();
+    }
+    let t = std::time::Instant::now();
+    let out = run("ra").wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "RandomAccess at 10% loss:\n{stderr}");
+    eprintln!(
+        "RandomAccess 2^16 words/rank at 10% loss: {:?}",
+        t.elapsed()
+    );
+    let retransmits = d.counter("retransmits");
+    assert!(
+        retransmits > 100,
+        "the kernel dropped datagrams:\n{}",
+        d.stat()
+    );
+    assert_eq!(d.counter("peers_declared_dead"), 0, "{}", d.stat());
+
+    // SIGKILL host 1's daemon in the middle of a long job.
+    let job = run("long");
+    std::thread::sleep(std::time::Duration::from_millis(1500));
+    d.kill(1);
+    let t = std::time::Instant::now();
+    let out = job.wait_with_output().unwrap();
+    let waited = t.elapsed();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success(),
+        "the job survived a dead daemon?\n{stderr}"
+    );
+    assert!(
+        waited < std::time::Duration::from_secs(3 + 10),
+        "ended {waited:?} after the kill (peer_timeout 3 s)"
+    );
+    assert!(
+        stderr.contains("host 1"),
+        "the error names the dead host:\n{stderr}"
+    );
+
+    // Started again: the next job works at once.
+    d.restart(1);
+    let t = std::time::Instant::now();
+    let out = run("small").wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "job right after the restart:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    eprintln!("job after restart finished in {:?}", t.elapsed());
+}

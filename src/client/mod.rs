@@ -21,8 +21,10 @@ pub enum ClientError {
     Refused(String),
     #[error("attach protocol error: {0}")]
     Protocol(String),
-    #[error("the daemon went away")]
-    DaemonGone,
+    #[error(
+        "the daemon of host {host} went away (crashed or stopped): start softnicd there again"
+    )]
+    DaemonGone { host: u16 },
     #[error(transparent)]
     Io(#[from] io::Error),
 }
@@ -189,7 +191,7 @@ impl Client {
                 self.yield_now();
             }
             if spins.is_multiple_of(65_536) && self.daemon_gone() {
-                return Err(ClientError::DaemonGone);
+                return Err(ClientError::DaemonGone { host: self.host });
             }
         }
         self.ring_if_sleeping();
@@ -291,7 +293,7 @@ impl Client {
                 && self.daemon_gone()
             {
                 self.control.set_client_sleeping(false);
-                return Err(ClientError::DaemonGone);
+                return Err(ClientError::DaemonGone { host: self.host });
             }
             let mut b = [0u8; 8];
             let _ = rustix::io::read(&self.client_bell, &mut b);

@@ -91,6 +91,8 @@ pub struct Daemons {
     pub config: PathBuf,
     pub cfg: softnic::config::Config,
     children: Vec<Child>,
+    /// The network namespace of each host's daemon (none: this one).
+    netns: Vec<String>,
 }
 
 impl Daemons {
@@ -117,41 +119,61 @@ impl Daemons {
         std::fs::create_dir_all(&dir).unwrap();
         let config = dir.join("cluster.toml");
         std::fs::write(&config, cfg.to_toml()).unwrap();
-        let children = cfg
-            .hosts
-            .iter()
-            .enumerate()
-            .map(|(i, h)| {
-                let mut c = match netns.get(i) {
-                    Some(ns) => {
-                        let mut c = Command::new("ip");
-                        c.args(["netns", "exec", ns, env!("CARGO_BIN_EXE_softnicd")]);
-                        c
-                    }
-                    None => Command::new(env!("CARGO_BIN_EXE_softnicd")),
-                };
-                c.arg("--config")
-                    .arg(&config)
-                    .args(["--host", &h.name])
-                    .spawn()
-                    .expect("softnicd starts")
-            })
-            .collect();
-        for i in 0..cfg.hosts.len() as u16 {
-            assert!(
-                softnic::job::local::health_check(
-                    &cfg.socket_path(i),
-                    std::time::Duration::from_secs(5)
-                ),
-                "daemon up"
-            );
-        }
-        Daemons {
+        let mut d = Daemons {
             dir,
             config,
             cfg,
-            children,
+            children: Vec::new(),
+            netns: netns.to_vec(),
+        };
+        d.children = (0..d.cfg.hosts.len()).map(|i| d.spawn_daemon(i)).collect();
+        for i in 0..d.cfg.hosts.len() {
+            d.wait_up(i);
         }
+        d
+    }
+
+    fn spawn_daemon(&self, i: usize) -> Child {
+        let mut c = match self.netns.get(i) {
+            Some(ns) => {
+                let mut c = Command::new("ip");
+                c.args(["netns", "exec", ns, env!("CARGO_BIN_EXE_softnicd")]);
+                c
+            }
+            None => Command::new(env!("CARGO_BIN_EXE_softnicd")),
+        };
+        c.arg("--config")
+            .arg(&self.config)
+            .args(["--host", &self.cfg.hosts[i].name])
+            .spawn()
+            .expect("softnicd starts")
+    }
+
+    fn wait_up(&self, i: usize) {
+        assert!(
+            softnic::job::local::health_check(
+                &self.cfg.socket_path(i as u16),
+                std::time::Duration::from_secs(5)
+            ),
+            "daemon up"
+        );
+    }
+
+    /// SIGKILLs host `i`'s daemon (a crash: no goodbye to anyone).
+    pub fn kill(&mut self, i: usize) {
+        let c = &mut self.children[i];
+        rustix::process::kill_process(
+            rustix::process::Pid::from_child(c),
+            rustix::process::Signal::Kill,
+        )
+        .unwrap();
+        c.wait().unwrap();
+    }
+
+    /// Starts host `i`'s daemon again and waits until it takes clients.
+    pub fn restart(&mut self, i: usize) {
+        self.children[i] = self.spawn_daemon(i);
+        self.wait_up(i);
     }
 
     pub fn stat(&self) -> String {
