@@ -254,26 +254,25 @@ fn lossy_namespaces_randomaccess_verifies_and_a_killed_daemon_is_named() {
             .unwrap()
     };
 
+    // A job that must succeed; how long it took, launch included.
+    let run_ok = |phase: &str, what: &str| {
+        let t = std::time::Instant::now();
+        let out = run(phase).wait_with_output().unwrap();
+        let took = t.elapsed();
+        assert!(
+            out.status.success(),
+            "{what}:\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        eprintln!("{what}: {took:?}");
+    };
+
     // RandomAccess loss-free, then with the kernel dropping 10%: exact, and the loss real.
-    let t = std::time::Instant::now();
-    let out = run("ra").wait_with_output().unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    eprintln!("RandomAccess 2^16 words/rank loss-free: {:?}", t.elapsed());
+    run_ok("ra", "RandomAccess 2^16 words/rank loss-free");
     for ns in &pair.ns {
         drop_tenth_of_udp(ns).unwrap();
     }
-    let t = std::time::Instant::now();
-    let out = run("ra").wait_with_output().unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "RandomAccess at 10% loss:\n{stderr}");
-    eprintln!(
-        "RandomAccess 2^16 words/rank at 10% loss: {:?}",
-        t.elapsed()
-    );
+    run_ok("ra", "RandomAccess 2^16 words/rank at 10% loss");
     let retransmits = d.counter("retransmits");
     assert!(
         retransmits > 100,
@@ -305,12 +304,5 @@ fn lossy_namespaces_randomaccess_verifies_and_a_killed_daemon_is_named() {
 
     // Started again: the next job works at once.
     d.restart(1);
-    let t = std::time::Instant::now();
-    let out = run("small").wait_with_output().unwrap();
-    assert!(
-        out.status.success(),
-        "job right after the restart:\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    eprintln!("job after restart finished in {:?}", t.elapsed());
+    run_ok("small", "job right after the restart");
 }

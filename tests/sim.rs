@@ -206,6 +206,13 @@ fn report(c: &SimCluster, started: &[u64; 4]) -> String {
     s
 }
 
+/// The job on a lossy cluster of `seed`, and the random source of its workload.
+fn lossy_job(seed: u64) -> (SimCluster, Vec<Region>, StdRng) {
+    let mut c = SimCluster::new(NHOSTS, cfg(), lossy(seed));
+    let regions = attach_job(&mut c, JOB);
+    (c, regions, StdRng::seed_from_u64(seed))
+}
+
 fn all_done(c: &SimCluster, started: &[u64; 4]) -> bool {
     (0..4u32).all(|r| c.completions(session(r)).len() as u64 >= started[r as usize])
 }
@@ -278,9 +285,7 @@ fn check_model(c: &mut SimCluster, regions: &[Region], m: &Model, started: &[u64
 #[test]
 fn gemini_traffic_matches_the_model_under_loss_duplication_reordering() {
     for seed in 1..=6 {
-        let mut c = SimCluster::new(NHOSTS, cfg(), lossy(seed));
-        let regions = attach_job(&mut c, JOB);
-        let mut rng = StdRng::seed_from_u64(seed);
+        let (mut c, regions, mut rng) = lossy_job(seed);
         let (m, started) = workload(&mut c, &mut rng, 150);
         c.run_until(30_000_000_000, |c| all_done(c, &started))
             .unwrap_or_else(|e| panic!("seed {seed}: {e}\n{}", report(&c, &started)));
@@ -303,15 +308,13 @@ fn gemini_traffic_matches_the_model_under_loss_duplication_reordering() {
 #[test]
 fn crash_fails_pending_operations_and_the_restarted_host_is_admitted_at_once() {
     for seed in 1..=4 {
-        let mut c = SimCluster::new(NHOSTS, cfg(), lossy(seed));
-        attach_job(&mut c, JOB);
+        let (mut c, _, mut rng) = lossy_job(seed);
         // Sessions open everywhere first, so that every host knows the incarnation that dies.
         c.run_until(1_000_000_000, |c| {
             (0..NHOSTS)
                 .all(|h| (0..NHOSTS).all(|p| p == h || c.host(h).unwrap().transport.is_open(p)))
         })
         .unwrap();
-        let mut rng = StdRng::seed_from_u64(seed);
         let (_, started) = workload(&mut c, &mut rng, 200);
         c.run_for(300_000 + seed * 100_000);
         // Certainly pending at the crash: AMOs from rank 0 to rank 3, not yet on the wire.
@@ -416,9 +419,7 @@ fn silent_host_fails_pending_operations_after_peer_timeout_not_before() {
 #[test]
 fn hostile_datagrams_change_only_counters() {
     for seed in 1..=3 {
-        let mut c = SimCluster::new(NHOSTS, cfg(), lossy(seed));
-        let regions = attach_job(&mut c, JOB);
-        let mut rng = StdRng::seed_from_u64(seed);
+        let (mut c, regions, mut rng) = lossy_job(seed);
         let (m, started) = workload(&mut c, &mut rng, 100);
         let key = c.key().clone();
         let mut n = 0;

@@ -142,35 +142,43 @@ impl Region {
         Ok(())
     }
 
-    /// Copies the bytes at `[off, off+len)` into `out` (`len = out.len()`). Bounds must have
-    /// been checked (asserted); `Status::Fault` when memory reached by copy is gone.
+    /// Appends the bytes at `[off, off+len)` to `out`, copied once whatever the backing. Bounds
+    /// must have been checked (asserted); on `Status::Fault` (memory reached by copy that is
+    /// gone), `out` is left as it was.
     ///
     /// Never a borrowed slice: the owner may write these bytes while the NIC reads them, as
     /// under a hardware NIC's DMA, and a `&[u8]` over them would promise Rust they cannot
     /// change. The copy goes through raw pointers, so what is read is whatever bytes were there.
-    pub fn read_into(&self, off: u64, out: &mut [u8]) -> Result<(), Status> {
+    pub fn append_to(&self, off: u64, len: usize, out: &mut Vec<u8>) -> Result<(), Status> {
         assert!(
-            off as usize + out.len() <= self.len(),
+            off as usize + len <= self.len(),
             "read past a checked region"
         );
-        match self.backing.ptr() {
-            // SAFETY: in bounds (asserted) and mapped for the lifetime of `self`; `out` is our
-            // own buffer and cannot overlap NIC memory we hold no reference into.
-            Some(base) => unsafe {
-                std::ptr::copy(base.add(off as usize), out.as_mut_ptr(), out.len());
-                Ok(())
-            },
-            None => self.backing.read_at(off as usize, out),
-        }
-    }
-
-    /// Appends the bytes at `[off, off+len)` to `out`, copied once whatever the backing. Bounds
-    /// must have been checked (asserted); on `Status::Fault`, `out` is left as it was.
-    pub fn append_to(&self, off: u64, len: usize, out: &mut Vec<u8>) -> Result<(), Status> {
         let at = out.len();
-        out.resize(at + len, 0);
-        self.read_into(off, &mut out[at..])
-            .inspect_err(|_| out.truncate(at))
+        match self.backing.ptr() {
+            Some(base) => {
+                out.reserve(len);
+                // SAFETY: the source is in bounds (asserted) and mapped for the lifetime of
+                // `self`; the destination is `out`'s spare capacity (reserved above), which
+                // cannot overlap NIC memory; the copy initialises the `len` bytes `set_len`
+                // then exposes.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        base.add(off as usize),
+                        out.as_mut_ptr().add(at),
+                        len,
+                    );
+                    out.set_len(at + len);
+                }
+                Ok(())
+            }
+            None => {
+                out.resize(at + len, 0);
+                self.backing
+                    .read_at(off as usize, &mut out[at..])
+                    .inspect_err(|_| out.truncate(at))
+            }
+        }
     }
 
     /// A copy of the bytes at `[off, off+len)` (tests and diagnostics).

@@ -2,13 +2,13 @@
 //! seeded [`SimNet`], on a virtual clock, with sessions whose memory is plain heap buffers.
 //!
 //! Tests hand commands to sessions, let virtual time run until a condition holds, crash and
-//! restart hosts, and inject hostile datagrams; everything is a function of the seed. Time
-//! jumps from one event to the next (a datagram due, a host's deadline), so a run that waits
-//! out a multi-second peer timeout costs microseconds.
+//! restart hosts, cut them off (`net.set_down`) and inject hostile datagrams; everything is a
+//! function of the seed. Time jumps from one event to the next (a datagram due, a host's
+//! deadline), so a run that waits out a multi-second peer timeout costs microseconds.
 
 use std::collections::VecDeque;
 
-use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
+use rustc_hash::FxHashMap as HashMap;
 
 use crate::nic::host::{AttachError, Flow, HostCore};
 use crate::nic::memory::Region;
@@ -53,7 +53,6 @@ pub struct SimCluster {
     starts: u64,
     queued: Vec<VecDeque<Queued>>,
     completions: HashMap<u64, Vec<CqEntry>>,
-    woken: HashSet<u64>,
 }
 
 impl SimCluster {
@@ -69,7 +68,6 @@ impl SimCluster {
             starts: 0,
             queued: (0..nhosts).map(|_| VecDeque::new()).collect(),
             completions: HashMap::default(),
-            woken: HashSet::default(),
         };
         for h in 0..nhosts {
             c.start(h);
@@ -148,11 +146,6 @@ impl SimCluster {
         self.completions.get(&session).map_or(&[], |v| v)
     }
 
-    /// Whether `session`'s events or counts changed since the last call (and forgets it).
-    pub fn take_woken(&mut self, session: u64) -> bool {
-        self.woken.remove(&session)
-    }
-
     /// Host `h` dies: its state is gone, nothing reaches it, its queued commands are lost.
     pub fn crash(&mut self, h: u16) {
         self.hosts[h as usize] = None;
@@ -164,11 +157,6 @@ impl SimCluster {
     pub fn restart(&mut self, h: u16) {
         self.start(h);
         self.net.set_down(h, false);
-    }
-
-    /// Cuts (or heals) host `h` off the network without losing its state.
-    pub fn partition(&mut self, h: u16, cut: bool) {
-        self.net.set_down(h, cut);
     }
 
     /// A datagram arrives at host `h` now, from nobody in particular (hostile input).
@@ -219,9 +207,8 @@ impl SimCluster {
             while let Some((s, e)) = core.poll_completion() {
                 self.completions.entry(s).or_default().push(e);
             }
-            while let Some(s) = core.poll_wake() {
-                self.woken.insert(s);
-            }
+            // Sessions read their event rings themselves: wake-ups are the daemon's business.
+            while core.poll_wake().is_some() {}
         }
     }
 

@@ -282,6 +282,12 @@ impl Peer {
         self.peer_epoch.is_some()
     }
 
+    /// Schedules the next greeting (or confirmation request), doubling the interval up to `max`.
+    fn next_hello(&mut self, now: u64, max: u64) {
+        self.hello_at = now + self.hello_interval;
+        self.hello_interval = (self.hello_interval * 2).min(max);
+    }
+
     /// The probe timeout (before backoff).
     fn pto(&self, cfg: &TransportConfig) -> u64 {
         match self.rtt.srtt {
@@ -978,8 +984,7 @@ impl Transport {
             }
             // A greeting: our epoch, theirs unknown. Sent until the peer answers, backing off.
             p.hello_sent = Some(now);
-            p.hello_at = now + p.hello_interval;
-            p.hello_interval = (p.hello_interval * 2).min(self.cfg.rto_max);
+            p.next_hello(now, self.cfg.rto_max);
             let h = self.header(peer, 0, 0);
             return Some((None, self.seal_scratch(&h)));
         };
@@ -1009,8 +1014,7 @@ impl Transport {
             (0, None)
         } else if !p.confirmed && now >= p.hello_at {
             // Ask again for the confirmation, backing off as greetings do.
-            p.hello_at = now + p.hello_interval;
-            p.hello_interval = (p.hello_interval * 2).min(self.cfg.rto_max);
+            p.next_hello(now, self.cfg.rto_max);
             (0, None)
         } else {
             return None;

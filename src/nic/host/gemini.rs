@@ -264,6 +264,21 @@ impl HostCore {
         }
     }
 
+    /// Copies `[off, off+len)` of `src` into the scratch buffer and hands the bytes to `f`.
+    fn with_copy<T>(
+        &mut self,
+        src: &Region,
+        off: u64,
+        len: usize,
+        f: impl FnOnce(&Self, &[u8]) -> T,
+    ) -> Result<T, Status> {
+        let mut data = std::mem::take(&mut self.copy_buf);
+        data.clear();
+        let r = src.append_to(off, len, &mut data).map(|()| f(self, &data));
+        self.copy_buf = data;
+        r
+    }
+
     fn push_or_fail(&mut self, host: u16, req: u64, op: &OpRef<'_>) {
         if self.transport.push_op(host, op).is_err() {
             if let Some(done) = self.initiator.complete(req, Status::PeerDead, lost(host)) {
@@ -298,12 +313,9 @@ impl HostCore {
                     Ok(r) => r,
                     Err(s) => return (s, 0),
                 };
-                let mut data = std::mem::take(&mut self.copy_buf);
-                data.clear();
-                let served = src
-                    .append_to(c.local_off, c.len as usize, &mut data)
-                    .map(|()| serve(&self.endpoints, &put(h, c, &data)));
-                self.copy_buf = data;
+                let served = self.with_copy(&src, c.local_off, c.len as usize, |me, data| {
+                    serve(&me.endpoints, &put(h, c, data))
+                });
                 match served {
                     Ok(a) => a,
                     Err(s) => return (s, 0),
@@ -329,12 +341,11 @@ impl HostCore {
                         len,
                         ..
                     } => {
-                        let mut data = std::mem::take(&mut self.copy_buf);
-                        data.clear();
-                        let moved = region
-                            .append_to(offset, len as usize, &mut data)
-                            .and_then(|()| dst.write(c.local_off, &data));
-                        self.copy_buf = data;
+                        let moved = self
+                            .with_copy(&region, offset, len as usize, |_, data| {
+                                dst.write(c.local_off, data)
+                            })
+                            .and_then(|r| r);
                         return (moved.err().unwrap_or(Status::Ok), 0);
                     }
                     other => other,
