@@ -5,10 +5,11 @@
 
 use softnic::nic::memory::{HeapBacking, Perms, Region};
 use softnic::nic::portals::types::{me, RANK_ANY};
+use softnic::nic::portals::{AckReq, OpSpec, ProcessId, ReqKind};
 use softnic::nic::portals::{EventKind, NiFail};
 use softnic::nic::sim::SimCluster;
 use softnic::shm::event_ring::{ring_bytes, EventRing};
-use softnic::shm::ptl_call::{result_of, Buf, MeArgs, OpArgs, PtlCall};
+use softnic::shm::ptl_call::{result_of, Buf, MeArgs, PtlCall};
 use softnic::shm::{Command, CommandKind};
 use softnic::transport::sim::SimConfig;
 use softnic::transport::TransportConfig;
@@ -203,18 +204,21 @@ fn matching_order_and_exactly_once_under_loss_duplication_reordering() {
         let md = md_bind(&mut i, &mut c, &src);
         let back = region(20_000);
         let gmd = md_bind(&mut i, &mut c, &back);
-        let put = |bits, offset, length| OpArgs {
-            kind: 0,
-            ack_req: 0,
+        let put = |bits, offset, length| OpSpec {
+            kind: ReqKind::Put,
+            ack_req: AckReq::Ack,
             md,
             offset,
             length,
-            target_rank: 1,
-            target_host: 1,
+            get_md: None,
+            get_offset: 0,
+            target: ProcessId::Physical { nid: 1, pid: 1 },
             pt_index: 0,
             match_bits: bits,
+            remote_offset: 0,
             user_ptr: offset,
-            ..Default::default()
+            hdr_data: 0,
+            operand: Vec::new(),
         };
         for k in 0..300u64 {
             i.submit(
@@ -222,6 +226,7 @@ fn matching_order_and_exactly_once_under_loss_duplication_reordering() {
                 &PtlCall::Op {
                     ni: 0,
                     op: put(1, k * 8, 8),
+                    trigger: None,
                 },
                 true,
             );
@@ -231,6 +236,7 @@ fn matching_order_and_exactly_once_under_loss_duplication_reordering() {
                     &PtlCall::Op {
                         ni: 0,
                         op: put(2, k * 8, 8),
+                        trigger: None,
                     },
                     true,
                 );
@@ -241,18 +247,27 @@ fn matching_order_and_exactly_once_under_loss_duplication_reordering() {
             &PtlCall::Op {
                 ni: 0,
                 op: put(4, 3200, 20_000),
+                trigger: None,
             },
             true,
         );
         for g in 0..10u64 {
-            let get = OpArgs {
-                kind: 1,
+            let get = OpSpec {
+                kind: ReqKind::Get,
                 get_md: Some(gmd),
                 get_offset: g * 2000,
                 remote_offset: g * 2000,
                 ..put(4, 0, 2000)
             };
-            i.submit(&mut c, &PtlCall::Op { ni: 0, op: get }, true);
+            i.submit(
+                &mut c,
+                &PtlCall::Op {
+                    ni: 0,
+                    op: get,
+                    trigger: None,
+                },
+                true,
+            );
         }
         let mut ievents = Vec::new();
         c.run_until(60_000_000_000, |c| {

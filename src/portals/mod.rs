@@ -14,8 +14,9 @@ use std::time::{Duration, Instant};
 
 use crate::gni::{GniError, MemHandle, MemRegion, Nic};
 use crate::nic::memory::Perms;
+use crate::nic::portals::{OpSpec, ReqKind};
 use crate::shm::event_ring::{ring_bytes, CtSlot, EventRing, CT_SLOT_LEN};
-use crate::shm::ptl_call::{result_of, Buf, MeArgs, OpArgs, PtlCall};
+use crate::shm::ptl_call::{result_of, Buf, MeArgs, PtlCall};
 use crate::shm::{Command, CommandKind};
 
 pub use crate::nic::portals::atomic::{AtomicOp, Datatype};
@@ -784,37 +785,35 @@ impl Portals {
 
     // ------------------------------------------------------------------ data movement
 
+    /// Starts `op` (its target as the interface names it) or, with `trigger`, hands it to the
+    /// NIC to start once the counter reaches the threshold.
     fn op(
         &mut self,
         ni: NiHandle,
-        m: Movement<'_>,
+        op: OpSpec,
         trigger: Option<(u32, u64)>,
     ) -> Result<(), PortalsError> {
         // Atomics longer than max_atomic_size go as several operations (triggered ones too).
-        let max = match m.aop {
-            Some((_, dt)) if m.kind == 2 => {
+        let max = match op.kind {
+            ReqKind::Atomic(_, dt) => {
                 let w = dt.size() as u64;
                 (self.info(ni)?.limits.max_atomic_size / w * w).max(w)
             }
             _ => u64::MAX,
         };
-        if m.length <= max {
-            return self.op_one(ni, m, trigger);
+        if op.length <= max {
+            return self.op_one(ni, op, trigger);
         }
         let mut done = 0;
-        while done < m.length {
-            let t = Target {
-                remote_offset: m.t.remote_offset + done,
-                ..m.t
+        while done < op.length {
+            let part = OpSpec {
+                offset: op.offset + done,
+                length: (op.length - done).min(max),
+                remote_offset: op.remote_offset + done,
+                ..op.clone()
             };
-            let part = Movement {
-                offset: m.offset + done,
-                length: (m.length - done).min(max),
-                t,
-                ..m
-            };
-            self.op_one(ni, part, trigger)?;
             done += part.length;
+            self.op_one(ni, part, trigger)?;
         }
         Ok(())
     }
@@ -822,74 +821,52 @@ impl Portals {
     fn op_one(
         &mut self,
         ni: NiHandle,
-        m: Movement<'_>,
+        mut op: OpSpec,
         trigger: Option<(u32, u64)>,
     ) -> Result<(), PortalsError> {
-        let Movement {
-            kind,
-            aop,
-            md,
-            offset,
-            length,
-            get,
-            ack_req,
-            t,
-            user_ptr,
-            hdr_data,
-            operand,
-        } = m;
         let wni = self.wire_ni(ni)?;
         let info = self.info(ni)?;
-        let (host, rank) = self.locate(ni, t.id)?;
-        let sends = kind != 1;
-        let (mdlen, _) = *info.mds.get(&md).ok_or(PtlError::ArgInvalid)?;
-        if length > info.limits.max_msg_size
-            || (sends && offset.checked_add(length).is_none_or(|e| e > mdlen))
+        let (host, rank) = self.locate(ni, op.target)?;
+        let (mdlen, _) = *info.mds.get(&op.md).ok_or(PtlError::ArgInvalid)?;
+        let sends = op.kind != ReqKind::Get;
+        if op.length > info.limits.max_msg_size
+            || (sends && op.offset.checked_add(op.length).is_none_or(|e| e > mdlen))
         {
             return Err(PtlError::ArgInvalid.into());
         }
-        if let Some((g, go)) = get {
+        if let Some(g) = op.get_md {
             let (glen, _) = *info.mds.get(&g).ok_or(PtlError::ArgInvalid)?;
-            if go.checked_add(length).is_none_or(|e| e > glen) {
+            if op
+                .get_offset
+                .checked_add(op.length)
+                .is_none_or(|e| e > glen)
+            {
                 return Err(PtlError::ArgInvalid.into());
             }
         }
+        let (aop, swap) = match op.kind {
+            ReqKind::Atomic(o, d) | ReqKind::FetchAtomic(o, d) => (Some((o, d)), false),
+            ReqKind::Swap(o, d) => (Some((o, d)), true),
+            ReqKind::Put | ReqKind::Get => (None, false),
+        };
         if let Some((o, d)) = aop {
             let w = d.size() as u64;
-            if !o.supports(d) || o.is_swap() != (kind == 4) || !length.is_multiple_of(w) {
+            if !o.supports(d) || o.is_swap() != swap || !op.length.is_multiple_of(w) {
                 return Err(PtlError::ArgInvalid.into());
             }
-            if kind == 4 && o != AtomicOp::Swap && (length != w || (operand.len() as u64) < w) {
+            if swap && o != AtomicOp::Swap && (op.length != w || (op.operand.len() as u64) < w) {
                 return Err(PtlError::ArgInvalid.into());
             }
         }
-        let (atomic_op, datatype) = aop.map_or((0, 0), |(o, d)| (o as u8, d as u8));
-        let op = OpArgs {
-            kind,
-            atomic_op,
-            datatype,
-            ack_req: match ack_req {
-                AckReq::Ack => 0,
-                AckReq::CtAck => 1,
-                AckReq::OcAck => 2,
-                AckReq::NoAck => 3,
-            },
-            md,
-            offset,
-            length,
-            get_md: get.map(|g| g.0),
-            get_offset: get.map_or(0, |g| g.1),
-            target_rank: rank,
-            target_host: host,
-            pt_index: t.pt_index,
-            match_bits: t.match_bits,
-            remote_offset: t.remote_offset,
-            user_ptr,
-            hdr_data,
-            operand: operand.to_vec(),
+        op.target = ProcessId::Physical {
+            nid: host as u32,
+            pid: rank,
+        };
+        let call = PtlCall::Op {
+            ni: wni,
+            op,
             trigger,
         };
-        let call = PtlCall::Op { ni: wni, op };
         if trigger.is_some() {
             self.call(&call).map(|_| ())
         } else {
@@ -910,8 +887,16 @@ impl Portals {
         user_ptr: u64,
         hdr_data: u64,
     ) -> Result<(), PortalsError> {
-        let m = Movement::put(md, offset, length, ack_req, t, user_ptr, hdr_data);
-        self.op(ni, m, None)
+        let op = movement(
+            ReqKind::Put,
+            (md, offset),
+            None,
+            length,
+            ack_req,
+            t,
+            (user_ptr, hdr_data),
+        );
+        self.op(ni, op, None)
     }
 
     /// PtlGet: the reply lands in `md` at `offset`.
@@ -924,7 +909,16 @@ impl Portals {
         t: Target,
         user_ptr: u64,
     ) -> Result<(), PortalsError> {
-        self.op(ni, Movement::get(md, offset, length, t, user_ptr), None)
+        let op = movement(
+            ReqKind::Get,
+            (md, offset),
+            Some((md, offset)),
+            length,
+            NO_ACK,
+            t,
+            (user_ptr, 0),
+        );
+        self.op(ni, op, None)
     }
 
     /// PtlAtomic, split at max_atomic_size into several operations when longer.
@@ -942,8 +936,16 @@ impl Portals {
         op: AtomicOp,
         dt: Datatype,
     ) -> Result<(), PortalsError> {
-        let m = Movement::put(md, offset, length, ack_req, t, user_ptr, hdr_data).atomic(op, dt);
-        self.op(ni, m, None)
+        let op = movement(
+            ReqKind::Atomic(op, dt),
+            (md, offset),
+            None,
+            length,
+            ack_req,
+            t,
+            (user_ptr, hdr_data),
+        );
+        self.op(ni, op, None)
     }
 
     /// PtlFetchAtomic: old values land in `get_md` at `get_offset`.
@@ -962,9 +964,17 @@ impl Portals {
         op: AtomicOp,
         dt: Datatype,
     ) -> Result<(), PortalsError> {
-        let m = Movement::fetch(3, (get_md, get_offset), (put_md, put_offset), length, t);
-        let m = m.with(user_ptr, hdr_data, (op, dt), &[]);
-        self.op(ni, m, None)
+        let kind = ReqKind::FetchAtomic(op, dt);
+        let op = movement(
+            kind,
+            (put_md, put_offset),
+            Some((get_md, get_offset)),
+            length,
+            NO_ACK,
+            t,
+            (user_ptr, hdr_data),
+        );
+        self.op(ni, op, None)
     }
 
     /// PtlSwap (SWAP, CSWAP*, MSWAP): `operand` is the comparand or mask.
@@ -984,9 +994,21 @@ impl Portals {
         op: AtomicOp,
         dt: Datatype,
     ) -> Result<(), PortalsError> {
-        let m = Movement::fetch(4, (get_md, get_offset), (put_md, put_offset), length, t);
-        let m = m.with(user_ptr, hdr_data, (op, dt), operand);
-        self.op(ni, m, None)
+        let kind = ReqKind::Swap(op, dt);
+        let op = movement(
+            kind,
+            (put_md, put_offset),
+            Some((get_md, get_offset)),
+            length,
+            NO_ACK,
+            t,
+            (user_ptr, hdr_data),
+        );
+        let op = OpSpec {
+            operand: operand.to_vec(),
+            ..op
+        };
+        self.op(ni, op, None)
     }
 
     /// PtlAtomicSync: atomics issued before it are ordered before operations after it. The NIC
@@ -1010,8 +1032,16 @@ impl Portals {
         ct: u32,
         threshold: u64,
     ) -> Result<(), PortalsError> {
-        let m = Movement::put(md, offset, length, ack_req, t, user_ptr, hdr_data);
-        self.op(ni, m, Some((ct, threshold)))
+        let op = movement(
+            ReqKind::Put,
+            (md, offset),
+            None,
+            length,
+            ack_req,
+            t,
+            (user_ptr, hdr_data),
+        );
+        self.op(ni, op, Some((ct, threshold)))
     }
 
     /// PtlTriggeredGet.
@@ -1027,8 +1057,16 @@ impl Portals {
         ct: u32,
         threshold: u64,
     ) -> Result<(), PortalsError> {
-        let m = Movement::get(md, offset, length, t, user_ptr);
-        self.op(ni, m, Some((ct, threshold)))
+        let op = movement(
+            ReqKind::Get,
+            (md, offset),
+            Some((md, offset)),
+            length,
+            NO_ACK,
+            t,
+            (user_ptr, 0),
+        );
+        self.op(ni, op, Some((ct, threshold)))
     }
 
     /// PtlTriggeredAtomic.
@@ -1048,8 +1086,16 @@ impl Portals {
         ct: u32,
         threshold: u64,
     ) -> Result<(), PortalsError> {
-        let m = Movement::put(md, offset, length, ack_req, t, user_ptr, hdr_data).atomic(op, dt);
-        self.op(ni, m, Some((ct, threshold)))
+        let op = movement(
+            ReqKind::Atomic(op, dt),
+            (md, offset),
+            None,
+            length,
+            ack_req,
+            t,
+            (user_ptr, hdr_data),
+        );
+        self.op(ni, op, Some((ct, threshold)))
     }
 
     /// PtlTriggeredFetchAtomic.
@@ -1070,9 +1116,17 @@ impl Portals {
         ct: u32,
         threshold: u64,
     ) -> Result<(), PortalsError> {
-        let m = Movement::fetch(3, (get_md, get_offset), (put_md, put_offset), length, t);
-        let m = m.with(user_ptr, hdr_data, (op, dt), &[]);
-        self.op(ni, m, Some((ct, threshold)))
+        let kind = ReqKind::FetchAtomic(op, dt);
+        let op = movement(
+            kind,
+            (put_md, put_offset),
+            Some((get_md, get_offset)),
+            length,
+            NO_ACK,
+            t,
+            (user_ptr, hdr_data),
+        );
+        self.op(ni, op, Some((ct, threshold)))
     }
 
     /// PtlTriggeredSwap.
@@ -1094,9 +1148,21 @@ impl Portals {
         ct: u32,
         threshold: u64,
     ) -> Result<(), PortalsError> {
-        let m = Movement::fetch(4, (get_md, get_offset), (put_md, put_offset), length, t);
-        let m = m.with(user_ptr, hdr_data, (op, dt), operand);
-        self.op(ni, m, Some((ct, threshold)))
+        let kind = ReqKind::Swap(op, dt);
+        let op = movement(
+            kind,
+            (put_md, put_offset),
+            Some((get_md, get_offset)),
+            length,
+            NO_ACK,
+            t,
+            (user_ptr, hdr_data),
+        );
+        let op = OpSpec {
+            operand: operand.to_vec(),
+            ..op
+        };
+        self.op(ni, op, Some((ct, threshold)))
     }
 
     /// Whether interface `ni` matches (PTL_NI_MATCHING).
@@ -1105,89 +1171,36 @@ impl Portals {
     }
 }
 
-/// One data-movement operation as the Portals calls describe it (kind 0 put, 1 get, 2 atomic,
-/// 3 fetch-atomic, 4 swap); triggered calls carry the same and a trigger.
-#[derive(Clone, Copy)]
-struct Movement<'a> {
-    kind: u8,
-    aop: Option<(AtomicOp, Datatype)>,
-    md: u32,
-    offset: u64,
-    length: u64,
-    /// Where replied data lands (gets, fetching atomics, swaps).
+/// Fetching operations ask for no acknowledgement: their reply is the completion.
+const NO_ACK: AckReq = AckReq::NoAck;
+
+/// The operation a data-movement call describes: `src` is the payload (or, for a get, the
+/// reply buffer again), `get` where replied data lands, `tags` the user pointer and header
+/// data; a swap's operand is set by its caller.
+fn movement(
+    kind: ReqKind,
+    src: (u32, u64),
     get: Option<(u32, u64)>,
+    length: u64,
     ack_req: AckReq,
     t: Target,
-    user_ptr: u64,
-    hdr_data: u64,
-    operand: &'a [u8],
-}
-
-impl<'a> Movement<'a> {
-    fn put(
-        md: u32,
-        offset: u64,
-        length: u64,
-        ack_req: AckReq,
-        t: Target,
-        user_ptr: u64,
-        hdr_data: u64,
-    ) -> Movement<'a> {
-        Movement {
-            kind: 0,
-            aop: None,
-            md,
-            offset,
-            length,
-            get: None,
-            ack_req,
-            t,
-            user_ptr,
-            hdr_data,
-            operand: &[],
-        }
-    }
-
-    fn get(md: u32, offset: u64, length: u64, t: Target, user_ptr: u64) -> Movement<'a> {
-        Movement {
-            kind: 1,
-            get: Some((md, offset)),
-            ..Movement::put(md, offset, length, AckReq::NoAck, t, user_ptr, 0)
-        }
-    }
-
-    /// This put as a non-fetching atomic (2).
-    fn atomic(self, op: AtomicOp, dt: Datatype) -> Movement<'a> {
-        Movement {
-            kind: 2,
-            aop: Some((op, dt)),
-            ..self
-        }
-    }
-
-    /// A fetch-atomic (3) or swap (4): `put` is read, old values land in `get`.
-    fn fetch(kind: u8, get: (u32, u64), put: (u32, u64), length: u64, t: Target) -> Movement<'a> {
-        Movement {
-            kind,
-            get: Some(get),
-            ..Movement::put(put.0, put.1, length, AckReq::NoAck, t, 0, 0)
-        }
-    }
-
-    fn with(
-        self,
-        user_ptr: u64,
-        hdr_data: u64,
-        aop: (AtomicOp, Datatype),
-        operand: &'a [u8],
-    ) -> Movement<'a> {
-        Movement {
-            user_ptr,
-            hdr_data,
-            aop: Some(aop),
-            operand,
-            ..self
-        }
+    tags: (u64, u64),
+) -> OpSpec {
+    OpSpec {
+        kind,
+        md: src.0,
+        offset: src.1,
+        length,
+        get_md: get.map(|g| g.0),
+        get_offset: get.map_or(0, |g| g.1),
+        ack_req,
+        target: t.id,
+        pt_index: t.pt_index,
+        match_bits: t.match_bits,
+        remote_offset: t.remote_offset,
+        user_ptr: tags.0,
+        hdr_data: tags.1,
+        operand: Vec::new(),
     }
 }
 

@@ -297,10 +297,6 @@ impl Control {
         &self.map
     }
 
-    pub fn cmd_capacity(&self) -> usize {
-        self.cmd_cap as usize
-    }
-
     pub fn cq_capacity(&self) -> usize {
         self.cq_cap as usize
     }

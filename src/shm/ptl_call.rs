@@ -4,7 +4,9 @@
 //! little-endian fields. The daemon decodes from its private copy and refuses anything short,
 //! long or unknown with a typed error (the client is then disconnected, as for any garbage).
 
-use crate::wire::{get_u32, get_u64};
+use crate::nic::portals::wire::{decode_kind, encode_kind};
+use crate::nic::portals::{AckReq, OpSpec, ProcessId};
+use crate::wire::{get_u32, get_u64, PtlHeader};
 
 /// Memory as the client names it: a registered region, an offset, a length.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -26,31 +28,6 @@ pub struct MeArgs {
     pub match_bits: u64,
     pub ignore_bits: u64,
     pub min_free: u64,
-}
-
-/// A data movement (or a triggered one, with `trigger = Some((ct, threshold))`).
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
-pub struct OpArgs {
-    /// 0 put, 1 get, 2 atomic, 3 fetch-atomic, 4 swap (as on the wire).
-    pub kind: u8,
-    pub atomic_op: u8,
-    pub datatype: u8,
-    /// 0 ACK, 1 CT_ACK, 2 OC_ACK, 3 NO_ACK.
-    pub ack_req: u8,
-    pub md: u32,
-    pub offset: u64,
-    pub length: u64,
-    pub get_md: Option<u32>,
-    pub get_offset: u64,
-    pub target_rank: u32,
-    pub target_host: u16,
-    pub pt_index: u32,
-    pub match_bits: u64,
-    pub remote_offset: u64,
-    pub user_ptr: u64,
-    pub hdr_data: u64,
-    pub operand: Vec<u8>,
-    pub trigger: Option<(u32, u64)>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -147,9 +124,13 @@ pub enum PtlCall {
         ni: u8,
         md: u32,
     },
+    /// A data movement (PtlPut, PtlGet, PtlAtomic, PtlFetchAtomic, PtlSwap) as the engine
+    /// takes it, target already resolved to a physical id; a triggered one carries
+    /// `trigger = Some((ct, threshold))`.
     Op {
         ni: u8,
-        op: OpArgs,
+        op: OpSpec,
+        trigger: Option<(u32, u64)>,
     },
     /// PtlSetMap: logical index i names the job's rank `ranks[i]`.
     SetMap {
@@ -212,10 +193,6 @@ impl W {
         self.0.push(v);
         self
     }
-    fn u16(&mut self, v: u16) -> &mut Self {
-        self.0.extend_from_slice(&v.to_le_bytes());
-        self
-    }
     fn u32(&mut self, v: u32) -> &mut Self {
         self.0.extend_from_slice(&v.to_le_bytes());
         self
@@ -229,6 +206,13 @@ impl W {
     }
     fn buf(&mut self, b: &Buf) -> &mut Self {
         self.u32(b.region).u64(b.offset).u64(b.length)
+    }
+    /// A process id: 0 logical (rank, 0), 1 physical (nid, pid).
+    fn process(&mut self, p: &ProcessId) -> &mut Self {
+        match *p {
+            ProcessId::Logical { rank } => self.u8(0).u32(rank).u32(0),
+            ProcessId::Physical { nid, pid } => self.u8(1).u32(nid).u32(pid),
+        }
     }
     fn me(&mut self, m: &MeArgs) -> &mut Self {
         self.buf(&m.buf).opt(m.ct).u32(m.uid).u32(m.options);
@@ -251,10 +235,6 @@ impl<'a> R<'a> {
     fn u8(&mut self) -> Result<u8, BadCall> {
         Ok(self.take(1)?[0])
     }
-    fn u16(&mut self) -> Result<u16, BadCall> {
-        let b = self.take(2)?;
-        Ok(u16::from_le_bytes([b[0], b[1]]))
-    }
     fn u32(&mut self) -> Result<u32, BadCall> {
         Ok(get_u32(self.take(4)?, 0))
     }
@@ -269,6 +249,13 @@ impl<'a> R<'a> {
             region: self.u32()?,
             offset: self.u64()?,
             length: self.u64()?,
+        })
+    }
+    fn process(&mut self) -> Result<ProcessId, BadCall> {
+        Ok(match (self.u8()?, self.u32()?, self.u32()?) {
+            (0, rank, 0) => ProcessId::Logical { rank },
+            (1, nid, pid) => ProcessId::Physical { nid, pid },
+            _ => return Err(BadCall),
         })
     }
     fn me(&mut self) -> Result<MeArgs, BadCall> {
@@ -391,24 +378,22 @@ impl PtlCall {
                 }
                 &mut w
             }
-            PtlCall::Op { ni, op } => {
+            PtlCall::Op { ni, op, trigger } => {
+                let (kind, aop, dt) = encode_kind(op.kind);
                 w.u8(18)
                     .u8(*ni)
-                    .u8(op.kind)
-                    .u8(op.atomic_op)
-                    .u8(op.datatype)
-                    .u8(op.ack_req);
+                    .u8(kind)
+                    .u8(aop)
+                    .u8(dt)
+                    .u8(op.ack_req.code());
                 w.u32(op.md)
                     .u64(op.offset)
                     .u64(op.length)
                     .opt(op.get_md)
                     .u64(op.get_offset);
-                w.u32(op.target_rank)
-                    .u16(op.target_host)
-                    .u32(op.pt_index)
-                    .u64(op.match_bits);
+                w.process(&op.target).u32(op.pt_index).u64(op.match_bits);
                 w.u64(op.remote_offset).u64(op.user_ptr).u64(op.hdr_data);
-                let (ct, th) = op.trigger.map_or((NONE, 0), |(c, t)| (c, t));
+                let (ct, th) = trigger.unwrap_or((NONE, 0));
                 w.u32(ct).u64(th).u8(op.operand.len() as u8);
                 w.0.extend_from_slice(&op.operand);
                 &mut w
@@ -519,30 +504,38 @@ impl PtlCall {
                 }
             }
             18 => {
-                let mut op = OpArgs {
+                let h = PtlHeader {
                     kind: r.u8()?,
                     atomic_op: r.u8()?,
                     datatype: r.u8()?,
-                    ack_req: r.u8()?,
                     ..Default::default()
                 };
-                op.md = r.u32()?;
-                op.offset = r.u64()?;
-                op.length = r.u64()?;
-                op.get_md = r.opt()?;
-                op.get_offset = r.u64()?;
-                op.target_rank = r.u32()?;
-                op.target_host = r.u16()?;
-                op.pt_index = r.u32()?;
-                op.match_bits = r.u64()?;
-                op.remote_offset = r.u64()?;
-                op.user_ptr = r.u64()?;
-                op.hdr_data = r.u64()?;
+                let kind = decode_kind(&h).map_err(|_| BadCall)?;
+                let ack_req = AckReq::from_code(r.u8()?).ok_or(BadCall)?;
+                let op = OpSpec {
+                    kind,
+                    ack_req,
+                    md: r.u32()?,
+                    offset: r.u64()?,
+                    length: r.u64()?,
+                    get_md: r.opt()?,
+                    get_offset: r.u64()?,
+                    target: r.process()?,
+                    pt_index: r.u32()?,
+                    match_bits: r.u64()?,
+                    remote_offset: r.u64()?,
+                    user_ptr: r.u64()?,
+                    hdr_data: r.u64()?,
+                    operand: Vec::new(),
+                };
                 let (ct, th) = (r.u32()?, r.u64()?);
-                op.trigger = (ct != NONE).then_some((ct, th));
                 let n = r.u8()? as usize;
-                op.operand = r.take(n)?.to_vec();
-                PtlCall::Op { ni, op }
+                let operand = r.take(n)?.to_vec();
+                PtlCall::Op {
+                    ni,
+                    op: OpSpec { operand, ..op },
+                    trigger: (ct != NONE).then_some((ct, th)),
+                }
             }
             _ => return Err(BadCall),
         };
@@ -556,6 +549,8 @@ impl PtlCall {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::nic::portals::atomic::{AtomicOp, Datatype};
+    use crate::nic::portals::ReqKind;
     use proptest::prelude::*;
 
     #[test]
@@ -574,25 +569,21 @@ mod tests {
             ignore_bits: 7,
             min_free: 8,
         };
-        let op = OpArgs {
-            kind: 4,
-            atomic_op: 11,
-            datatype: 7,
-            ack_req: 1,
+        let op = OpSpec {
+            kind: ReqKind::Swap(AtomicOp::Cswap, Datatype::Uint64),
+            ack_req: AckReq::CtAck,
             md: 1,
             offset: 2,
             length: 8,
             get_md: Some(3),
             get_offset: 4,
-            target_rank: 5,
-            target_host: 1,
+            target: ProcessId::Physical { nid: 1, pid: 5 },
             pt_index: 6,
             match_bits: 7,
             remote_offset: 8,
             user_ptr: 9,
             hdr_data: 10,
             operand: vec![1; 8],
-            trigger: Some((4, 100)),
         };
         for c in [
             PtlCall::NiInit {
@@ -645,7 +636,21 @@ mod tests {
                 eq: Some(1),
                 ct: None,
             },
-            PtlCall::Op { ni: 0, op },
+            PtlCall::Op {
+                ni: 0,
+                op: op.clone(),
+                trigger: Some((4, 100)),
+            },
+            PtlCall::Op {
+                ni: 1,
+                op: OpSpec {
+                    kind: ReqKind::Put,
+                    target: ProcessId::Logical { rank: 3 },
+                    operand: Vec::new(),
+                    ..op
+                },
+                trigger: None,
+            },
         ] {
             let mut b = Vec::new();
             c.encode_into(&mut b);

@@ -5,15 +5,13 @@
 use rustc_hash::FxHashMap as HashMap;
 
 use crate::nic::memory::Region;
-use crate::nic::portals::matching::ReqKind;
 use crate::nic::portals::triggered::TriggeredAction;
-use crate::nic::portals::wire::{decode_kind, encode_kind, request_ops, response_ops, Whole};
+use crate::nic::portals::wire::{encode_kind, request_ops, response_ops, Whole};
 use crate::nic::portals::{
-    AckReq, CtEvent, List, MatchEntry, NiFail, OpSpec, PortalsNi, ProcessId, PtlError, Response,
-    SearchOp,
+    CtEvent, List, MatchEntry, NiFail, OpSpec, PortalsNi, ProcessId, PtlError, Response, SearchOp,
 };
 use crate::shm::event_ring::{CtSlot, EventRing};
-use crate::shm::ptl_call::{status_of, MeArgs, OpArgs, PtlCall};
+use crate::shm::ptl_call::{status_of, MeArgs, PtlCall};
 use crate::shm::CqEntry;
 use crate::transport::PushError;
 use crate::wire::{ptl_acks, push_ptl_ack, OpHeader, OpKind, OpRef, PtlHeader, PTL_ACK_LEN};
@@ -337,9 +335,12 @@ impl HostCore {
                 s.logical_of = Some(m);
                 Ok(0)
             }
-            PtlCall::Op { ni, op } => {
-                let spec = op_spec(&op)?;
-                match op.trigger {
+            PtlCall::Op {
+                ni,
+                op: spec,
+                trigger,
+            } => {
+                match trigger {
                     Some((ct, threshold)) => self
                         .ni_state(job, rank, ni)?
                         .ni
@@ -737,41 +738,4 @@ impl HostCore {
         self.ptl_scratch = MirrorScratch { woken, cts };
         moved
     }
-}
-
-/// The engine's operation from a call's arguments (target as physical host/rank).
-fn op_spec(op: &OpArgs) -> Result<OpSpec, PtlError> {
-    let m = PtlHeader {
-        kind: op.kind,
-        atomic_op: op.atomic_op,
-        datatype: op.datatype,
-        ..Default::default()
-    };
-    let kind: ReqKind = decode_kind(&m).map_err(|_| PtlError::ArgInvalid)?;
-    let ack_req = match op.ack_req {
-        0 => AckReq::Ack,
-        1 => AckReq::CtAck,
-        2 => AckReq::OcAck,
-        3 => AckReq::NoAck,
-        _ => return Err(PtlError::ArgInvalid),
-    };
-    Ok(OpSpec {
-        kind,
-        md: op.md,
-        offset: op.offset,
-        length: op.length,
-        get_md: op.get_md,
-        get_offset: op.get_offset,
-        ack_req,
-        target: ProcessId::Physical {
-            nid: op.target_host as u32,
-            pid: op.target_rank,
-        },
-        pt_index: op.pt_index,
-        match_bits: op.match_bits,
-        remote_offset: op.remote_offset,
-        user_ptr: op.user_ptr,
-        hdr_data: op.hdr_data,
-        operand: op.operand.clone(),
-    })
 }

@@ -59,11 +59,6 @@ impl HostCore {
         Ok(())
     }
 
-    /// Whether `session` is attached.
-    pub fn is_attached(&self, session: u64) -> bool {
-        self.sessions.contains_key(&session)
-    }
-
     /// Registers memory of `session`'s process; returns its handle.
     pub fn register(&mut self, session: u64, region: Region) -> Result<u32, Status> {
         let s = self.sessions.get(&session).ok_or(Status::NoSuchEndpoint)?;

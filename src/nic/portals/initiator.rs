@@ -46,6 +46,24 @@ pub enum AckReq {
     NoAck,
 }
 
+impl AckReq {
+    /// The code a Portals call carries (0 ACK, 1 CT_ACK, 2 OC_ACK, 3 NO_ACK).
+    pub fn code(self) -> u8 {
+        self as u8
+    }
+
+    /// The inverse of [`AckReq::code`]; `None` for an unknown code.
+    pub fn from_code(c: u8) -> Option<AckReq> {
+        Some(match c {
+            0 => AckReq::Ack,
+            1 => AckReq::CtAck,
+            2 => AckReq::OcAck,
+            3 => AckReq::NoAck,
+            _ => return None,
+        })
+    }
+}
+
 /// A memory descriptor: segments of a registered region seen as one contiguous buffer.
 pub struct Md {
     pub region: Region,
@@ -99,7 +117,7 @@ impl Md {
 /// An operation to start (PtlPut, PtlGet, PtlAtomic, PtlFetchAtomic, PtlSwap). For gets,
 /// fetching atomics and swaps, `get_md`/`get_offset` say where the reply lands; `md`/`offset`
 /// name the payload (puts, atomics, swaps).
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct OpSpec {
     pub kind: ReqKind,
     pub md: u32,
