@@ -420,6 +420,38 @@ fn portals_conduit_under_datagram_loss() {
     );
 }
 
+/// The portals conduit's suites across two network-namespace hosts, each with its own
+/// softnicd, the kernel dropping one incoming UDP datagram in ten (a lossy LAN, not the
+/// daemons' own fault injection): results stay exact and no peer is declared dead.
+#[test]
+fn portals_conduit_in_lossy_namespaces() {
+    assert!(!in_job(), "this test only launches the others by name");
+    if !rustix::process::geteuid().is_root() {
+        eprintln!("skipped: network namespaces and nftables need root (CI runs as root)");
+        return;
+    }
+    let (pair, d) = netns::udp_daemons("g", 7702);
+    for ns in &pair.ns {
+        netns::drop_tenth_of_udp(ns).unwrap();
+    }
+    let conduit = ["--conduit", "portals"];
+    for (test, n) in [
+        ("active_messages_every_category_and_argument_count", 4),
+        ("put_get_sizes_offsets_and_handles", 2),
+        ("barriers_with_ids_anonymous_and_mismatch", 4),
+        ("remote_atomics_every_op_and_concurrent_fetch_add", 4),
+        ("long_payloads_up_to_the_maximum_both_ways", 2),
+    ] {
+        d.run_job_with(test, n, &conduit, &[ENV_SEG]);
+    }
+    assert!(
+        d.counter("retransmits") > 0,
+        "the kernel dropped datagrams:\n{}",
+        d.stat()
+    );
+    assert_eq!(d.counter("peers_declared_dead"), 0, "{}", d.stat());
+}
+
 /// The local default runs over the packet transport as root; the portals conduit's suites
 /// over the UDP transport, with the same faults, keep that path tested too.
 #[test]

@@ -7,83 +7,10 @@ mod common;
 
 use std::process::Command;
 
+use common::netns::*;
 use common::*;
 use softnic::config::{Config, TransportKind};
 use softnic::nic::memory::Perms;
-
-fn ip(args: &[&str]) -> Result<String, String> {
-    let out = Command::new("ip")
-        .args(args)
-        .output()
-        .map_err(|e| format!("ip: {e}"))?;
-    if out.status.success() {
-        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
-    } else {
-        Err(format!(
-            "ip {}: {}",
-            args.join(" "),
-            String::from_utf8_lossy(&out.stderr)
-        ))
-    }
-}
-
-/// Two namespaces with a veth pair between them (10.77.0.1 and .2), deleted on drop.
-struct Pair {
-    ns: Vec<String>,
-    ifs: [String; 2],
-}
-
-impl Pair {
-    fn new(tag: &str) -> Result<Pair, String> {
-        let id = std::process::id() % 100_000;
-        let mut p = Pair {
-            ns: Vec::new(),
-            ifs: [format!("sv{id}{tag}0"), format!("sv{id}{tag}1")],
-        };
-        for i in 0..2 {
-            let ns = format!("sn{id}{tag}{i}");
-            ip(&["netns", "add", &ns])?;
-            p.ns.push(ns);
-        }
-        let (a, b) = (&p.ifs[0], &p.ifs[1]);
-        ip(&[
-            "link", "add", a, "netns", &p.ns[0], "type", "veth", "peer", "name", b, "netns",
-            &p.ns[1],
-        ])?;
-        for i in 0..2 {
-            let (ns, dev) = (&p.ns[i], &p.ifs[i]);
-            ip(&[
-                "-n",
-                ns,
-                "addr",
-                "add",
-                &format!("10.77.0.{}/24", i + 1),
-                "dev",
-                dev,
-            ])?;
-            ip(&["-n", ns, "link", "set", dev, "up"])?;
-            ip(&["-n", ns, "link", "set", "lo", "up"])?;
-        }
-        Ok(p)
-    }
-
-    /// Interface `i`'s MAC as `ip` prints it.
-    fn mac(&self, i: usize) -> Result<String, String> {
-        let out = ip(&["-n", &self.ns[i], "-br", "link", "show", &self.ifs[i]])?;
-        out.split_whitespace()
-            .nth(2)
-            .map(str::to_string)
-            .ok_or_else(|| format!("no MAC in {out:?}"))
-    }
-}
-
-impl Drop for Pair {
-    fn drop(&mut self) {
-        for ns in &self.ns {
-            let _ = ip(&["netns", "del", ns]);
-        }
-    }
-}
 
 /// Rank 0 on one namespace's daemon, rank 1 on the other's: a put larger than one Ethernet
 /// frame (segmented), a get back, and fetching atomics both ways.
@@ -150,31 +77,6 @@ fn daemons_in_two_namespaces_over_a_veth_pair_packet_and_udp() {
     }
 }
 
-/// Installs the loss of an unreliable LAN in namespace `ns`: the kernel drops one incoming UDP
-/// datagram in ten at random (nftables `numgen random`; netem is not available everywhere).
-fn drop_tenth_of_udp(ns: &str) -> Result<(), String> {
-    let rules = "table inet softnic_loss {\n\
-                 \tchain input {\n\
-                 \t\ttype filter hook input priority 0;\n\
-                 \t\tmeta l4proto udp numgen random mod 10 0 drop\n\
-                 \t}\n\
-                 }\n";
-    let mut c = Command::new("ip")
-        .args(["netns", "exec", ns, "nft", "-f", "-"])
-        .stdin(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .map_err(|e| format!("nft: {e} (install nftables)"))?;
-    use std::io::Write;
-    c.stdin.take().unwrap().write_all(rules.as_bytes()).unwrap();
-    let out = c.wait_with_output().map_err(|e| e.to_string())?;
-    if out.status.success() {
-        Ok(())
-    } else {
-        Err(format!("nft: {}", String::from_utf8_lossy(&out.stderr)))
-    }
-}
-
 /// RandomAccess over gni: `updates` AXORs per rank to words spread over the whole table
 /// (2^16 words per rank), then the same again, so every word must be back to zero.
 fn random_access(updates: u64, rounds: u32) {
@@ -223,22 +125,7 @@ fn lossy_namespaces_randomaccess_verifies_and_a_killed_daemon_is_named() {
         return;
     }
     let test = "lossy_namespaces_randomaccess_verifies_and_a_killed_daemon_is_named";
-    let pair = Pair::new("l").unwrap();
-    let dir = std::env::temp_dir().join(format!(
-        "softnic-loss-{}-{:08x}",
-        std::process::id(),
-        rand::random::<u32>()
-    ));
-    let mut cfg = Config::local_default(2, 7701, dir);
-    cfg.cluster.transport = TransportKind::Udp;
-    cfg.cluster.mtu = 1472;
-    cfg.cluster.nic_cpu = None;
-    cfg.cluster.peer_timeout_ms = 3000;
-    for (i, h) in cfg.hosts.iter_mut().enumerate() {
-        h.addr = format!("10.77.0.{}:7701", i + 1).parse().unwrap();
-    }
-    cfg.validate().unwrap();
-    let mut d = Daemons::start_config(cfg, &pair.ns);
+    let (pair, mut d) = udp_daemons("l", 7701);
     let config = d.config.clone();
     let run = |phase: &str| {
         Command::new(env!("CARGO_BIN_EXE_softnic"))

@@ -8,7 +8,7 @@ use softnic::nic::portals::types::{me, RANK_ANY};
 use softnic::nic::portals::{AckReq, OpSpec, ProcessId, ReqKind};
 use softnic::nic::portals::{EventKind, NiFail};
 use softnic::nic::sim::SimCluster;
-use softnic::shm::event_ring::{ring_bytes, EventRing};
+use softnic::shm::event_ring::{ring_bytes, CtSlot, EventRing, CT_SLOT_LEN};
 use softnic::shm::ptl_call::{result_of, Buf, MeArgs, PtlCall};
 use softnic::shm::{Command, CommandKind};
 use softnic::transport::sim::SimConfig;
@@ -74,14 +74,19 @@ impl Proc {
     }
 
     fn eq(&mut self, c: &mut SimCluster) -> (u32, EventRing) {
-        let len = ring_bytes(EQ_COUNT);
+        self.eq_of(c, EQ_COUNT)
+    }
+
+    /// An event queue of `count` events in a ring of this process's memory.
+    fn eq_of(&mut self, c: &mut SimCluster, count: usize) -> (u32, EventRing) {
+        let len = ring_bytes(count);
         let mem = region(len);
         let handle = self.register(c, &mem);
         let eq = self.call(
             c,
             PtlCall::EqAlloc {
                 ni: 0,
-                count: EQ_COUNT as u32,
+                count: count as u32,
                 ring: Buf {
                     region: handle,
                     offset: 0,
@@ -333,6 +338,348 @@ fn matching_order_and_exactly_once_under_loss_duplication_reordering() {
         assert_eq!(puts, 351, "seed {seed}: each put delivered once");
         assert!(
             c.net.stats.lost > 20 && c.net.stats.duplicated > 10 && c.net.stats.reordered > 10,
+            "{:?}",
+            c.net.stats
+        );
+    }
+}
+
+/// The cluster of the conduit tests: two hosts, 30% loss, 20% duplication and reordering.
+fn lossy_pair(seed: u64) -> SimCluster {
+    SimCluster::new(
+        2,
+        TransportConfig {
+            peer_timeout: 60_000_000_000,
+            ..Default::default()
+        },
+        SimConfig {
+            seed,
+            loss: 0.3,
+            duplicate: 0.2,
+            reorder: 0.2,
+            mtu: 1472,
+            ..Default::default()
+        },
+    )
+}
+
+impl Proc {
+    /// A counting event in this process's memory.
+    fn ct(&mut self, c: &mut SimCluster) -> (u32, CtSlot) {
+        let mem = region(CT_SLOT_LEN as usize);
+        let handle = self.register(c, &mem);
+        let slot = Buf {
+            region: handle,
+            offset: 0,
+            length: CT_SLOT_LEN,
+        };
+        let ct = self.call(c, PtlCall::CtAlloc { ni: 0, slot });
+        (ct as u32, CtSlot::new(mem, 0).unwrap())
+    }
+
+    /// PtlMEAppend of `me` on portal `pt`.
+    fn append_me(
+        &mut self,
+        c: &mut SimCluster,
+        pt: u32,
+        overflow: bool,
+        me: MeArgs,
+        user_ptr: u64,
+    ) {
+        self.call(
+            c,
+            PtlCall::Append {
+                ni: 0,
+                pt,
+                overflow,
+                user_ptr,
+                me,
+            },
+        );
+    }
+}
+
+/// A match entry of the conduit's AM portal: `len` bytes of `region`, any sender, bits 7.
+fn am_entry(region: u32, len: u64, options: u32, min_free: u64, ct: Option<u32>) -> MeArgs {
+    MeArgs {
+        buf: Buf {
+            region,
+            offset: 0,
+            length: len,
+        },
+        ct,
+        uid: u32::MAX,
+        options: me::OP_PUT | options,
+        match_id: (0, RANK_ANY, 0),
+        match_bits: 7,
+        ignore_bits: 0,
+        min_free,
+    }
+}
+
+/// `n` Active-Message-like requests of `len` bytes from the initiator's MD (request k from
+/// offset k·len, `hdr_data` = `user_ptr` = k) to portal `pt` of rank 1, each asking for an ACK;
+/// runs until every one is acknowledged and returns the ACK events by request.
+fn send_requests(
+    c: &mut SimCluster,
+    i: &mut Proc,
+    ieq: &mut EventRing,
+    md: u32,
+    pt: u32,
+    ks: &[u64],
+    len: u64,
+) -> Vec<(u64, softnic::nic::portals::Event)> {
+    for &k in ks {
+        let op = OpSpec {
+            kind: ReqKind::Put,
+            ack_req: AckReq::Ack,
+            md,
+            offset: k * len,
+            length: len,
+            get_md: None,
+            get_offset: 0,
+            target: ProcessId::Physical { nid: 1, pid: 1 },
+            pt_index: pt,
+            match_bits: 7,
+            remote_offset: 0,
+            user_ptr: k,
+            hdr_data: k,
+            operand: Vec::new(),
+        };
+        let call = PtlCall::Op {
+            ni: 0,
+            op,
+            trigger: None,
+        };
+        i.submit(c, &call, true);
+    }
+    let mut acks = Vec::new();
+    c.run_until(60_000_000_000, |c| {
+        c.host_mut(0).unwrap().deliver_events();
+        while let Some((e, dropped)) = ieq.pop() {
+            assert!(!dropped);
+            if e.kind == EventKind::Ack {
+                acks.push((e.user_ptr, e));
+            }
+        }
+        acks.len() >= ks.len()
+    })
+    .unwrap();
+    acks
+}
+
+/// The NIC side of the GASNet portals conduit, through host cores under 30% loss and 20%
+/// duplication and reordering: requests pack into two locally managed receive buffers (ReqRB,
+/// `min_free`) that unlink themselves when full, then fall into the catch-basin (an overflow
+/// entry that truncates to nothing, keeps no header and only counts); on a flow-controlled
+/// portal whose event queue fills, the entry is disabled and the rest fail PT_DISABLED, and
+/// after PtlPTEnable the resent requests land. Every request is acknowledged exactly once
+/// with the outcome its arrival order implies, and lands at most once.
+#[test]
+fn conduit_am_portal_packing_catch_basin_and_flow_control_under_loss() {
+    const LEN: u64 = 100;
+    const N: u64 = 60;
+    for seed in [4u64, 5, 6] {
+        let mut c = lossy_pair(seed);
+        let mut i = Proc::new(&mut c, 0, 0);
+        let mut t = Proc::new(&mut c, 1, 1);
+        for p in [&mut i, &mut t] {
+            p.call(
+                &mut c,
+                PtlCall::NiInit {
+                    ni: 0,
+                    matching: true,
+                },
+            );
+        }
+        let (ieq, mut ieq_ring) = i.eq(&mut c);
+        let src = region((N * LEN) as usize);
+        for k in 0..N {
+            src.write(k * LEN, &[k as u8; LEN as usize]).unwrap();
+        }
+        let src_h = i.register(&mut c, &src);
+        let md = i.call(
+            &mut c,
+            PtlCall::MdBind {
+                ni: 0,
+                region: src_h,
+                segments: vec![(0, N * LEN)],
+                options: 0,
+                eq: Some(ieq),
+                ct: None,
+            },
+        ) as u32;
+
+        // Portal 0: the AM portal with two ReqRBs of 1024 bytes, min_free 256 (8 requests
+        // each), and the catch-basin behind them.
+        let (teq, mut teq_ring) = t.eq_of(&mut c, 64);
+        let pt0 = PtlCall::PtAlloc {
+            ni: 0,
+            options: softnic::nic::portals::types::pt::FLOWCTRL,
+            eq: Some(teq),
+            index: Some(0),
+        };
+        t.call(&mut c, pt0);
+        let rb = region(2048);
+        let rb_h = t.register(&mut c, &rb);
+        for b in 0..2u64 {
+            let mut e = am_entry(
+                rb_h,
+                1024,
+                me::MANAGE_LOCAL | me::EVENT_LINK_DISABLE,
+                256,
+                None,
+            );
+            e.buf.offset = b * 1024;
+            t.append_me(&mut c, 0, false, e, 100 + b);
+        }
+        let (basin_ct, basin) = t.ct(&mut c);
+        let basin_opts = me::UNEXPECTED_HDR_DISABLE
+            | me::EVENT_COMM_DISABLE
+            | me::EVENT_CT_COMM
+            | me::EVENT_LINK_DISABLE;
+        let basin_me = am_entry(rb_h, 0, basin_opts, 0, Some(basin_ct));
+        t.append_me(&mut c, 0, true, basin_me, 200);
+
+        let ks: Vec<u64> = (0..N).collect();
+        let acks = send_requests(&mut c, &mut i, &mut ieq_ring, md, 0, &ks, LEN);
+        let got: Vec<u64> = acks.iter().map(|a| a.0).collect();
+        assert_eq!(got, ks, "seed {seed}: one ACK per request, in order");
+        for (k, e) in &acks {
+            assert_eq!(e.ni_fail, NiFail::Ok, "seed {seed}: request {k}");
+            let want = if *k < 16 { LEN } else { 0 };
+            assert_eq!(
+                e.mlength, want,
+                "seed {seed}: request {k} packed or truncated"
+            );
+        }
+        for k in 0..16u64 {
+            assert_eq!(
+                rb.to_vec(k / 8 * 1024 + k % 8 * LEN, LEN as usize),
+                [k as u8; LEN as usize]
+            );
+        }
+        assert_eq!(
+            basin.load().success,
+            N - 16,
+            "seed {seed}: the basin counted the rest"
+        );
+        c.host_mut(1).unwrap().deliver_events();
+        let mut puts = Vec::new();
+        let mut unlinks = 0;
+        while let Some((e, dropped)) = teq_ring.pop() {
+            assert!(!dropped);
+            match e.kind {
+                EventKind::Put => puts.push(e.hdr_data),
+                EventKind::AutoUnlink => unlinks += 1,
+                k => panic!("seed {seed}: unexpected {k:?}"),
+            }
+        }
+        assert_eq!(
+            puts,
+            (0..16).collect::<Vec<_>>(),
+            "seed {seed}: one PUT per packed request"
+        );
+        assert_eq!(unlinks, 2, "seed {seed}: both ReqRBs unlinked themselves");
+
+        // Portal 1: flow-controlled, an event queue of 16 and one roomy buffer; the queue
+        // fills, the entry is disabled, the rest fail; enabled again, the failed ones land.
+        let (feq, mut feq_ring) = t.eq_of(&mut c, 16);
+        let pt1 = PtlCall::PtAlloc {
+            ni: 0,
+            options: softnic::nic::portals::types::pt::FLOWCTRL,
+            eq: Some(feq),
+            index: Some(1),
+        };
+        t.call(&mut c, pt1);
+        let big = region((N * LEN) as usize);
+        let big_h = t.register(&mut c, &big);
+        let e = am_entry(
+            big_h,
+            N * LEN,
+            me::MANAGE_LOCAL | me::EVENT_LINK_DISABLE,
+            0,
+            None,
+        );
+        t.append_me(&mut c, 1, false, e, 300);
+        let acks = send_requests(&mut c, &mut i, &mut ieq_ring, md, 1, &ks, LEN);
+        let landed: Vec<u64> = acks
+            .iter()
+            .filter(|(_, e)| e.ni_fail == NiFail::Ok)
+            .map(|a| a.0)
+            .collect();
+        let failed: Vec<u64> = acks
+            .iter()
+            .filter(|(_, e)| e.ni_fail == NiFail::PtDisabled)
+            .map(|a| a.0)
+            .collect();
+        let m = landed.len() as u64;
+        assert!(
+            m > 0 && m < N,
+            "seed {seed}: {m} landed before flow control"
+        );
+        assert_eq!(
+            landed,
+            (0..m).collect::<Vec<_>>(),
+            "seed {seed}: a prefix landed"
+        );
+        assert_eq!(
+            failed,
+            (m..N).collect::<Vec<_>>(),
+            "seed {seed}: the rest failed"
+        );
+        // As the conduit does: handle the events, enable the entry, send the failed ones
+        // again; each round lands a prefix of them until the queue fills once more.
+        let mut failed = failed;
+        for round in 0.. {
+            assert!(round < 10, "seed {seed}: still failing: {failed:?}");
+            c.host_mut(1).unwrap().deliver_events();
+            let mut events = Vec::new();
+            while let Some((e, _)) = feq_ring.pop() {
+                events.push(e.kind);
+            }
+            assert_eq!(
+                events.last(),
+                Some(&EventKind::PtDisabled),
+                "seed {seed}: {events:?}"
+            );
+            t.call(
+                &mut c,
+                PtlCall::PtEnable {
+                    ni: 0,
+                    index: 1,
+                    enable: true,
+                },
+            );
+            let again = send_requests(&mut c, &mut i, &mut ieq_ring, md, 1, &failed, LEN);
+            let n_ok = again
+                .iter()
+                .take_while(|(_, e)| e.ni_fail == NiFail::Ok)
+                .count();
+            assert!(
+                n_ok > 0,
+                "seed {seed}: an enabled entry took none of {again:?}"
+            );
+            assert!(
+                again[n_ok..]
+                    .iter()
+                    .all(|(_, e)| e.ni_fail == NiFail::PtDisabled),
+                "seed {seed}: {again:?}"
+            );
+            failed = failed[n_ok..].to_vec();
+            if failed.is_empty() {
+                break;
+            }
+        }
+        for k in 0..N {
+            assert_eq!(
+                big.to_vec(k * LEN, LEN as usize),
+                [k as u8; LEN as usize],
+                "seed {seed}: request {k} packed once, in order"
+            );
+        }
+        assert!(
+            c.net.stats.lost > 10 && c.net.stats.duplicated > 5,
             "{:?}",
             c.net.stats
         );

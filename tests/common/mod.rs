@@ -1,6 +1,8 @@
 //! Helpers for multi-process tests: a test re-executes its own binary as the ranks of a job.
 #![allow(dead_code)]
 
+pub mod netns;
+
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output};
 
@@ -222,19 +224,29 @@ impl Daemons {
 
     /// Runs this test binary's `test` as an `n`-rank job on these daemons; asserts success.
     pub fn run_job_ok(&self, test: &str, n: u32) {
+        self.run_job_with(test, n, &[], &[]);
+    }
+
+    /// [`Daemons::run_job_ok`] with launcher flags (`--conduit portals`) and environment;
+    /// asserts that every rank ran the test body.
+    pub fn run_job_with(&self, test: &str, n: u32, extra: &[&str], env: &[(&str, &str)]) {
         let out = Command::new(env!("CARGO_BIN_EXE_softnic"))
+            .envs(env.iter().copied())
             .args(["run", "-n", &n.to_string(), "--attach", "--config"])
             .arg(&self.config)
+            .args(extra)
             .arg("--")
             .arg(std::env::current_exe().unwrap())
-            .args(["--exact", test, "--nocapture"])
+            .args(["--exact", test, "--nocapture", "--test-threads=1"])
             .output()
             .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
+        let text = format!(
+            "{}\n{}",
+            String::from_utf8_lossy(&out.stdout),
             String::from_utf8_lossy(&out.stderr)
         );
+        assert!(out.status.success(), "{test} failed:\n{text}");
+        assert!(text.contains("1 passed"), "{test}: no rank ran it:\n{text}");
     }
 
     pub fn path(&self) -> &Path {
