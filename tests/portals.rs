@@ -60,7 +60,10 @@ fn put_is_matched_by_the_target_nic_and_acknowledged() {
         ProcessId::Logical { rank } => rank,
         _ => unreachable!(),
     };
-    let mem = s.p.nic().mem_register(4096, Perms::READ_WRITE).unwrap();
+    let mem =
+        s.p.endpoint()
+            .mem_register(4096, Perms::READ_WRITE)
+            .unwrap();
     let pt = s.p.pt_alloc(s.ni, 0, Some(s.eq), Some(4)).unwrap();
     assert_eq!(pt, 4);
     if rank == 1 {
@@ -80,7 +83,7 @@ fn put_is_matched_by_the_target_nic_and_acknowledged() {
         )
         .unwrap();
     }
-    s.p.nic().barrier().unwrap();
+    s.p.endpoint().barrier().unwrap();
     if rank == 0 {
         mem.bytes()[..11].copy_from_slice(b"hello there");
         let md =
@@ -127,7 +130,7 @@ fn put_is_matched_by_the_target_nic_and_acknowledged() {
         assert_eq!(e.initiator, ProcessId::Logical { rank: 0 });
         assert_eq!(&mem.bytes()[100..111], b"hello there");
     }
-    s.p.nic().barrier().unwrap();
+    s.p.endpoint().barrier().unwrap();
 }
 
 fn my_rank(s: &Setup) -> u32 {
@@ -168,7 +171,10 @@ fn get_fetch_atomic_and_swap() {
     }
     let mut s = setup();
     let me = my_rank(&s);
-    let mem = s.p.nic().mem_register(4096, Perms::READ_WRITE).unwrap();
+    let mem =
+        s.p.endpoint()
+            .mem_register(4096, Perms::READ_WRITE)
+            .unwrap();
     let pt = s.p.pt_alloc(s.ni, 0, Some(s.eq), None).unwrap();
     if me == 1 {
         mem.bytes()[..8].copy_from_slice(&100u64.to_le_bytes());
@@ -176,7 +182,7 @@ fn get_fetch_atomic_and_swap() {
         s.p.me_append(s.ni, pt, &Me::new(whole(&mem), 1), List::Priority, 0)
             .unwrap();
     }
-    s.p.nic().barrier().unwrap();
+    s.p.endpoint().barrier().unwrap();
     if me == 0 {
         let md = md_all(&mut s, &mem, 0, None);
         s.p.get(s.ni, md, 512, 8, target(1, pt, 1, 64), 1).unwrap();
@@ -246,7 +252,7 @@ fn get_fetch_atomic_and_swap() {
         wait_kind(&mut s, EventKind::Ack);
         wait_kind(&mut s, EventKind::Ack);
     }
-    s.p.nic().barrier().unwrap();
+    s.p.endpoint().barrier().unwrap();
     if me == 1 {
         assert_eq!(u64::from_le_bytes(mem.bytes()[0..8].try_into().unwrap()), 7);
         for i in 0..128usize {
@@ -257,7 +263,7 @@ fn get_fetch_atomic_and_swap() {
             );
         }
     }
-    s.p.nic().barrier().unwrap();
+    s.p.endpoint().barrier().unwrap();
 }
 
 // ---------------------------------------------------------------- overflow, unexpected, search
@@ -269,7 +275,10 @@ fn unexpected_messages_overflow_and_search() {
     }
     let mut s = setup();
     let me = my_rank(&s);
-    let mem = s.p.nic().mem_register(8192, Perms::READ_WRITE).unwrap();
+    let mem =
+        s.p.endpoint()
+            .mem_register(8192, Perms::READ_WRITE)
+            .unwrap();
     let pt = s.p.pt_alloc(s.ni, 0, Some(s.eq), None).unwrap();
     if me == 1 {
         let mut ovf = Me::new(whole(&mem), 0);
@@ -277,9 +286,9 @@ fn unexpected_messages_overflow_and_search() {
         ovf.options |= me_opt::MANAGE_LOCAL;
         s.p.me_append(s.ni, pt, &ovf, List::Overflow, 50).unwrap();
     }
-    s.p.nic().barrier().unwrap();
+    s.p.endpoint().barrier().unwrap();
     if me == 0 {
-        let src = s.p.nic().mem_register(64, Perms::READ_WRITE).unwrap();
+        let src = s.p.endpoint().mem_register(64, Perms::READ_WRITE).unwrap();
         src.bytes()[..5].copy_from_slice(b"early");
         let md = md_all(&mut s, &src, 0, None);
         s.p.put(s.ni, md, 0, 5, AckReq::Ack, target(1, pt, 77, 0), 0, 0)
@@ -289,7 +298,7 @@ fn unexpected_messages_overflow_and_search() {
         wait_kind(&mut s, EventKind::Ack);
         wait_kind(&mut s, EventKind::Ack);
     }
-    s.p.nic().barrier().unwrap();
+    s.p.endpoint().barrier().unwrap();
     if me == 1 {
         // Both landed in the overflow entry (PUT events for it).
         assert_eq!(wait_kind(&mut s, EventKind::Put).user_ptr, 50);
@@ -334,7 +343,7 @@ fn unexpected_messages_overflow_and_search() {
             b"early"
         );
     }
-    s.p.nic().barrier().unwrap();
+    s.p.endpoint().barrier().unwrap();
 }
 
 // ---------------------------------------------------------------- counting events, triggers
@@ -351,7 +360,10 @@ fn counting_event_completion_and_triggered_put_at_the_target_nic() {
     }
     let mut s = setup();
     let me = my_rank(&s);
-    let mem = s.p.nic().mem_register(4096, Perms::READ_WRITE).unwrap();
+    let mem =
+        s.p.endpoint()
+            .mem_register(4096, Perms::READ_WRITE)
+            .unwrap();
     let pt = s.p.pt_alloc(s.ni, 0, Some(s.eq), Some(2)).unwrap();
     let ct = s.p.ct_alloc(s.ni).unwrap();
     // Each rank: an ME counting arrivals.
@@ -377,7 +389,7 @@ fn counting_event_completion_and_triggered_put_at_the_target_nic() {
         )
         .unwrap();
     }
-    s.p.nic().barrier().unwrap();
+    s.p.endpoint().barrier().unwrap();
     if me == 0 {
         let ack_ct = s.p.ct_alloc(s.ni).unwrap();
         let md =
@@ -413,7 +425,7 @@ fn counting_event_completion_and_triggered_put_at_the_target_nic() {
             "no full events were asked for"
         );
     }
-    s.p.nic().barrier().unwrap();
+    s.p.endpoint().barrier().unwrap();
 }
 
 // ---------------------------------------------------------------- flow control, EQ overflow
@@ -425,11 +437,14 @@ fn flow_control_disables_the_entry_and_recovers() {
     }
     let mut s = setup();
     let me = my_rank(&s);
-    let mem = s.p.nic().mem_register(4096, Perms::READ_WRITE).unwrap();
+    let mem =
+        s.p.endpoint()
+            .mem_register(4096, Perms::READ_WRITE)
+            .unwrap();
     let pt =
         s.p.pt_alloc(s.ni, pt_opt::FLOWCTRL, Some(s.eq), Some(7))
             .unwrap();
-    s.p.nic().barrier().unwrap();
+    s.p.endpoint().barrier().unwrap();
     let md = md_all(&mut s, &mem, 0, None);
     if me == 0 {
         s.p.put(s.ni, md, 0, 8, AckReq::Ack, target(1, pt, 1, 0), 0, 0)
@@ -439,7 +454,7 @@ fn flow_control_disables_the_entry_and_recovers() {
             NiFail::PtDisabled
         );
     }
-    s.p.nic().barrier().unwrap();
+    s.p.endpoint().barrier().unwrap();
     if me == 1 {
         assert_eq!(
             wait_kind(&mut s, EventKind::PtDisabled).ni_fail,
@@ -450,13 +465,13 @@ fn flow_control_disables_the_entry_and_recovers() {
             .unwrap();
         s.p.pt_enable(s.ni, pt).unwrap();
     }
-    s.p.nic().barrier().unwrap();
+    s.p.endpoint().barrier().unwrap();
     if me == 0 {
         s.p.put(s.ni, md, 0, 8, AckReq::Ack, target(1, pt, 1, 0), 0, 0)
             .unwrap();
         assert_eq!(wait_kind(&mut s, EventKind::Ack).ni_fail, NiFail::Ok);
     }
-    s.p.nic().barrier().unwrap();
+    s.p.endpoint().barrier().unwrap();
 }
 
 #[test]
@@ -466,9 +481,9 @@ fn event_queue_overflow_is_reported() {
     }
     let mut p = Portals::init().unwrap();
     let (ni, _) = p.ni_init(true, true).unwrap();
-    let me = p.nic().rank();
+    let me = p.endpoint().rank();
     let small = p.eq_alloc(ni, 4).unwrap();
-    let mem = p.nic().mem_register(4096, Perms::READ_WRITE).unwrap();
+    let mem = p.endpoint().mem_register(4096, Perms::READ_WRITE).unwrap();
     let pt = p.pt_alloc(ni, 0, Some(small), None).unwrap();
     if me == 1 {
         let mut e = Me::new(whole(&mem), 0);
@@ -476,7 +491,7 @@ fn event_queue_overflow_is_reported() {
         e.options |= me_opt::EVENT_LINK_DISABLE;
         p.me_append(ni, pt, &e, List::Priority, 0).unwrap();
     }
-    p.nic().barrier().unwrap();
+    p.endpoint().barrier().unwrap();
     if me == 0 {
         let eq = p.eq_alloc(ni, 64).unwrap();
         let md = p
@@ -502,7 +517,7 @@ fn event_queue_overflow_is_reported() {
             }
         }
     }
-    p.nic().barrier().unwrap();
+    p.endpoint().barrier().unwrap();
     if me == 1 {
         let mut dropped = false;
         let mut n = 0;
@@ -512,7 +527,7 @@ fn event_queue_overflow_is_reported() {
         }
         assert!(n <= 4 && dropped, "{n} events, dropped {dropped}");
     }
-    p.nic().barrier().unwrap();
+    p.endpoint().barrier().unwrap();
 }
 
 // ---------------------------------------------------------------- addressing, self, bad input
@@ -523,7 +538,10 @@ fn self_communication_on_one_host() {
         return launch_ok("self_communication_on_one_host", 1, 1, &[]);
     }
     let mut s = setup();
-    let mem = s.p.nic().mem_register(4096, Perms::READ_WRITE).unwrap();
+    let mem =
+        s.p.endpoint()
+            .mem_register(4096, Perms::READ_WRITE)
+            .unwrap();
     let pt = s.p.pt_alloc(s.ni, 0, Some(s.eq), None).unwrap();
     s.p.me_append(
         s.ni,
@@ -561,16 +579,16 @@ fn physical_addressing_and_match_id() {
     let map = p.get_map(ni).unwrap();
     p.set_map(ni, &map).unwrap();
     assert_eq!(p.get_id(ni).unwrap(), p.get_phys_id());
-    let me = p.nic().rank();
+    let me = p.endpoint().rank();
     let eq = p.eq_alloc(ni, 64).unwrap();
-    let mem = p.nic().mem_register(4096, Perms::READ_WRITE).unwrap();
+    let mem = p.endpoint().mem_register(4096, Perms::READ_WRITE).unwrap();
     let pt = p.pt_alloc(ni, 0, Some(eq), None).unwrap();
     if me == 1 {
         let mut e = Me::new(whole(&mem), 1);
         e.match_id = map[0]; // only rank 0, physically named
         p.me_append(ni, pt, &e, List::Priority, 0).unwrap();
     }
-    p.nic().barrier().unwrap();
+    p.endpoint().barrier().unwrap();
     if me == 0 {
         let md = p
             .md_bind(
@@ -615,7 +633,7 @@ fn physical_addressing_and_match_id() {
         };
         assert_eq!(e.initiator, map[0]);
     }
-    p.nic().barrier().unwrap();
+    p.endpoint().barrier().unwrap();
 }
 
 #[test]
@@ -630,7 +648,10 @@ fn bad_handles_and_arguments_get_return_codes() {
             _ => None,
         }
     }
-    let mem = s.p.nic().mem_register(4096, Perms::READ_WRITE).unwrap();
+    let mem =
+        s.p.endpoint()
+            .mem_register(4096, Perms::READ_WRITE)
+            .unwrap();
     assert_eq!(
         ptl(s.p.pt_alloc(s.ni, 0, Some(12345), None)),
         Some(PtlError::ArgInvalid)
@@ -736,14 +757,17 @@ fn messages_are_matched_in_send_order_under_faults() {
     }
     let mut s = setup();
     let me = my_rank(&s);
-    let mem = s.p.nic().mem_register(8 * 1000, Perms::READ_WRITE).unwrap();
+    let mem =
+        s.p.endpoint()
+            .mem_register(8 * 1000, Perms::READ_WRITE)
+            .unwrap();
     let pt = s.p.pt_alloc(s.ni, 0, Some(s.eq), None).unwrap();
     if me == 1 {
         let mut e = Me::new(whole(&mem), 9);
         e.options |= me_opt::MANAGE_LOCAL | me_opt::EVENT_COMM_DISABLE;
         s.p.me_append(s.ni, pt, &e, List::Priority, 0).unwrap();
     }
-    s.p.nic().barrier().unwrap();
+    s.p.endpoint().barrier().unwrap();
     if me == 0 {
         for k in 0..1000u64 {
             mem.bytes()[(k * 8) as usize..(k * 8 + 8) as usize].copy_from_slice(&k.to_le_bytes());
@@ -773,7 +797,7 @@ fn messages_are_matched_in_send_order_under_faults() {
             }
         );
     }
-    s.p.nic().barrier().unwrap();
+    s.p.endpoint().barrier().unwrap();
     if me == 1 {
         for k in 0..1000u64 {
             assert_eq!(
@@ -787,7 +811,7 @@ fn messages_are_matched_in_send_order_under_faults() {
             );
         }
     }
-    s.p.nic().barrier().unwrap();
+    s.p.endpoint().barrier().unwrap();
 }
 
 // ---------------------------------------------------------------- matching rules via the NIC
@@ -799,7 +823,10 @@ fn matching_rules_through_the_nic() {
     }
     let mut s = setup();
     let me = my_rank(&s);
-    let mem = s.p.nic().mem_register(8192, Perms::READ_WRITE).unwrap();
+    let mem =
+        s.p.endpoint()
+            .mem_register(8192, Perms::READ_WRITE)
+            .unwrap();
     let pt = s.p.pt_alloc(s.ni, 0, Some(s.eq), None).unwrap();
     if me == 1 {
         let b = |off, len| Buffer {
@@ -832,7 +859,7 @@ fn matching_rules_through_the_nic() {
         s.p.me_append(s.ni, pt, &Me::new(b(512, 8), 0x5000), List::Priority, 7)
             .unwrap();
     }
-    s.p.nic().barrier().unwrap();
+    s.p.endpoint().barrier().unwrap();
     if me == 0 {
         let md = md_all(&mut s, &mem, md_opt::EVENT_SEND_DISABLE, None);
         let mut acks = Vec::new();
@@ -877,7 +904,7 @@ fn matching_rules_through_the_nic() {
             ]
         );
     }
-    s.p.nic().barrier().unwrap();
+    s.p.endpoint().barrier().unwrap();
     if me == 1 {
         let mut by_entry = Vec::new();
         let mut unlinked = Vec::new();
@@ -903,7 +930,7 @@ fn matching_rules_through_the_nic() {
         );
         assert_eq!(unlinked, [2, 6]);
     }
-    s.p.nic().barrier().unwrap();
+    s.p.endpoint().barrier().unwrap();
 }
 
 #[test]
@@ -913,7 +940,10 @@ fn event_sequences_for_each_ack_request() {
     }
     let mut s = setup();
     let me = my_rank(&s);
-    let mem = s.p.nic().mem_register(4096, Perms::READ_WRITE).unwrap();
+    let mem =
+        s.p.endpoint()
+            .mem_register(4096, Perms::READ_WRITE)
+            .unwrap();
     let pt = s.p.pt_alloc(s.ni, 0, Some(s.eq), None).unwrap();
     if me == 1 {
         let mut e = Me::new(whole(&mem), 0);
@@ -921,7 +951,7 @@ fn event_sequences_for_each_ack_request() {
         e.options |= me_opt::EVENT_COMM_DISABLE | me_opt::EVENT_LINK_DISABLE;
         s.p.me_append(s.ni, pt, &e, List::Priority, 0).unwrap();
     }
-    s.p.nic().barrier().unwrap();
+    s.p.endpoint().barrier().unwrap();
     if me == 0 {
         for (ack, want, counted) in [
             (AckReq::Ack, vec![EventKind::Send, EventKind::Ack], 1),
@@ -950,7 +980,7 @@ fn event_sequences_for_each_ack_request() {
             s.p.md_release(s.ni, gmd).unwrap();
         }
     }
-    s.p.nic().barrier().unwrap();
+    s.p.endpoint().barrier().unwrap();
 }
 
 #[test]
@@ -960,7 +990,10 @@ fn every_atomic_op_and_datatype_through_the_nic() {
     }
     let mut s = setup();
     let me = my_rank(&s);
-    let mem = s.p.nic().mem_register(1 << 16, Perms::READ_WRITE).unwrap();
+    let mem =
+        s.p.endpoint()
+            .mem_register(1 << 16, Perms::READ_WRITE)
+            .unwrap();
     let pt = s.p.pt_alloc(s.ni, 0, Some(s.eq), None).unwrap();
     let (ops, dts) = (AtomicOp::ALL, Datatype::ALL);
     // Each (op, datatype) case owns 32 bytes of rank 1's memory, pre-filled with a pattern.
@@ -984,7 +1017,7 @@ fn every_atomic_op_and_datatype_through_the_nic() {
         e.options |= me_opt::EVENT_COMM_DISABLE;
         s.p.me_append(s.ni, pt, &e, List::Priority, 0).unwrap();
     }
-    s.p.nic().barrier().unwrap();
+    s.p.endpoint().barrier().unwrap();
     // The reference: the same operation applied here to a local copy by the model that the
     // engine's own unit tests check against an independent definition.
     let operand_of = |c: usize, w: usize| -> Vec<u8> { (0..w).map(|i| initial(c, i)).collect() };
@@ -1035,7 +1068,7 @@ fn every_atomic_op_and_datatype_through_the_nic() {
             }
         }
     }
-    s.p.nic().barrier().unwrap();
+    s.p.endpoint().barrier().unwrap();
     if me == 1 {
         for (c, &(op, dt)) in cases.iter().enumerate() {
             let len = len_of(op, dt);
@@ -1059,7 +1092,7 @@ fn every_atomic_op_and_datatype_through_the_nic() {
             assert_eq!(&mem.bytes()[c * 32..c * 32 + 32], want, "{op:?} on {dt:?}");
         }
     }
-    s.p.nic().barrier().unwrap();
+    s.p.endpoint().barrier().unwrap();
 }
 
 #[test]
@@ -1069,7 +1102,10 @@ fn triggered_chains_across_hosts() {
     }
     let mut s = setup();
     let me = my_rank(&s);
-    let mem = s.p.nic().mem_register(4096, Perms::READ_WRITE).unwrap();
+    let mem =
+        s.p.endpoint()
+            .mem_register(4096, Perms::READ_WRITE)
+            .unwrap();
     let pt = s.p.pt_alloc(s.ni, 0, Some(s.eq), Some(1)).unwrap();
     let arrivals = s.p.ct_alloc(s.ni).unwrap();
     let mut e = Me::new(whole(&mem), 1);
@@ -1119,10 +1155,10 @@ fn triggered_chains_across_hosts() {
             },
         )
         .unwrap();
-        s.p.nic().barrier().unwrap();
+        s.p.endpoint().barrier().unwrap();
         assert_eq!(s.p.ct_wait(s.ni, done, 42).unwrap().success, 42);
     } else {
-        s.p.nic().barrier().unwrap();
+        s.p.endpoint().barrier().unwrap();
         let md = md_all(&mut s, &mem, md_opt::EVENT_SEND_DISABLE, None);
         for _ in 0..3 {
             s.p.put(s.ni, md, 0, 8, AckReq::NoAck, target(1, pt, 1, 0), 0, 0)
@@ -1131,7 +1167,7 @@ fn triggered_chains_across_hosts() {
         assert_eq!(s.p.ct_wait(s.ni, arrivals, 1).unwrap().success, 1);
         assert_eq!(&mem.bytes()[100..105], b"chain");
     }
-    s.p.nic().barrier().unwrap();
+    s.p.endpoint().barrier().unwrap();
 }
 
 #[test]
@@ -1140,7 +1176,7 @@ fn set_map_renames_processes_logically() {
         return launch_ok("set_map_renames_processes_logically", 2, 2, &[]);
     }
     let mut s = setup();
-    let job_rank = s.p.nic().rank();
+    let job_rank = s.p.endpoint().rank();
     let map = s.p.get_map(s.ni).unwrap();
     let reversed = vec![map[1], map[0]];
     s.p.set_map(s.ni, &reversed).unwrap();
@@ -1155,7 +1191,10 @@ fn set_map_renames_processes_logically() {
             .is_err(),
         "not a process of this job"
     );
-    let mem = s.p.nic().mem_register(4096, Perms::READ_WRITE).unwrap();
+    let mem =
+        s.p.endpoint()
+            .mem_register(4096, Perms::READ_WRITE)
+            .unwrap();
     let pt = s.p.pt_alloc(s.ni, 0, Some(s.eq), None).unwrap();
     if job_rank == 1 {
         // Only logical 1 — job rank 0 — may match.
@@ -1163,7 +1202,7 @@ fn set_map_renames_processes_logically() {
         e.match_id = ProcessId::Logical { rank: 1 };
         s.p.me_append(s.ni, pt, &e, List::Priority, 0).unwrap();
     }
-    s.p.nic().barrier().unwrap();
+    s.p.endpoint().barrier().unwrap();
     if job_rank == 0 {
         let md = md_all(&mut s, &mem, md_opt::EVENT_SEND_DISABLE, None);
         // Logical 0 is job rank 1.
@@ -1176,7 +1215,7 @@ fn set_map_renames_processes_logically() {
             ProcessId::Logical { rank: 1 }
         );
     }
-    s.p.nic().barrier().unwrap();
+    s.p.endpoint().barrier().unwrap();
 }
 
 #[test]
@@ -1191,24 +1230,27 @@ fn an_md_over_private_process_memory_is_reached_by_copy() {
     }
     let mut s = setup();
     let me = my_rank(&s);
-    let mem = s.p.nic().mem_register(1 << 20, Perms::READ_WRITE).unwrap();
+    let mem =
+        s.p.endpoint()
+            .mem_register(1 << 20, Perms::READ_WRITE)
+            .unwrap();
     let pt = s.p.pt_alloc(s.ni, 0, Some(s.eq), None).unwrap();
     if me == 1 {
         s.p.me_append(s.ni, pt, &Me::new(whole(&mem), 1), List::Priority, 0)
             .unwrap();
     }
-    s.p.nic().barrier().unwrap();
+    s.p.endpoint().barrier().unwrap();
     if me == 0 {
         let n = 300_000usize;
         let src: Vec<u8> = (0..n).map(|i| (i * 7 % 251) as u8).collect();
         let mut back = vec![0u8; n];
         let r_src =
-            s.p.nic()
+            s.p.endpoint()
                 .client()
                 .register_process(src.as_ptr() as u64, n as u64)
                 .unwrap();
         let r_back =
-            s.p.nic()
+            s.p.endpoint()
                 .client()
                 .register_process(back.as_mut_ptr() as u64, n as u64)
                 .unwrap();
@@ -1252,8 +1294,12 @@ fn an_md_over_private_process_memory_is_reached_by_copy() {
             "the round trip through private memory changed the bytes"
         );
         // Memory the daemon cannot reach is refused at registration, with the reason.
-        let err = s.p.nic().client().register_process(8, 4096).unwrap_err();
+        let err =
+            s.p.endpoint()
+                .client()
+                .register_process(8, 4096)
+                .unwrap_err();
         assert!(err.to_string().contains("cannot reach"), "{err}");
     }
-    s.p.nic().barrier().unwrap();
+    s.p.endpoint().barrier().unwrap();
 }

@@ -230,9 +230,9 @@ fn main() -> anyhow::Result<()> {
         "unknown --conduit/--api {sel:?}: use raw-udp, gni, portals or all"
     );
     let mut rows: Vec<Row> = Vec::new();
-    let mut portals =
-        softnic::portals::Portals::from_nic(Nic::attach(job).context("attaching to the soft NIC")?);
-    let mut nic = portals.nic();
+    // One attachment serves every API: gni first, then Portals on the same endpoint, then gni
+    // again for RandomAccess.
+    let mut nic = Nic::attach(job).context("attaching to the soft NIC")?;
     let (lat_sizes, bw_sizes) = args.sizes();
     let max = lat_sizes
         .iter()
@@ -274,26 +274,27 @@ fn main() -> anyhow::Result<()> {
         }
     }
     if (lat || bw) && want("gni") && ctx.size >= 2 {
-        let b = gni_bench::Bufs::new(nic, max)?;
+        let b = gni_bench::Bufs::new(&mut nic, max)?;
         if lat {
             for &s in &lat_sizes {
-                rows.extend(gni_bench::put_pingpong(&ctx, nic, &b, s)?);
+                rows.extend(gni_bench::put_pingpong(&ctx, &mut nic, &b, s)?);
             }
             for &s in &lat_sizes {
-                rows.extend(gni_bench::put_blocking(&ctx, nic, &b, s)?);
+                rows.extend(gni_bench::put_blocking(&ctx, &mut nic, &b, s)?);
             }
             for &s in &lat_sizes {
-                rows.extend(gni_bench::get(&ctx, nic, &b, s)?);
+                rows.extend(gni_bench::get(&ctx, &mut nic, &b, s)?);
             }
-            rows.extend(gni_bench::afadd(&ctx, nic, &b)?);
+            rows.extend(gni_bench::afadd(&ctx, &mut nic, &b)?);
         }
         if bw {
             for &s in &bw_sizes {
-                rows.extend(gni_bench::put_bw(&ctx, nic, &b, s)?);
+                rows.extend(gni_bench::put_bw(&ctx, &mut nic, &b, s)?);
             }
         }
     }
     if (lat || bw) && want("portals") && ctx.size >= 2 {
+        let mut portals = softnic::portals::Portals::from_endpoint(nic.into_endpoint());
         let s = portals_bench::setup(&mut portals, max)?;
         if lat {
             for &sz in &lat_sizes {
@@ -309,8 +310,8 @@ fn main() -> anyhow::Result<()> {
                 rows.extend(portals_bench::put_bw(&ctx, &mut portals, &s, sz)?);
             }
         }
+        nic = Nic::from_endpoint(portals.into_endpoint());
     }
-    nic = portals.nic();
     if ra && want("gni") {
         for v in [
             randomaccess::Variant::NicAmo,
@@ -321,7 +322,7 @@ fn main() -> anyhow::Result<()> {
         {
             rows.extend(randomaccess::run(
                 &ctx,
-                nic,
+                &mut nic,
                 args.table_log2,
                 !args.no_verify,
                 v,

@@ -26,8 +26,8 @@ pub fn setup(p: &mut Portals, max: usize) -> anyhow::Result<Setup> {
     let eq = p.eq_alloc(ni, 4096)?;
     let ct = p.ct_alloc(ni)?;
     let pt = p.pt_alloc(ni, 0, Some(eq), None)?;
-    let inn = p.nic().mem_register(max + 64, Perms::READ_WRITE)?;
-    let out = p.nic().mem_register(max + 64, Perms::READ_WRITE)?;
+    let inn = p.endpoint().mem_register(max + 64, Perms::READ_WRITE)?;
+    let out = p.endpoint().mem_register(max + 64, Perms::READ_WRITE)?;
     let mut e = Me::new(
         Buffer {
             region: inn.clone(),
@@ -49,7 +49,7 @@ pub fn setup(p: &mut Portals, max: usize) -> anyhow::Result<Setup> {
             ct: Some(ct),
         },
     )?;
-    p.nic().barrier()?;
+    p.endpoint().barrier()?;
     Ok(Setup {
         ni,
         eq,
@@ -83,8 +83,8 @@ pub fn put_pingpong(
     size: usize,
 ) -> anyhow::Result<Option<Row>> {
     let size = size.max(8);
-    p.nic().barrier()?;
-    let waiter = p.nic().client().waiter();
+    p.endpoint().barrier()?;
+    let waiter = p.endpoint().client().waiter();
     let warm = ctx.iters / 10 + 10;
     let mut samples = Vec::with_capacity(ctx.iters);
     if ctx.rank < 2 {
@@ -119,7 +119,7 @@ pub fn put_pingpong(
     }
     drain(p, s);
     s.inn.bytes()[..size].fill(0);
-    p.nic().barrier()?;
+    p.endpoint().barrier()?;
     drain(p, s);
     Ok((ctx.rank == 0).then(|| {
         ctx.row("pingpong", "portals", "portals", "put", size)
@@ -135,7 +135,7 @@ pub fn get_like(
     size: usize,
     fetch: bool,
 ) -> anyhow::Result<Option<Row>> {
-    p.nic().barrier()?;
+    p.endpoint().barrier()?;
     let mut samples = Vec::with_capacity(ctx.iters);
     if ctx.rank == 0 {
         let warm = ctx.iters / 10 + 10;
@@ -169,7 +169,7 @@ pub fn get_like(
             }
         }
     }
-    p.nic().barrier()?;
+    p.endpoint().barrier()?;
     let (op, sz) = if fetch {
         ("fetch_atomic", 8)
     } else {
@@ -183,7 +183,7 @@ pub fn get_like(
 
 /// Put bandwidth: rank 0 streams puts acknowledged into a counting event, then waits for all.
 pub fn put_bw(ctx: &Ctx, p: &mut Portals, s: &Setup, size: usize) -> anyhow::Result<Option<Row>> {
-    p.nic().barrier()?;
+    p.endpoint().barrier()?;
     let iters = crate::gni_bench::bw_iters(ctx.iters, size);
     let mut row = None;
     if ctx.rank == 0 {
@@ -213,6 +213,6 @@ pub fn put_bw(ctx: &Ctx, p: &mut Portals, s: &Setup, size: usize) -> anyhow::Res
         r.mb_s = Some((size * iters) as f64 / secs / 1e6);
         row = Some(r);
     }
-    p.nic().barrier()?;
+    p.endpoint().barrier()?;
     Ok(row)
 }

@@ -1,6 +1,12 @@
 //! The in-process handle to the local daemon: attach, registration, command submission and
 //! completion polling over shared memory. No syscall on the hot path while the daemon is busy.
 
+mod endpoint;
+mod region;
+
+pub use endpoint::{wait_until, Endpoint, NicError, BOUNCE_LEN};
+pub use region::{MemHandle, MemRegion};
+
 use std::io;
 use std::os::fd::{AsFd, OwnedFd};
 use std::path::Path;

@@ -12,7 +12,7 @@
 use rustc_hash::FxHashMap as HashMap;
 use std::time::{Duration, Instant};
 
-use crate::gni::{GniError, MemHandle, MemRegion, Nic};
+use crate::client::{Endpoint, MemHandle, MemRegion, NicError};
 use crate::nic::memory::Perms;
 use crate::nic::portals::{OpSpec, ReqKind};
 use crate::shm::event_ring::{ring_bytes, CtSlot, EventRing, CT_SLOT_LEN};
@@ -31,7 +31,7 @@ pub enum PortalsError {
     #[error(transparent)]
     Ptl(#[from] PtlError),
     #[error(transparent)]
-    Nic(#[from] GniError),
+    Nic(#[from] NicError),
 }
 
 /// An interface (`ptl_handle_ni_t`).
@@ -119,35 +119,41 @@ type WaitOn<'a> = (NiHandle, &'a [u32], &'a [u32], &'a [u64]);
 
 /// A process's Portals library.
 pub struct Portals {
-    nic: Nic,
+    ep: Endpoint,
     nis: Vec<Option<NiInfo>>,
     /// Where calls are encoded (kept: an operation allocates nothing).
     scratch: Vec<u8>,
 }
 
 impl Portals {
-    /// Attaches to this rank's NIC (collective, as `Nic::init`).
+    /// Attaches to this rank's NIC (collective, as [`Endpoint::init`]).
     pub fn init() -> Result<Portals, PortalsError> {
-        Ok(Self::from_nic(Nic::init()?))
+        Ok(Self::from_endpoint(Endpoint::init()?))
     }
 
-    pub fn from_nic(nic: Nic) -> Portals {
+    /// The Portals library on an attached endpoint (one another API may have used).
+    pub fn from_endpoint(ep: Endpoint) -> Portals {
         Portals {
-            nic,
-            nis: (0..crate::nic::host::MAX_NIS).map(|_| None).collect(),
+            ep,
+            nis: (0..crate::shm::ptl_call::MAX_NIS).map(|_| None).collect(),
             scratch: Vec::with_capacity(256),
         }
     }
 
-    /// The underlying NIC (registration, rank, size, barrier).
-    pub fn nic(&mut self) -> &mut Nic {
-        &mut self.nic
+    /// The endpoint underneath (registration, rank, size, barrier).
+    pub fn endpoint(&mut self) -> &mut Endpoint {
+        &mut self.ep
+    }
+
+    /// The endpoint, for another API to take over.
+    pub fn into_endpoint(self) -> Endpoint {
+        self.ep
     }
 
     fn cmd(&self) -> Command {
         Command {
             kind: CommandKind::Portals,
-            host: self.nic.client().host,
+            host: self.ep.client().host,
             ..Default::default()
         }
     }
@@ -158,7 +164,7 @@ impl Portals {
             len: self.scratch.len() as u64,
             ..self.cmd()
         };
-        let (status, value) = self.nic.call_raw(cmd, &self.scratch)?;
+        let (status, value) = self.ep.call_raw(cmd, &self.scratch)?;
         Ok(result_of(status, value)?)
     }
 
@@ -168,7 +174,7 @@ impl Portals {
             len: self.scratch.len() as u64,
             ..self.cmd()
         };
-        Ok(self.nic.post_oneway(cmd, &self.scratch)?)
+        Ok(self.ep.post_oneway(cmd, &self.scratch)?)
     }
 
     fn info(&self, ni: NiHandle) -> Result<&NiInfo, PtlError> {
@@ -201,7 +207,7 @@ impl Portals {
                 matching,
             })?;
             let ct_mem = self
-                .nic
+                .ep
                 .mem_register(CT_SLOTS * CT_SLOT_LEN as usize, Perms(0))?;
             self.nis[idx] = Some(NiInfo {
                 matching,
@@ -231,7 +237,7 @@ impl Portals {
                 .iter()
                 .position(|p| *p == me)
                 .ok_or(PtlError::ArgInvalid)? as u32,
-            None => self.nic.rank(),
+            None => self.ep.rank(),
         };
         Ok(ProcessId::Logical { rank })
     }
@@ -239,8 +245,8 @@ impl Portals {
     /// PtlGetPhysId.
     pub fn get_phys_id(&self) -> ProcessId {
         ProcessId::Physical {
-            nid: self.nic.client().host as u32,
-            pid: self.nic.rank(),
+            nid: self.ep.client().host as u32,
+            pid: self.ep.rank(),
         }
     }
 
@@ -251,13 +257,13 @@ impl Portals {
 
     /// The job's placement: rank → physical identifier (host index, rank).
     fn job_map(&self) -> Vec<ProcessId> {
-        let ranks = self.nic.job().rank_hosts.len() as u32;
+        let ranks = self.ep.job().rank_hosts.len() as u32;
         (0..ranks).filter_map(|r| self.placed(r)).collect()
     }
 
     /// Where the job placed `rank`: its host and, as the pid, the rank itself.
     fn placed(&self, rank: u32) -> Option<ProcessId> {
-        let host = *self.nic.job().rank_hosts.get(rank as usize)?;
+        let host = *self.ep.job().rank_hosts.get(rank as usize)?;
         Some(ProcessId::Physical {
             nid: host as u32,
             pid: rank,
@@ -303,7 +309,7 @@ impl Portals {
         let ProcessId::Physical { nid, pid } = phys else {
             return Err(PtlError::ArgInvalid);
         };
-        let host = self.nic.rank_host(pid).map_err(|_| PtlError::ArgInvalid)?;
+        let host = self.ep.rank_host(pid).map_err(|_| PtlError::ArgInvalid)?;
         if host as u32 != nid {
             return Err(PtlError::ArgInvalid);
         }
@@ -324,7 +330,7 @@ impl Portals {
             return Err(PtlError::ArgInvalid.into());
         }
         let len = ring_bytes(count);
-        let mem = self.nic.mem_register(len, Perms(0))?;
+        let mem = self.ep.mem_register(len, Perms(0))?;
         let ring = EventRing::new(region_of(&mem), 0, len as u64).ok_or(PtlError::ArgInvalid)?;
         let eq = self.call(&PtlCall::EqAlloc {
             ni: wni,
@@ -344,7 +350,7 @@ impl Portals {
         let wni = self.wire_ni(ni)?;
         self.call(&PtlCall::EqFree { ni: wni, eq })?;
         if let Some((_, mem)) = self.info_mut(ni)?.eqs.remove(&eq) {
-            self.nic.mem_deregister(&mem)?;
+            self.ep.mem_deregister(&mem)?;
         }
         Ok(())
     }
@@ -398,21 +404,21 @@ impl Portals {
         on: Option<WaitOn<'_>>,
     ) -> Result<(), PortalsError> {
         *spins += 1;
-        self.nic.progress();
+        self.ep.progress();
         if *spins < 256 {
             std::hint::spin_loop();
         } else if start.elapsed() < Duration::from_micros(500) {
-            self.nic.client().yield_now();
+            self.ep.client().yield_now();
         } else {
             match on {
                 Some((ni, eqs, cts, tests)) => {
                     self.sleep(ni, eqs, cts, tests, Duration::from_millis(2))?
                 }
                 None => self
-                    .nic
+                    .ep
                     .client()
                     .sleep_until_news(Duration::from_millis(2))
-                    .map_err(GniError::from)?,
+                    .map_err(NicError::from)?,
             }
         }
         Ok(())
@@ -459,11 +465,11 @@ impl Portals {
         for (s, t) in &counts {
             s.set_wake_at((*t).max(1));
         }
-        let r = self.nic.client().sleep_until_news_unless(max, &ready);
+        let r = self.ep.client().sleep_until_news_unless(max, &ready);
         for (s, _) in &counts {
             s.set_wake_at(0);
         }
-        r.map_err(GniError::from)?;
+        r.map_err(NicError::from)?;
         Ok(())
     }
 

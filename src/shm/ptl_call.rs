@@ -8,6 +8,10 @@ use crate::nic::portals::wire::{decode_kind, encode_kind};
 use crate::nic::portals::{AckReq, OpSpec, ProcessId};
 use crate::wire::{get_u32, get_u64, PtlHeader};
 
+/// Interfaces per process (PtlNIInit's `iface` × matching/non-matching: 4 is plenty); the
+/// `ni` of every call is below this.
+pub const MAX_NIS: usize = 4;
+
 /// Memory as the client names it: a registered region, an offset, a length.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Buf {

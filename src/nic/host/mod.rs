@@ -27,7 +27,6 @@ use crate::shm::{Command, CqEntry};
 use crate::transport::{Transport, TransportConfig, TransportEvent};
 use crate::wire::Key;
 
-pub use portals::MAX_NIS;
 pub use sessions::AttachError;
 
 use gemini::OutItem;

@@ -11,7 +11,7 @@ use crate::nic::portals::{
     CtEvent, List, MatchEntry, NiFail, OpSpec, PortalsNi, ProcessId, PtlError, Response, SearchOp,
 };
 use crate::shm::event_ring::{CtSlot, EventRing};
-use crate::shm::ptl_call::{status_of, MeArgs, PtlCall};
+use crate::shm::ptl_call::{status_of, MeArgs, PtlCall, MAX_NIS};
 use crate::shm::CqEntry;
 use crate::transport::PushError;
 use crate::wire::{ptl_acks, push_ptl_ack, OpHeader, OpKind, OpRef, PtlHeader, PTL_ACK_LEN};
@@ -55,9 +55,6 @@ struct Delivered {
     /// The target process was told (a full event, a counting event moved).
     notified: bool,
 }
-
-/// Interfaces per process (PtlNIInit's `iface` × matching/non-matching: 4 is plenty).
-pub const MAX_NIS: usize = 4;
 
 /// One interface of a process at its NIC, with where its events and counts go.
 pub struct NiState {

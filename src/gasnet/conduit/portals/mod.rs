@@ -43,8 +43,8 @@ use rustc_hash::FxHashMap as HashMap;
 
 use self::credit::Credits;
 use super::{Conduit, FirehoseStats, FlowStats, GetDest, RmaDone};
+use crate::client::MemRegion;
 use crate::gasnet::{env_size, AdOp, GasnetError};
-use crate::gni::MemRegion;
 use crate::nic::memory::Perms;
 use crate::portals::{
     md_opt, me_opt, pt_opt, Buffer, List, Md, Me, NiHandle, Portals, ProcessId, Target,
@@ -245,7 +245,7 @@ impl PortalsConduit {
     pub fn new(segment_len: usize) -> Result<PortalsConduit, GasnetError> {
         let mut p = Portals::init().map_err(err)?;
         let (ni, _) = p.ni_init(true, true).map_err(err)?;
-        let (me, n) = (p.nic().rank(), p.nic().size());
+        let (me, n) = (p.endpoint().rank(), p.endpoint().size());
         let rb_len = RB_MIN.max(Credits::capacity_for(n, MAX_AM) as usize + MAX_AM);
         let capacity = (rb_len - MAX_AM) as u64;
         // Credited requests cost at least MIN_COST each: this many can wait undrained.
@@ -264,7 +264,7 @@ impl PortalsConduit {
             .map_err(err)?;
         p.pt_alloc(ni, 0, Some(safe_eq), Some(REPLY_PT))
             .map_err(err)?;
-        let reg = |p: &mut Portals, len: usize, perms| p.nic().mem_register(len, perms);
+        let reg = |p: &mut Portals, len: usize, perms| p.endpoint().mem_register(len, perms);
         let rb = reg(&mut p, rb_len * RBS, Perms::WRITE).map_err(err)?;
         let sb_len = (REQ_SLOTS + REP_SLOTS) * MAX_AM;
         let sb = reg(&mut p, sb_len, Perms::WRITE).map_err(err)?;
@@ -377,7 +377,7 @@ impl PortalsConduit {
             c.post_rb(i)?;
         }
         // Everyone's receive buffers are posted before anyone sends.
-        c.p.nic().barrier().map_err(err)?;
+        c.p.endpoint().barrier().map_err(err)?;
         Ok(c)
     }
 
@@ -454,7 +454,7 @@ impl Conduit for PortalsConduit {
             any = true;
             done(d);
         }
-        self.p.nic().progress();
+        self.p.endpoint().progress();
         any |= self.drain_am()?;
         any |= self.drain_raram()?;
         for (src, reply_to, am) in self.arrived.drain(..) {
@@ -464,11 +464,11 @@ impl Conduit for PortalsConduit {
     }
 
     fn yield_now(&mut self) {
-        self.p.nic().client().yield_now();
+        self.p.endpoint().client().yield_now();
     }
 
     fn off_nic_core(&mut self) -> bool {
-        self.p.nic().client().off_nic_core()
+        self.p.endpoint().client().off_nic_core()
     }
 
     fn wait_news(&mut self, max: std::time::Duration) -> Result<(), GasnetError> {

@@ -8,10 +8,10 @@ use super::firehose::{Registration, Use};
 use super::{
     err, Pieces, PortalsConduit, Rma, BOUNCE_LEN, CHUNK, COPY_MAX, IMPLICIT_SLOTS, MAX_RMA, RMA_TAG,
 };
+use crate::client::MemHandle;
 use crate::gasnet::atomic::PortalsCall;
 use crate::gasnet::conduit::{GetDest, RmaDone};
 use crate::gasnet::{AdOp, GasnetError};
-use crate::gni::MemHandle;
 use crate::portals::{AckReq, EventKind, Md, NiFail};
 
 impl PortalsConduit {
@@ -143,7 +143,7 @@ impl PortalsConduit {
     fn register(&mut self, start: u64, end: u64) -> Result<Registration, GasnetError> {
         let region = self
             .p
-            .nic()
+            .endpoint()
             .client()
             .register_process(start, end - start)
             .map_err(err)?;
@@ -158,7 +158,7 @@ impl PortalsConduit {
         match self.p.md_bind(self.ni, &md) {
             Ok(md) => Ok(Registration { region, md }),
             Err(e) => {
-                let _ = self.p.nic().client().deregister(region);
+                let _ = self.p.endpoint().client().deregister(region);
                 Err(err(e))
             }
         }
@@ -166,7 +166,7 @@ impl PortalsConduit {
 
     fn unregister(&mut self, r: Registration) {
         let _ = self.p.md_release(self.ni, r.md);
-        let _ = self.p.nic().client().deregister(r.region);
+        let _ = self.p.endpoint().client().deregister(r.region);
     }
 
     /// A put of `src` to `node`'s segment. `bulk`: the caller keeps `src` unchanged until the
