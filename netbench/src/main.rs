@@ -193,10 +193,13 @@ fn main() -> anyhow::Result<()> {
     }
     let job = JobInfo::from_env()?;
     let mtu = job.mtu().unwrap_or(softnic::config::DEFAULT_MTU);
-    let hosts = std::env::var("SOFTNIC_HOSTS")
-        .ok()
-        .and_then(|h| h.parse().ok())
-        .unwrap_or(1);
+    // The hosts this job's ranks live on (however it was launched).
+    let hosts = {
+        let mut h = job.rank_hosts.clone();
+        h.sort_unstable();
+        h.dedup();
+        h.len() as u32
+    };
     let ctx = Ctx {
         rank: job.rank,
         size: job.size,

@@ -7,6 +7,7 @@
 //! Ctrl-C ends it too; no process, socket or file is left behind.
 
 use std::ffi::OsString;
+use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -15,6 +16,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use super::daemon_process::{self, DaemonProcess};
+use super::pmi::{PmiEvent, PmiServer};
 use crate::config::{Config, ConfigError, Fault, TransportKind};
 use crate::daemon::Daemon;
 use crate::shm::attach::{self, Request, Response};
@@ -277,10 +279,20 @@ pub fn run(l: &Launch) -> Result<i32, LaunchError> {
         .map(|h| h.to_string())
         .collect::<Vec<_>>()
         .join(",");
+    // PMI-1 for ranks that bootstrap through it (an unmodified PMI-1 program): one socket
+    // pair each, served by a thread until the job ends.
+    let (pmi, pmi_fds) = PmiServer::new(l.ranks, &format!("softnic-{job_id}"))?;
+    let pmi = PmiThread::start(pmi);
     let mut children: Vec<(u32, Child)> = Vec::new();
-    for r in 0..l.ranks {
+    for (r, pmi_fd) in (0..l.ranks).zip(pmi_fds) {
         let h = rank_hosts[r as usize];
         let mut cmd = Command::new(&l.program);
+        // The rank inherits its end (only it: the descriptor is closed here right after).
+        rustix::io::fcntl_setfd(&pmi_fd, rustix::io::FdFlags::empty())
+            .map_err(std::io::Error::from)?;
+        cmd.env("PMI_FD", pmi_fd.as_raw_fd().to_string())
+            .env("PMI_RANK", r.to_string())
+            .env("PMI_SIZE", l.ranks.to_string());
         cmd.args(&l.args)
             .env("SOFTNIC_RANK", r.to_string())
             .env("SOFTNIC_SIZE", l.ranks.to_string())
@@ -297,7 +309,9 @@ pub fn run(l: &Launch) -> Result<i32, LaunchError> {
         for (k, v) in &l.env {
             cmd.env(k, v);
         }
-        match cmd.spawn() {
+        let spawned = cmd.spawn();
+        drop(pmi_fd);
+        match spawned {
             Ok(c) => children.push((r, c)),
             Err(source) => {
                 kill_all(&mut children);
@@ -319,7 +333,24 @@ pub fn run(l: &Launch) -> Result<i32, LaunchError> {
             break;
         }
         let mut failed = None;
+        for e in pmi.events() {
+            match e {
+                PmiEvent::Abort { rank, code, msg } => {
+                    let what = match msg.is_empty() {
+                        true => format!("called PMI_Abort({code})"),
+                        false => format!("called PMI_Abort({code}): {msg}"),
+                    };
+                    failed = failed.or(Some((rank, code.clamp(1, 255), what)));
+                }
+                PmiEvent::Bad { rank, why } => {
+                    eprintln!("softnic: rank {rank}'s PMI connection closed: {why}")
+                }
+            }
+        }
         for (r, c) in children.iter_mut() {
+            if failed.is_some() {
+                break;
+            }
             if let Ok(Some(st)) = c.try_wait() {
                 if st.success() {
                     continue;
@@ -344,8 +375,51 @@ pub fn run(l: &Launch) -> Result<i32, LaunchError> {
             std::thread::sleep(Duration::from_millis(5));
         }
     }
+    drop(pmi);
     drop(daemons);
     Ok(code)
+}
+
+/// The PMI-1 server of a job on a thread of its own, stopped when dropped.
+struct PmiThread {
+    stop: Arc<AtomicBool>,
+    events: mpsc::Receiver<PmiEvent>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl PmiThread {
+    fn start(mut srv: PmiServer) -> PmiThread {
+        let stop = Arc::new(AtomicBool::new(false));
+        let (tx, events) = mpsc::channel();
+        let s = stop.clone();
+        let thread = std::thread::spawn(move || {
+            while !s.load(Ordering::Relaxed) {
+                srv.serve(Duration::from_millis(20));
+                for e in srv.take_events() {
+                    let _ = tx.send(e);
+                }
+            }
+        });
+        PmiThread {
+            stop,
+            events,
+            thread: Some(thread),
+        }
+    }
+
+    /// What the ranks told the server since the last look.
+    fn events(&self) -> Vec<PmiEvent> {
+        self.events.try_iter().collect()
+    }
+}
+
+impl Drop for PmiThread {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
 }
 
 #[cfg(test)]

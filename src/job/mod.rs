@@ -1,17 +1,27 @@
 //! Bootstrap: who am I in the job (rank, size, job id and key, my daemon, where every rank
-//! lives), read from the `SOFTNIC_*` environment the launcher sets; and the launchers.
+//! lives) — from the `SOFTNIC_*` environment `softnic run` sets, or through a PMI-1 process
+//! manager (`mpiexec.hydra`, `srun --mpi=pmi2`) with the daemon found from `SOFTNIC_CONFIG`
+//! and `SOFTNIC_HOST`; and the launchers.
 
 pub mod daemon_process;
 pub mod local;
+pub mod pmi;
 
 use std::path::PathBuf;
 
 #[derive(Debug, thiserror::Error)]
 pub enum JobError {
     #[error(
-        "{0} is not set: run the program under `softnic run` (or set the SOFTNIC_* job variables)"
+        "{0} is not set: run the program under `softnic run`, or under a PMI-1 process manager \
+         (mpiexec.hydra, srun --mpi=pmi2) with SOFTNIC_CONFIG naming the cluster config"
     )]
     Missing(&'static str),
+    #[error(transparent)]
+    Pmi(#[from] pmi::PmiError),
+    #[error("SOFTNIC_CONFIG: {0}")]
+    Config(#[from] crate::config::ConfigError),
+    #[error("which host of {config} is this? {why}; set SOFTNIC_HOST to its name in the config")]
+    Host { config: String, why: String },
     #[error("{name} has an invalid value {value:?}: {why}")]
     Invalid {
         name: &'static str,
@@ -52,12 +62,18 @@ where
 }
 
 impl JobInfo {
-    /// Whether this process runs inside a job.
+    /// Whether this process runs inside a job (started by `softnic run` or by a PMI-1
+    /// process manager).
     pub fn in_job() -> bool {
-        std::env::var_os("SOFTNIC_RANK").is_some()
+        std::env::var_os("SOFTNIC_RANK").is_some() || pmi::PmiClient::available()
     }
 
+    /// The job as `softnic run` describes it in the environment, or else as a PMI-1 process
+    /// manager and the cluster config say ([`JobInfo::from_pmi`]).
     pub fn from_env() -> Result<JobInfo, JobError> {
+        if std::env::var_os("SOFTNIC_RANK").is_none() && pmi::PmiClient::available() {
+            return Self::from_pmi();
+        }
         let rank: u32 = num("SOFTNIC_RANK")?;
         let size: u32 = num("SOFTNIC_SIZE")?;
         let map = var("SOFTNIC_RANK_HOSTS")?;
@@ -95,5 +111,97 @@ impl JobInfo {
             Some(p) => Ok(crate::config::Config::load(p)?.cluster.mtu),
             None => Ok(crate::config::DEFAULT_MTU),
         }
+    }
+}
+
+/// The PMI connection of a rank that bootstrapped through one, kept until the endpoint goes.
+static PMI: std::sync::Mutex<Option<pmi::PmiClient>> = std::sync::Mutex::new(None);
+
+/// Tells the PMI process manager, if this rank bootstrapped through one, that it is done.
+pub fn pmi_finalize() {
+    if let Ok(mut g) = PMI.lock() {
+        if let Some(mut c) = g.take() {
+            let _ = c.finalize();
+        }
+    }
+}
+
+impl JobInfo {
+    /// Bootstraps under a PMI-1 process manager: rank and size from it; this rank's daemon
+    /// from `SOFTNIC_CONFIG` and `SOFTNIC_HOST` (default: the config's only host whose address
+    /// is on this machine); rank 0 draws the job id and key, every rank publishes its host, and
+    /// one PMI barrier later every rank knows the job.
+    pub fn from_pmi() -> Result<JobInfo, JobError> {
+        let config: PathBuf = var("SOFTNIC_CONFIG")?.into();
+        let cfg = crate::config::Config::load(&config)?;
+        let host = match std::env::var("SOFTNIC_HOST") {
+            Ok(name) => cfg.host_index(&name).map_err(|_| JobError::Host {
+                config: config.display().to_string(),
+                why: format!("SOFTNIC_HOST={name} names none of its hosts"),
+            })?,
+            Err(_) => local_host(&cfg).map_err(|why| JobError::Host {
+                config: config.display().to_string(),
+                why,
+            })?,
+        };
+        let mut c = pmi::PmiClient::connect()?;
+        let (rank, size) = (c.rank, c.size);
+        if rank == 0 {
+            let id: u32 = rand::random::<u32>() >> 1;
+            let key: u64 = rand::random();
+            c.put("softnic-job", &format!("{id}.{key}"))?;
+        }
+        c.put(&format!("softnic-host-{rank}"), &host.to_string())?;
+        c.barrier()?;
+        let bad = |name: &'static str, value: String| JobError::Invalid {
+            name,
+            value,
+            why: "published by the job's rank 0 over PMI".into(),
+        };
+        let job = c.get("softnic-job")?;
+        let (job_id, job_key) = job
+            .split_once('.')
+            .and_then(|(a, b)| Some((a.parse().ok()?, b.parse().ok()?)))
+            .ok_or_else(|| bad("softnic-job", job.clone()))?;
+        let mut rank_hosts = Vec::with_capacity(size as usize);
+        for r in 0..size {
+            let v = c.get(&format!("softnic-host-{r}"))?;
+            match v.parse::<u16>() {
+                Ok(h) if (h as usize) < cfg.hosts.len() => rank_hosts.push(h),
+                _ => return Err(bad("softnic-host", v)),
+            }
+        }
+        if let Ok(mut g) = PMI.lock() {
+            *g = Some(c);
+        }
+        Ok(JobInfo {
+            rank,
+            size,
+            job_id,
+            job_key,
+            daemon: cfg.socket_path(host),
+            rank_hosts,
+            config: Some(config),
+        })
+    }
+}
+
+/// The config's one host whose address belongs to this machine (binding a socket to it
+/// succeeds), or why there is none or several.
+fn local_host(cfg: &crate::config::Config) -> Result<u16, String> {
+    let local: Vec<usize> = (0..cfg.hosts.len())
+        .filter(|&i| std::net::UdpSocket::bind((cfg.hosts[i].addr.ip(), 0)).is_ok())
+        .collect();
+    match local[..] {
+        [i] => Ok(i as u16),
+        [] => Err("no host's address is on this machine".into()),
+        _ => Err(format!(
+            "several are on this machine ({})",
+            local
+                .iter()
+                .map(|&i| cfg.hosts[i].name.as_str())
+                .collect::<Vec<_>>()
+                .join(", ")
+        )),
     }
 }
