@@ -135,15 +135,15 @@ impl DaemonProcess {
         }
     }
 
-    /// Stops the process (see [`super::local::terminate`]); says how it ended.
+    /// Stops the process (see [`super::supervise::terminate`]); says how it ended.
     pub(super) fn stop(&mut self) -> String {
         let Some(mut c) = self.child.take() else {
             return "was stopped".into();
         };
-        super::local::terminate(&mut [&mut c]);
+        super::supervise::terminate(&mut [&mut c]);
         // Reaped already: `wait` returns the status it got.
         c.wait()
-            .map(|st| super::local::describe(st).0)
+            .map(|st| super::supervise::describe(st).0)
             .unwrap_or_else(|e| e.to_string())
     }
 }

@@ -11,12 +11,13 @@ use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{mpsc, Arc, Once};
+use std::sync::{mpsc, Arc};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use super::daemon_process::{self, DaemonProcess};
 use super::pmi::{PmiEvent, PmiServer};
+use super::supervise::{install_signal_handler, kill_all, supervise};
 use crate::config::{Config, ConfigError, Fault, TransportKind};
 use crate::daemon::Daemon;
 use crate::shm::attach::{self, Request, Response};
@@ -60,15 +61,6 @@ pub struct Launch {
     pub program: OsString,
     pub args: Vec<OsString>,
     pub env: Vec<(String, String)>,
-}
-
-static INTERRUPTED: AtomicBool = AtomicBool::new(false);
-
-fn install_signal_handler() {
-    static ONCE: Once = Once::new();
-    ONCE.call_once(|| {
-        let _ = ctrlc::set_handler(|| INTERRUPTED.store(true, Ordering::SeqCst));
-    });
 }
 
 /// Where the daemons of a job run.
@@ -199,43 +191,6 @@ fn start_local_default(
     Err(LaunchError::Daemon(last))
 }
 
-pub(super) fn describe(status: std::process::ExitStatus) -> (String, i32) {
-    use std::os::unix::process::ExitStatusExt;
-    match (status.code(), status.signal()) {
-        (Some(c), _) => (format!("exited with status {c}"), c),
-        (None, Some(s)) => (format!("was killed by signal {s}"), 128 + s),
-        _ => ("ended".into(), 1),
-    }
-}
-
-fn kill_all(children: &mut [(u32, Child)]) {
-    terminate(&mut children.iter_mut().map(|(_, c)| c).collect::<Vec<_>>());
-}
-
-/// Asks every child to stop (SIGTERM), kills those still running after 2 s, and reaps all.
-pub(super) fn terminate(children: &mut [&mut Child]) {
-    for c in children.iter_mut() {
-        let _ = rustix::process::kill_process(
-            rustix::process::Pid::from_child(c),
-            rustix::process::Signal::Term,
-        );
-    }
-    let t = Instant::now();
-    while t.elapsed() < Duration::from_secs(2) {
-        if children
-            .iter_mut()
-            .all(|c| matches!(c.try_wait(), Ok(Some(_))))
-        {
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    for c in children.iter_mut() {
-        let _ = c.kill();
-        let _ = c.wait();
-    }
-}
-
 /// Runs the job; returns the exit status to exit with (0, or that of the first failing rank).
 pub fn run(l: &Launch) -> Result<i32, LaunchError> {
     if l.ranks == 0 || !(1..=250).contains(&l.hosts) {
@@ -323,58 +278,28 @@ pub fn run(l: &Launch) -> Result<i32, LaunchError> {
             }
         }
     }
-    let mut code = 0;
-    let mut running = children.len();
-    while running > 0 {
-        if INTERRUPTED.swap(false, Ordering::SeqCst) {
-            eprintln!("softnic: interrupted; stopping {running} rank(s)");
-            kill_all(&mut children);
-            code = 130;
-            break;
-        }
-        let mut failed = None;
-        for e in pmi.events() {
-            match e {
-                PmiEvent::Abort { rank, code, msg } => {
-                    let what = match msg.is_empty() {
-                        true => format!("called PMI_Abort({code})"),
-                        false => format!("called PMI_Abort({code}): {msg}"),
-                    };
-                    failed = failed.or(Some((rank, code.clamp(1, 255), what)));
-                }
-                PmiEvent::Bad { rank, why } => {
-                    eprintln!("softnic: rank {rank}'s PMI connection closed: {why}")
+    let code = supervise(
+        &mut children,
+        |r| format!("rank {r}"),
+        || {
+            let mut failed = None;
+            for e in pmi.events() {
+                match e {
+                    PmiEvent::Abort { rank, code, msg } => {
+                        let what = match msg.is_empty() {
+                            true => format!("called PMI_Abort({code})"),
+                            false => format!("called PMI_Abort({code}): {msg}"),
+                        };
+                        failed = failed.or(Some((rank, code.clamp(1, 255), what)));
+                    }
+                    PmiEvent::Bad { rank, why } => {
+                        eprintln!("softnic: rank {rank}'s PMI connection closed: {why}")
+                    }
                 }
             }
-        }
-        for (r, c) in children.iter_mut() {
-            if failed.is_some() {
-                break;
-            }
-            if let Ok(Some(st)) = c.try_wait() {
-                if st.success() {
-                    continue;
-                }
-                let (what, c) = describe(st);
-                failed = Some((*r, c.max(1), what));
-                break;
-            }
-        }
-        if let Some((r, c, what)) = failed {
-            eprintln!("softnic: rank {r} {what}; ending the job");
-            kill_all(&mut children);
-            code = c;
-            break;
-        }
-        running = children
-            .iter_mut()
-            .map(|(_, c)| c.try_wait())
-            .filter(|w| matches!(w, Ok(None)))
-            .count();
-        if running > 0 {
-            std::thread::sleep(Duration::from_millis(5));
-        }
-    }
+            failed
+        },
+    );
     drop(pmi);
     drop(daemons);
     Ok(code)

@@ -6,6 +6,7 @@
 pub mod daemon_process;
 pub mod local;
 pub mod pmi;
+pub mod supervise;
 
 use std::path::PathBuf;
 

@@ -1,0 +1,106 @@
+//! Watching a launcher's children (ranks, or the ssh sessions of remote hosts): the first one
+//! that fails, a failure reported from elsewhere (a PMI abort), or Ctrl-C ends them all, with
+//! one message naming who and why.
+
+use std::process::Child;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Once;
+use std::time::{Duration, Instant};
+
+static INTERRUPTED: AtomicBool = AtomicBool::new(false);
+
+/// Ctrl-C, SIGTERM and SIGHUP set a flag the supervision loop reads.
+pub fn install_signal_handler() {
+    static ONCE: Once = Once::new();
+    ONCE.call_once(|| {
+        let _ = ctrlc::set_handler(|| INTERRUPTED.store(true, Ordering::SeqCst));
+    });
+}
+
+/// Whether a signal asked this process to stop.
+pub fn interrupted() -> bool {
+    INTERRUPTED.load(Ordering::SeqCst)
+}
+
+/// Waits for `children` (each with its id: a rank, or a host index) until all have ended; the
+/// first failure, a failure `news` reports `(id, code, what)`, or an interruption stops the
+/// others. Returns the exit code for the launcher: 0, the failure's, or 130.
+pub fn supervise(
+    children: &mut [(u32, Child)],
+    name: impl Fn(u32) -> String,
+    mut news: impl FnMut() -> Option<(u32, i32, String)>,
+) -> i32 {
+    loop {
+        if INTERRUPTED.swap(false, Ordering::SeqCst) {
+            let running = children
+                .iter_mut()
+                .filter_map(|(_, c)| c.try_wait().ok())
+                .filter(Option::is_none)
+                .count();
+            eprintln!("softnic: interrupted; stopping {running} rank(s)");
+            kill_all(children);
+            return 130;
+        }
+        let mut failed = news();
+        let mut running = 0;
+        for (r, c) in children.iter_mut() {
+            if failed.is_some() {
+                break;
+            }
+            match c.try_wait() {
+                Ok(Some(st)) if !st.success() => {
+                    let (what, code) = describe(st);
+                    failed = Some((*r, code.max(1), what));
+                }
+                Ok(Some(_)) => {}
+                _ => running += 1,
+            }
+        }
+        if let Some((r, code, what)) = failed {
+            eprintln!("softnic: {} {what}; ending the job", name(r));
+            kill_all(children);
+            return code;
+        }
+        if running == 0 {
+            return 0;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+pub fn describe(status: std::process::ExitStatus) -> (String, i32) {
+    use std::os::unix::process::ExitStatusExt;
+    match (status.code(), status.signal()) {
+        (Some(c), _) => (format!("exited with status {c}"), c),
+        (None, Some(s)) => (format!("was killed by signal {s}"), 128 + s),
+        _ => ("ended".into(), 1),
+    }
+}
+
+pub fn kill_all(children: &mut [(u32, Child)]) {
+    terminate(&mut children.iter_mut().map(|(_, c)| c).collect::<Vec<_>>());
+}
+
+/// Asks every child to stop (SIGTERM), kills those still running after 2 s, and reaps all.
+pub fn terminate(children: &mut [&mut Child]) {
+    for c in children.iter_mut() {
+        let _ = rustix::process::kill_process(
+            rustix::process::Pid::from_child(c),
+            rustix::process::Signal::Term,
+        );
+    }
+    let t = Instant::now();
+    while t.elapsed() < Duration::from_secs(2) {
+        if children
+            .iter_mut()
+            .all(|c| matches!(c.try_wait(), Ok(Some(_))))
+        {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    for c in children.iter_mut() {
+        let _ = c.kill();
+        let _ = c.wait();
+    }
+}
