@@ -180,6 +180,19 @@ pub struct Host {
     /// loopback).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mac: Option<String>,
+    /// Where the ssh spawner logs in to reach this host (`[user@]name`; default: the
+    /// address).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ssh: Option<String>,
+}
+
+impl Host {
+    /// The ssh destination of this host.
+    pub fn ssh_target(&self) -> String {
+        self.ssh
+            .clone()
+            .unwrap_or_else(|| self.addr.ip().to_string())
+    }
 }
 
 fn parse_mac(s: &str) -> Option<[u8; 6]> {
@@ -306,6 +319,12 @@ impl Config {
             }
         }
         for h in &self.hosts {
+            if let Some(t) = &h.ssh {
+                // It becomes an ssh argument: no options, no spaces.
+                if t.is_empty() || t.starts_with('-') || t.chars().any(char::is_whitespace) {
+                    return bad(format!("host {}: ssh {t:?} is not a [user@]host", h.name));
+                }
+            }
             if let Some(m) = &h.mac {
                 if parse_mac(m).is_none() {
                     return bad(format!(
@@ -418,6 +437,7 @@ impl Config {
                     addr: SocketAddr::from(([127, 0, 0, 2 + i as u8], base_port)),
                     interface: None,
                     mac: None,
+                    ssh: None,
                 })
                 .collect(),
         }

@@ -7,7 +7,10 @@ use std::time::Duration;
 use anyhow::{bail, Context};
 use clap::{Parser, Subcommand};
 use softnic::config::{Config, FaultArgs, TransportKind};
+use softnic::job::host_spawn::{self, HostSpawn};
 use softnic::job::local::{self, Launch};
+use softnic::job::placement::Map;
+use softnic::job::{ssh, Spawner};
 use softnic::shm::attach::{self, Request, Response};
 
 #[derive(Parser, Debug)]
@@ -24,9 +27,30 @@ enum Cmd {
     Run {
         #[arg(short = 'n', long = "ranks")]
         n: u32,
-        /// Simulated hosts of the local default.
-        #[arg(long, default_value_t = 2)]
-        hosts: usize,
+        /// A number: simulated hosts of the local default (default 2). Names (a,b,c): the
+        /// config's hosts to run on (default all; also --hostfile or SOFTNIC_SSH_SERVERS).
+        #[arg(long)]
+        hosts: Option<String>,
+        /// A file of host names, one per line (# comments), as --hosts.
+        #[arg(long, conflicts_with = "hosts")]
+        hostfile: Option<PathBuf>,
+        /// How ranks start: local (this machine) or ssh (the config's hosts); default:
+        /// SOFTNIC_SPAWNER, else ssh when a config host is not on this machine, else local.
+        #[arg(long, value_enum)]
+        spawner: Option<Spawner>,
+        /// At most this many ranks per host.
+        #[arg(long)]
+        ppn: Option<u32>,
+        /// Rank layout over hosts: block (fill a host, then the next) or cyclic.
+        #[arg(long, value_enum, default_value = "cyclic")]
+        map: Map,
+        /// Pass this launcher environment variable to the ranks (repeatable; SOFTNIC_* always
+        /// go).
+        #[arg(long = "env", value_name = "NAME")]
+        forward: Vec<String>,
+        /// Prefix each output line of a rank with `[rank] ` (ssh spawner).
+        #[arg(long)]
+        label: bool,
         /// A cluster config; its daemons are started here unless --attach.
         #[arg(long)]
         config: Option<PathBuf>,
@@ -45,6 +69,29 @@ enum Cmd {
         #[command(flatten)]
         faults: FaultArgs,
         /// The program and its arguments (after --).
+        #[arg(last = true, required = true)]
+        program: Vec<OsString>,
+    },
+    /// The ssh spawner's agent on a host (started by `softnic run --spawner ssh`).
+    #[command(hide = true)]
+    HostSpawn {
+        #[arg(long)]
+        config: PathBuf,
+        #[arg(long)]
+        host: String,
+        #[arg(long)]
+        job_id: u32,
+        #[arg(long)]
+        job_key: u64,
+        #[arg(long, value_delimiter = ',')]
+        rank_hosts: Vec<u16>,
+        #[arg(long)]
+        conduit: Option<String>,
+        /// NAME=VALUE for the ranks' environment (repeatable).
+        #[arg(long)]
+        setenv: Vec<String>,
+        #[arg(long)]
+        label: bool,
         #[arg(last = true, required = true)]
         program: Vec<OsString>,
     },
@@ -69,6 +116,12 @@ fn main() -> anyhow::Result<()> {
         Cmd::Run {
             n,
             hosts,
+            hostfile,
+            spawner,
+            ppn,
+            map,
+            forward,
+            label,
             config,
             attach,
             conduit,
@@ -78,9 +131,21 @@ fn main() -> anyhow::Result<()> {
         } => {
             let fault = faults.fault();
             let mut program = program.into_iter();
+            // --hosts N is the local default's size; names pick config hosts.
+            let (nhosts, names) = match hosts.as_deref().map(str::parse::<usize>) {
+                Some(Ok(n)) => (n, Vec::new()),
+                _ => (2, ssh::host_names(hosts.as_deref(), hostfile.as_deref())?),
+            };
+            if config.is_none() && !names.is_empty() {
+                bail!("--hosts with names (or --hostfile, SOFTNIC_SSH_SERVERS) needs --config");
+            }
+            let cfg = match &config {
+                Some(p) => Some(Config::load(p)?),
+                None => None,
+            };
             let l = Launch {
                 ranks: n,
-                hosts,
+                hosts: nhosts,
                 config,
                 attach,
                 fault,
@@ -89,9 +154,51 @@ fn main() -> anyhow::Result<()> {
                 program: program.next().expect("clap requires a program"),
                 args: program.collect(),
                 env: Vec::new(),
+                forward,
+                host_names: names,
+                ppn,
+                map,
+                label,
             };
-            let code = local::run(&l)?;
+            let code = match Spawner::choose(spawner, cfg.as_ref())? {
+                Spawner::Local => local::run(&l)?,
+                Spawner::Ssh => ssh::run(&l)?,
+            };
             std::process::exit(code);
+        }
+        Cmd::HostSpawn {
+            config,
+            host,
+            job_id,
+            job_key,
+            rank_hosts,
+            conduit,
+            setenv,
+            label,
+            program,
+        } => {
+            let env = setenv
+                .iter()
+                .map(|kv| {
+                    kv.split_once('=')
+                        .map(|(k, v)| (k.to_string(), v.to_string()))
+                        .with_context(|| format!("--setenv {kv:?} is not NAME=VALUE"))
+                })
+                .collect::<anyhow::Result<Vec<_>>>()?;
+            let mut program = program.into_iter();
+            let h = HostSpawn {
+                config,
+                host,
+                job_id,
+                job_key,
+                rank_hosts,
+                label,
+                conduit,
+                env,
+                program: program.next().expect("clap requires a program"),
+                args: program.collect(),
+            };
+            std::process::exit(host_spawn::run(&h)?);
         }
         Cmd::Stat { config, host } => {
             let path = config

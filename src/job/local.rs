@@ -16,6 +16,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use super::daemon_process::{self, DaemonProcess};
+use super::placement::{place, Map};
 use super::pmi::{PmiEvent, PmiServer};
 use super::supervise::{install_signal_handler, kill_all, supervise};
 use crate::config::{Config, ConfigError, Fault, TransportKind};
@@ -38,6 +39,15 @@ pub enum LaunchError {
     },
     #[error("-n must be at least 1 and --hosts between 1 and 250")]
     Size,
+    #[error("the {0} spawner needs --config: the cluster's hosts and daemons")]
+    NeedConfig(&'static str),
+    #[error("cannot run {command} (the ssh command; set SOFTNIC_SSH_CMD): {source}")]
+    Ssh {
+        command: String,
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Placement(#[from] super::placement::PlacementError),
     #[error(transparent)]
     Io(#[from] std::io::Error),
 }
@@ -61,6 +71,28 @@ pub struct Launch {
     pub program: OsString,
     pub args: Vec<OsString>,
     pub env: Vec<(String, String)>,
+    /// Launcher variables (by name) to pass to the ranks (`--env`).
+    pub forward: Vec<String>,
+    /// The config's hosts to use, by name (`--hosts a,b`, `--hostfile`; empty: all).
+    pub host_names: Vec<String>,
+    /// At most this many ranks per host (`--ppn`).
+    pub ppn: Option<u32>,
+    pub map: Map,
+    /// Prefix every output line with its rank (`--label`).
+    pub label: bool,
+}
+
+impl Launch {
+    /// The config host indices this job may use: those named, or all.
+    pub fn host_indices(&self, cfg: &Config) -> Result<Vec<u16>, LaunchError> {
+        if self.host_names.is_empty() {
+            return Ok((0..cfg.hosts.len() as u16).collect());
+        }
+        self.host_names
+            .iter()
+            .map(|n| cfg.host_index(n).map_err(LaunchError::from))
+            .collect()
+    }
 }
 
 /// Where the daemons of a job run.
@@ -228,7 +260,7 @@ pub fn run(l: &Launch) -> Result<i32, LaunchError> {
     }
     let job_id: u32 = rand::random::<u32>() >> 1;
     let job_key: u64 = rand::random();
-    let rank_hosts: Vec<u16> = (0..l.ranks).map(|r| (r as usize % nhosts) as u16).collect();
+    let rank_hosts = place(l.ranks, &l.host_indices(&cfg)?, l.ppn, l.map)?;
     let map = rank_hosts
         .iter()
         .map(|h| h.to_string())
@@ -280,7 +312,7 @@ pub fn run(l: &Launch) -> Result<i32, LaunchError> {
     }
     let code = supervise(
         &mut children,
-        |r| format!("rank {r}"),
+        |r, _, what| Some(format!("rank {r} {what}")),
         || {
             let mut failed = None;
             for e in pmi.events() {

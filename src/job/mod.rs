@@ -4,11 +4,53 @@
 //! and `SOFTNIC_HOST`; and the launchers.
 
 pub mod daemon_process;
+pub mod host_spawn;
 pub mod local;
+pub mod placement;
 pub mod pmi;
+pub mod ssh;
 pub mod supervise;
 
 use std::path::PathBuf;
+
+/// How `softnic run` starts ranks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Spawner {
+    /// On this machine (the local default, or a config whose hosts are all here).
+    Local,
+    /// On the config's hosts over ssh.
+    Ssh,
+}
+
+impl Spawner {
+    /// `--spawner`, else `SOFTNIC_SPAWNER`, else ssh when the config has a host that is not
+    /// on this machine, else local.
+    pub fn choose(
+        asked: Option<Spawner>,
+        config: Option<&crate::config::Config>,
+    ) -> Result<Spawner, JobError> {
+        if let Some(s) = asked {
+            return Ok(s);
+        }
+        if let Ok(v) = std::env::var("SOFTNIC_SPAWNER") {
+            return match v.as_str() {
+                "local" => Ok(Spawner::Local),
+                "ssh" => Ok(Spawner::Ssh),
+                _ => Err(JobError::Invalid {
+                    name: "SOFTNIC_SPAWNER",
+                    value: v,
+                    why: "expected local or ssh".into(),
+                }),
+            };
+        }
+        let remote = config.is_some_and(|c| {
+            c.hosts
+                .iter()
+                .any(|h| std::net::UdpSocket::bind((h.addr.ip(), 0)).is_err())
+        });
+        Ok(if remote { Spawner::Ssh } else { Spawner::Local })
+    }
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum JobError {

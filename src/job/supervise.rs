@@ -24,10 +24,11 @@ pub fn interrupted() -> bool {
 
 /// Waits for `children` (each with its id: a rank, or a host index) until all have ended; the
 /// first failure, a failure `news` reports `(id, code, what)`, or an interruption stops the
-/// others. Returns the exit code for the launcher: 0, the failure's, or 130.
+/// others. A failure is told as `report(id, code, what)` says (nothing when it returns `None`:
+/// someone told it already). Returns the exit code for the launcher: 0, the failure's, or 130.
 pub fn supervise(
     children: &mut [(u32, Child)],
-    name: impl Fn(u32) -> String,
+    report: impl Fn(u32, i32, &str) -> Option<String>,
     mut news: impl FnMut() -> Option<(u32, i32, String)>,
 ) -> i32 {
     loop {
@@ -57,7 +58,9 @@ pub fn supervise(
             }
         }
         if let Some((r, code, what)) = failed {
-            eprintln!("softnic: {} {what}; ending the job", name(r));
+            if let Some(m) = report(r, code, &what) {
+                eprintln!("softnic: {m}; ending the job");
+            }
             kill_all(children);
             return code;
         }
