@@ -144,6 +144,32 @@ impl Cluster {
             .collect()
     }
 
+    /// The pids of namespace `i`'s processes named `comm` whose parent is a `softnic` (the
+    /// ssh spawner's agent): the ranks.
+    fn ranks(&self, i: usize, comm: &str) -> Vec<u32> {
+        let out = Command::new("ip")
+            .args(["netns", "pids", &self.ns[i]])
+            .output()
+            .unwrap();
+        let comm_of = |p: &str| {
+            std::fs::read_to_string(format!("/proc/{p}/comm"))
+                .map(|c| c.trim().to_string())
+                .unwrap_or_default()
+        };
+        let parent_of = |p: &str| {
+            let stat = std::fs::read_to_string(format!("/proc/{p}/stat")).unwrap_or_default();
+            // pid (comm) state ppid …: the comm may hold spaces, so split after ')'.
+            stat.rsplit_once(')')
+                .and_then(|(_, rest)| rest.split_whitespace().nth(1).map(str::to_string))
+                .unwrap_or_default()
+        };
+        String::from_utf8_lossy(&out.stdout)
+            .split_whitespace()
+            .filter(|p| comm_of(p) == comm && comm_of(&parent_of(p)) == "softnic")
+            .filter_map(|p| p.parse().ok())
+            .collect()
+    }
+
     /// Waits up to `within` until no namespace runs anything of a job (daemons may stay).
     fn job_gone(&self, within: Duration) -> Result<(), String> {
         let t = Instant::now();
@@ -156,7 +182,15 @@ impl Cluster {
                 return Ok(());
             }
             if t.elapsed() > within {
-                return Err(format!("still running: {left:?}"));
+                let ps = Command::new("sh")
+                    .arg("-c")
+                    .arg("ps -eo pid,ppid,stat,comm,args --forest | grep -E 'sshd|softnic|sleep|ssh ' | grep -v grep")
+                    .output()
+                    .unwrap();
+                return Err(format!(
+                    "still running: {left:?}\n{}",
+                    String::from_utf8_lossy(&ps.stdout)
+                ));
             }
             std::thread::sleep(Duration::from_millis(100));
         }
@@ -273,25 +307,15 @@ fn ssh_spawner_on_three_namespace_hosts() {
     let t = Instant::now();
     let victim = loop {
         assert!(t.elapsed() < Duration::from_secs(20), "ranks did not start");
-        let pids = Command::new("ip")
-            .args(["netns", "pids", &c.ns[1]])
-            .output()
-            .unwrap();
-        let found = String::from_utf8_lossy(&pids.stdout)
-            .split_whitespace()
-            .find(|p| {
-                std::fs::read_to_string(format!("/proc/{p}/comm"))
-                    .is_ok_and(|c| c.trim() == "sleep")
-            })
-            .map(str::to_string);
-        if let Some(p) = found {
-            break p;
+        let ranks = c.ranks(1, "sleep");
+        if ranks.len() == 2 {
+            break ranks[0];
         }
         std::thread::sleep(Duration::from_millis(50));
     };
-    std::thread::sleep(Duration::from_millis(300));
-    sh(&format!("kill -9 {victim}")).unwrap();
+    let killed = sh(&format!("kill -9 {victim}"));
     let out = job.wait_with_output().unwrap();
+    assert!(killed.is_ok(), "{killed:?}; the job said:\n{}", text(&out));
     assert!(!out.status.success());
     let msg = text(&out);
     assert!(
@@ -302,12 +326,19 @@ fn ssh_spawner_on_three_namespace_hosts() {
 
     // Kill the launcher itself: every rank on every host goes within the peer timeout.
     let mut job = c.launch(&["-n", "6"], Path::new("/bin/sleep"), &["60"]);
+        while (0..HOSTS).map(|i| c.ranks(i, "sleep").len()).sum::<usize>() < 6 {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        job.kill().unwrap();
+        job.wait().unwrap();
+        let t = Instant::now();
+        let r = c.job_gone(Duration::from_secs(30));
+        let left: Vec<Vec<String>> = (0..HOSTS).map(|i| c.processes(i)).collect();
+        eprintln!("launcher kill: gone after {:?} {r:?} {left:?}", t.elapsed());
+    }
+    let mut job = c.launch(&["-n", "6"], Path::new("/bin/sleep"), &["60"]);
     let t = Instant::now();
-    while (0..HOSTS)
-        .map(|i| c.processes(i).iter().filter(|p| *p == "sleep").count())
-        .sum::<usize>()
-        < 6
-    {
+    while (0..HOSTS).map(|i| c.ranks(i, "sleep").len()).sum::<usize>() < 6 {
         assert!(t.elapsed() < Duration::from_secs(20), "ranks did not start");
         std::thread::sleep(Duration::from_millis(50));
     }

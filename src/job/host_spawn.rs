@@ -35,11 +35,14 @@ pub struct HostSpawn {
 /// Runs this host's ranks; returns the exit code for the launcher (the first failing rank's).
 pub fn run(h: &HostSpawn) -> Result<i32, LaunchError> {
     // The ssh session is our parent: when it goes, so do we (and our ranks, below).
-    let _ = rustix::process::set_parent_process_death_signal(Some(rustix::process::Signal::Term));
     install_signal_handler();
+    watch_parent();
     let cfg = Config::load(&h.config)?;
     let me = cfg.host_index(&h.host)?;
     ensure_daemon(&cfg, &h.config, me)?;
+    if super::supervise::interrupted() {
+        return Ok(130);
+    }
     let size = h.rank_hosts.len() as u32;
     let map = h
         .rank_hosts
@@ -71,13 +74,19 @@ pub fn run(h: &HostSpawn) -> Result<i32, LaunchError> {
         if h.label {
             cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
         }
-        // SAFETY: between fork and exec only the async-signal-safe prctl is called.
+        // A rank dies with this agent. If the agent is already gone when the child asks
+        // (between fork and the prctl), the child's parent is no longer the agent: give up.
+        let agent = rustix::process::getpid();
+        // SAFETY: between fork and exec only the async-signal-safe prctl and getppid run.
         unsafe {
-            cmd.pre_exec(|| {
+            cmd.pre_exec(move || {
                 rustix::process::set_parent_process_death_signal(Some(
                     rustix::process::Signal::Kill,
-                ))
-                .map_err(std::io::Error::from)
+                ))?;
+                match rustix::process::getppid() == Some(agent) {
+                    true => Ok(()),
+                    false => Err(std::io::Error::other("the agent is gone")),
+                }
             });
         }
         match cmd.spawn() {
@@ -109,6 +118,27 @@ pub fn run(h: &HostSpawn) -> Result<i32, LaunchError> {
         let _ = c.join();
     }
     Ok(code)
+}
+
+/// Ends this agent (as a SIGTERM would) when its ssh session goes: the kernel's parent-death
+/// signal, and — for a session that went before that was armed, or a signal that got lost — a
+/// look at the parent every 100 ms.
+fn watch_parent() {
+    use rustix::process::{getpid, getppid, kill_process, set_parent_process_death_signal, Signal};
+    let _ = set_parent_process_death_signal(Some(Signal::Term));
+    let parent = getppid();
+    let orphan = |p: Option<rustix::process::Pid>| p.is_none_or(|p| p.is_init());
+    if orphan(parent) {
+        let _ = kill_process(getpid(), Signal::Term);
+        return;
+    }
+    std::thread::spawn(move || loop {
+        std::thread::sleep(Duration::from_millis(100));
+        if getppid() != parent {
+            let _ = kill_process(getpid(), Signal::Term);
+            return;
+        }
+    });
 }
 
 /// Copies a rank's output line by line, each prefixed with `[rank] `.

@@ -178,6 +178,14 @@ impl Drop for LocalDaemons {
     }
 }
 
+/// Whether a daemon answers at `path` now (one ping).
+pub fn daemon_answers(path: &Path) -> bool {
+    attach::connect(path)
+        .ok()
+        .and_then(|s| attach::call(&s, &Request::Ping, &[]).ok())
+        .is_some_and(|(r, _)| matches!(r, Response::Pong))
+}
+
 /// Pings a daemon's attach socket until it answers or `within` passes.
 pub fn health_check(path: &Path, within: Duration) -> bool {
     let t = Instant::now();

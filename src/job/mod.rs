@@ -24,7 +24,8 @@ pub enum Spawner {
 
 impl Spawner {
     /// `--spawner`, else `SOFTNIC_SPAWNER`, else ssh when the config has a host that is not
-    /// on this machine, else local.
+    /// on this machine and whose daemon does not answer here either, else local (every host
+    /// is here, or reachable from here: daemons in network namespaces of this machine).
     pub fn choose(
         asked: Option<Spawner>,
         config: Option<&crate::config::Config>,
@@ -44,9 +45,10 @@ impl Spawner {
             };
         }
         let remote = config.is_some_and(|c| {
-            c.hosts
-                .iter()
-                .any(|h| std::net::UdpSocket::bind((h.addr.ip(), 0)).is_err())
+            (0..c.hosts.len() as u16).any(|i| {
+                std::net::UdpSocket::bind((c.hosts[i as usize].addr.ip(), 0)).is_err()
+                    && !local::daemon_answers(&c.socket_path(i))
+            })
         });
         Ok(if remote { Spawner::Ssh } else { Spawner::Local })
     }

@@ -120,13 +120,19 @@ pub fn run(l: &Launch) -> Result<i32, LaunchError> {
             cmd.arg("-n").stdin(Stdio::null());
         }
         cmd.arg("--").arg(host.ssh_target()).arg(words.join(" "));
-        // SAFETY: between fork and exec only the async-signal-safe prctl is called.
+        // ssh dies with the launcher (and its session with it); if the launcher is already
+        // gone when the child asks, give up.
+        let launcher = rustix::process::getpid();
+        // SAFETY: between fork and exec only the async-signal-safe prctl and getppid run.
         unsafe {
-            cmd.pre_exec(|| {
+            cmd.pre_exec(move || {
                 rustix::process::set_parent_process_death_signal(Some(
                     rustix::process::Signal::Term,
-                ))
-                .map_err(std::io::Error::from)
+                ))?;
+                match rustix::process::getppid() == Some(launcher) {
+                    true => Ok(()),
+                    false => Err(std::io::Error::other("the launcher is gone")),
+                }
             });
         }
         match cmd.spawn() {
