@@ -81,9 +81,14 @@ pub struct Cluster {
     /// The cluster secret as 64 hex digits (authenticates every datagram).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub secret: Option<String>,
-    /// A file holding the secret as 64 hex digits (preferred for LAN deployments).
+    /// A file holding the secret as 64 hex digits.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub secret_file: Option<PathBuf>,
+    /// Per-host keys (instead of a secret): this host's private key, made by `softnic keygen`
+    /// (the same path on every host, a different key in each); every `[[host]]` then has its
+    /// `public_key`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub private_key_file: Option<PathBuf>,
     #[serde(default)]
     pub transport: TransportKind,
     #[serde(default = "default_mtu")]
@@ -180,6 +185,13 @@ pub struct Host {
     /// loopback).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mac: Option<String>,
+    /// Per-host keys: this host's public key as `softnic keygen` printed it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub public_key: Option<String>,
+    /// This host's private key file, when not the cluster's `private_key_file` (several hosts
+    /// of one config on one machine).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub private_key_file: Option<PathBuf>,
     /// Where the ssh spawner logs in to reach this host (`[user@]name`; default: the
     /// address).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -339,10 +351,99 @@ impl Config {
                 self.packet_link(i as u16)?;
             }
         }
+        if self.per_host_keys() {
+            if self.cluster.secret.is_some() || self.cluster.secret_file.is_some() {
+                return bad(
+                    "use either a cluster secret or per-host keys (public_key), not both".into(),
+                );
+            }
+            if let Some(h) = self
+                .hosts
+                .iter()
+                .find(|h| h.private_key_file.is_none() && self.cluster.private_key_file.is_none())
+            {
+                return bad(format!(
+                    "per-host keys: host {} needs a private key file (cluster.private_key_file, \
+                     made by softnic keygen)",
+                    h.name
+                ));
+            }
+            let mut seen: Vec<[u8; 32]> = Vec::new();
+            for h in &self.hosts {
+                let k = match &h.public_key {
+                    Some(k) => k,
+                    None => {
+                        return bad(format!(
+                            "host {} has no public_key (every host needs one when any has)",
+                            h.name
+                        ))
+                    }
+                };
+                let k = crate::keys::parse_hex32(k, &format!("host {}'s public_key", h.name))
+                    .map_err(|e| ConfigError::Invalid(e.to_string()))?;
+                if seen.contains(&k) {
+                    return bad(format!(
+                        "host {}'s public_key is another host's too",
+                        h.name
+                    ));
+                }
+                seen.push(k);
+            }
+            return Ok(());
+        }
         if self.cluster.secret.is_none() && self.cluster.secret_file.is_none() {
-            return bad("set cluster.secret or cluster.secret_file".into());
+            return bad(
+                "set cluster.secret or cluster.secret_file, or per-host keys (softnic keygen)"
+                    .into(),
+            );
         }
         self.key().map(|_| ())
+    }
+
+    /// Whether datagrams use per-host keys (some host has a `public_key`).
+    pub fn per_host_keys(&self) -> bool {
+        self.hosts.iter().any(|h| h.public_key.is_some())
+    }
+
+    /// The datagram keys of host `index`: the cluster secret for every peer, or with per-host
+    /// keys, one per peer derived from this host's private key (which must be the one whose
+    /// public key the config lists for it) and each peer's public key.
+    pub fn keys_for(&self, index: u16) -> Result<crate::keys::Keys, ConfigError> {
+        if !self.per_host_keys() {
+            return Ok(self.key()?.into());
+        }
+        let me = self
+            .hosts
+            .get(index as usize)
+            .ok_or_else(|| ConfigError::Invalid(format!("no host {index}")))?;
+        let path = me
+            .private_key_file
+            .as_ref()
+            .or(self.cluster.private_key_file.as_ref())
+            .ok_or_else(|| ConfigError::Invalid("no cluster.private_key_file".into()))?;
+        let key = crate::keys::HostKey::load(path)
+            .map_err(|e| ConfigError::Invalid(format!("host {}: {e}", me.name)))?;
+        let publics = self
+            .hosts
+            .iter()
+            .map(|h| {
+                let k = h.public_key.as_deref().unwrap_or_default();
+                crate::keys::parse_hex32(k, &format!("host {}'s public_key", h.name))
+                    .map_err(|e| ConfigError::Invalid(e.to_string()))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        if key.public() != publics[index as usize] {
+            return Err(ConfigError::Invalid(format!(
+                "the private key in {} is not host {}'s: its public key is {}, the config lists \
+                 {} (wrong key file, or the config's public_key for {} is out of date)",
+                path.display(),
+                me.name,
+                crate::keys::hex(&key.public()),
+                crate::keys::hex(&publics[index as usize]),
+                me.name
+            )));
+        }
+        Ok(key.pair_keys(index as usize, &publics))
     }
 
     /// The cluster secret.
@@ -421,6 +522,7 @@ impl Config {
             cluster: Cluster {
                 secret: Some(secret.iter().map(|b| format!("{b:02x}")).collect()),
                 secret_file: None,
+                private_key_file: None,
                 transport: TransportKind::Udp,
                 mtu: LOOPBACK_MTU,
                 window: default_window(),
@@ -437,6 +539,8 @@ impl Config {
                     addr: SocketAddr::from(([127, 0, 0, 2 + i as u8], base_port)),
                     interface: None,
                     mac: None,
+                    public_key: None,
+                    private_key_file: None,
                     ssh: None,
                 })
                 .collect(),
@@ -477,6 +581,31 @@ mod tests {
             toml::from_str(include_str!("../cluster-configs/lan-example.toml")).unwrap();
         assert_eq!(lan.hosts.len(), 4);
         assert_eq!(lan.cluster.mtu, 1472);
+        assert!(lan.per_host_keys());
+        lan.validate().unwrap();
+    }
+
+    #[test]
+    fn per_host_key_configs_are_checked() {
+        let mut c = Config::local_default(2, 7700, "/tmp/x".into());
+        c.cluster.secret = None;
+        c.hosts[0].public_key = Some("11".repeat(32));
+        let e = c.validate().unwrap_err().to_string();
+        assert!(e.contains("host h0 needs a private key file"), "{e}");
+        c.cluster.private_key_file = Some("/k".into());
+        let e = c.validate().unwrap_err().to_string();
+        assert!(e.contains("host h1 has no public_key"), "{e}");
+        c.hosts[1].public_key = Some("11".repeat(32));
+        let e = c.validate().unwrap_err().to_string();
+        assert!(e.contains("another host's too"), "{e}");
+        c.hosts[1].public_key = Some("zz".repeat(32));
+        let e = c.validate().unwrap_err().to_string();
+        assert!(e.contains("not 64 hex digits"), "{e}");
+        c.hosts[1].public_key = Some("22".repeat(32));
+        c.validate().unwrap();
+        c.cluster.secret = Some("33".repeat(32));
+        let e = c.validate().unwrap_err().to_string();
+        assert!(e.contains("not both"), "{e}");
     }
 
     #[test]

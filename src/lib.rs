@@ -8,6 +8,7 @@ pub mod daemon;
 pub mod gasnet;
 pub mod gni;
 pub mod job;
+pub mod keys;
 pub mod logging;
 pub mod nic;
 pub mod portals;

@@ -150,6 +150,7 @@ pub struct Ctx {
     pub iters: usize,
     /// The daemons' transport, from the job's config.
     pub transport: Option<String>,
+    pub job: JobInfo,
 }
 
 impl Ctx {
@@ -211,6 +212,7 @@ fn main() -> anyhow::Result<()> {
             .as_deref()
             .and_then(|p| softnic::config::Config::load(p).ok())
             .map(|c| c.cluster.transport.name().to_string()),
+        job: job.clone(),
     };
     if args.api.as_deref() == Some("gasnet") {
         let conduit = args.conduit.clone().unwrap_or_else(|| "udp".into());

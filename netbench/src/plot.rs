@@ -324,6 +324,15 @@ mod tests {
             job_id: 0,
             iters: 1,
             transport: None,
+            job: softnic::job::JobInfo {
+                rank: 0,
+                size: 2,
+                job_id: 0,
+                job_key: 0,
+                daemon: Default::default(),
+                rank_hosts: vec![0, 1],
+                config: None,
+            },
         };
         Row {
             lat_us: Some(lat),

@@ -15,11 +15,8 @@ pub struct Pair {
     epoch: u64,
 }
 
-fn addr(job: u32, rank: u32) -> SocketAddr {
-    // A port derived from the job id, so that concurrent jobs do not collide.
-    let port = 30_000 + (job % 15_000) as u16 * 2 + rank as u16;
-    SocketAddr::from(([127, 0, 1, 10 + rank as u8], port))
-}
+/// The salt of the floor's ports (see `JobInfo::rank_addrs`).
+const PORT_SALT: u16 = 2;
 
 impl Pair {
     pub fn connect(ctx: &Ctx) -> anyhow::Result<Pair> {
@@ -27,10 +24,12 @@ impl Pair {
         let sock = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::DGRAM, None)?;
         let _ = sock.set_recv_buffer_size(8 << 20);
         let _ = sock.set_send_buffer_size(8 << 20);
-        sock.bind(&addr(ctx.job_id, me).into())?;
+        // Each rank on its host's address: on one machine or across a LAN alike.
+        let addrs = ctx.job.rank_addrs(PORT_SALT)?;
+        sock.bind(&addrs[me as usize].into())?;
         let sock: UdpSocket = sock.into();
         sock.set_nonblocking(true)?;
-        let peer = addr(ctx.job_id, 1 - me);
+        let peer = addrs[1 - me as usize];
         let mut p = Pair {
             sock,
             peer,

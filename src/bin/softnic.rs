@@ -95,6 +95,13 @@ enum Cmd {
         #[arg(last = true, required = true)]
         program: Vec<OsString>,
     },
+    /// Make this host's key pair for per-host keys: writes the private key (mode 0600, never
+    /// over an existing file) and prints the public key for the host's `[[host]]` entry.
+    Keygen {
+        /// Where the private key goes (the config's cluster.private_key_file).
+        #[arg(long, default_value = "/etc/softnic/host.key")]
+        out: PathBuf,
+    },
     /// Print a daemon's counters.
     Stat {
         /// Cluster config (default: $SOFTNIC_CONFIG, set inside jobs).
@@ -199,6 +206,20 @@ fn main() -> anyhow::Result<()> {
                 args: program.collect(),
             };
             std::process::exit(host_spawn::run(&h)?);
+        }
+        Cmd::Keygen { out } => {
+            if let Some(dir) = out.parent().filter(|d| !d.as_os_str().is_empty()) {
+                std::fs::create_dir_all(dir)
+                    .with_context(|| format!("cannot create {}", dir.display()))?;
+            }
+            let key = softnic::keys::HostKey::generate();
+            key.save(&out)?;
+            eprintln!(
+                "private key written to {} (mode 0600); put this line in this host's [[host]]:",
+                out.display()
+            );
+            println!("public_key = \"{}\"", softnic::keys::hex(&key.public()));
+            Ok(())
         }
         Cmd::Stat { config, host } => {
             let path = config

@@ -108,7 +108,7 @@ impl HostNic {
     ) -> io::Result<HostNic> {
         let nhosts = cfg.hosts.len() as u16;
         let key = cfg
-            .key()
+            .keys_for(index)
             .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e.to_string()))?;
         let peers = cfg.hosts.iter().map(|h| h.addr).collect();
         let addr = cfg.hosts[index as usize].addr;

@@ -248,7 +248,9 @@ pub fn run(l: &Launch) -> Result<i32, LaunchError> {
             if l.fault.is_some() {
                 c.fault = l.fault.clone();
             }
-            let d = if l.attach {
+            // Daemons that already serve every host are used, as with --attach.
+            let running = || (0..c.hosts.len() as u16).all(|i| daemon_answers(&c.socket_path(i)));
+            let d = if l.attach || running() {
                 None
             } else {
                 Some(LocalDaemons::start(&c).map_err(LaunchError::Daemon)?)

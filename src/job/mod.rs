@@ -149,6 +149,44 @@ impl JobInfo {
         })
     }
 
+    /// Where each rank can be reached by a socket of its own process (the baselines without
+    /// the NIC: the udp conduit, netbench's raw-UDP floor): its host's address in the config
+    /// and a port made of the job id, `salt` (one per user of this scheme) and the rank, so no
+    /// exchange is needed and ranks sharing a host differ. Without a config: loopback
+    /// addresses 127.1.x.y.
+    pub fn rank_addrs(&self, salt: u16) -> Result<Vec<std::net::SocketAddr>, JobError> {
+        let ips: Vec<std::net::IpAddr> = match &self.config {
+            Some(p) => {
+                let cfg = crate::config::Config::load(p)?;
+                self.rank_hosts
+                    .iter()
+                    .map(|&h| {
+                        cfg.hosts
+                            .get(h as usize)
+                            .map(|h| h.addr.ip())
+                            .ok_or_else(|| JobError::Invalid {
+                                name: "SOFTNIC_RANK_HOSTS",
+                                value: h.to_string(),
+                                why: "names no host of the config".into(),
+                            })
+                    })
+                    .collect::<Result<_, _>>()?
+            }
+            None => (0..self.size)
+                .map(|r| std::net::Ipv4Addr::new(127, 1, (r >> 8) as u8, r as u8).into())
+                .collect(),
+        };
+        let base = self.job_id as u64 * 997 + salt as u64 * 13_331;
+        Ok(ips
+            .into_iter()
+            .enumerate()
+            .map(|(r, ip)| {
+                let port = 20_000 + ((base + r as u64) % 40_000) as u16;
+                std::net::SocketAddr::new(ip, port)
+            })
+            .collect())
+    }
+
     /// The cluster's datagram size (the daemons' MTU): from the job's config file, or the
     /// default when the job names none.
     pub fn mtu(&self) -> Result<usize, crate::config::ConfigError> {

@@ -32,7 +32,7 @@ use std::collections::{BTreeMap, VecDeque};
 
 use super::lazy::LazyPolicy;
 use crate::wire::{
-    DatagramHeader, Key, OpRef, WireError, FLAG_CONFIRM, FLAG_IN_SESSION, HEADER_LEN, TAG_LEN,
+    DatagramHeader, Key, Keys, OpRef, WireError, FLAG_CONFIRM, FLAG_IN_SESSION, HEADER_LEN, TAG_LEN,
 };
 
 /// Bodies transmitted after a lost one (and delivered) that prove its loss at once.
@@ -367,12 +367,21 @@ enum Verdict {
     Malformed(&'static str),
 }
 
+/// The key of datagrams with `peer` (an index the transport checked; a key nobody holds
+/// otherwise, so a bad index can only fail authentication).
+fn key_of(keys: &Keys, peer: u16) -> &Key {
+    static NOBODY: Key = Key([0; 32]);
+    keys.for_peer(peer).unwrap_or(&NOBODY)
+}
+
 /// Reliable delivery to every peer of one host.
 pub struct Transport {
     host: u16,
     /// See [`auth_friendly_body`].
     body_cap: usize,
-    key: Key,
+    keys: Keys,
+    /// Authentication failures by claimed sender.
+    auth_failures_from: Vec<u64>,
     cfg: TransportConfig,
     peers: Vec<Peer>,
     pool: Vec<Vec<u8>>,
@@ -386,14 +395,21 @@ pub struct Transport {
 impl Transport {
     /// `nhosts` peers numbered 0.., of which `host` is this one. `seed` makes epochs distinct
     /// per start (pass randomness in production, a constant in simulations).
-    pub fn new(host: u16, nhosts: u16, key: Key, mut cfg: TransportConfig, seed: u64) -> Transport {
+    pub fn new(
+        host: u16,
+        nhosts: u16,
+        keys: impl Into<Keys>,
+        mut cfg: TransportConfig,
+        seed: u64,
+    ) -> Transport {
         // Backoff must leave ~20 attempts before a silent peer is declared dead: at 30% loss
         // each way a datagram and its ack both get through only half the time.
         cfg.rto_max = cfg.rto_max.min(cfg.peer_timeout / 20).max(cfg.rto_min);
         let mut t = Transport {
             host,
             body_cap: auth_friendly_body(cfg.mtu),
-            key,
+            keys: keys.into(),
+            auth_failures_from: vec![0; nhosts as usize],
             peers: Vec::new(),
             pool: Vec::new(),
             scratch: vec![0; HEADER_LEN + TAG_LEN],
@@ -614,17 +630,55 @@ impl Transport {
         Verdict::Session
     }
 
+    /// Counts a datagram whose tag failed by the host it claims to come from, and says so in
+    /// the log at the first and every 1000th: a peer with the wrong key (or a config whose
+    /// public key for it is out of date), or someone claiming its identity.
+    fn note_auth_failure(&mut self, claimed: Option<u16>) {
+        let Some(n) = claimed.and_then(|c| self.auth_failures_from.get_mut(c as usize)) else {
+            return;
+        };
+        *n += 1;
+        if *n % 1000 == 1 {
+            tracing::warn!(
+                "{} datagram(s) claiming to come from host {} failed authentication: that host's \
+                 key, or this host's config entry for it, is wrong (or someone claims its \
+                 identity)",
+                n,
+                claimed.unwrap_or_default()
+            );
+        }
+    }
+
+    /// Datagrams that failed authentication, by the host they claimed to come from.
+    pub fn auth_failures_from(&self) -> &[u64] {
+        &self.auth_failures_from
+    }
+
     /// Handles one incoming datagram.
     pub fn on_datagram<'a>(
         &mut self,
         now: u64,
         dgram: &'a [u8],
     ) -> Result<Received<'a>, WireError> {
-        let (h, body) = match DatagramHeader::open(&self.key, dgram) {
+        // The key is the one of the pair with the host the datagram claims to come from; a
+        // host that claims another's identity holds no key of that pair, so its tag fails.
+        let key = match DatagramHeader::claimed_src(dgram) {
+            // Not even an envelope: `open` below says what is wrong with it.
+            None => key_of(&self.keys, 0),
+            Some(src) => match self.keys.for_peer(src) {
+                Some(k) => k,
+                None => {
+                    self.stats.malformed += 1;
+                    return Err(WireError::BadField("datagram from no host of the cluster"));
+                }
+            },
+        };
+        let (h, body) = match DatagramHeader::open(key, dgram) {
             Ok(x) => x,
             Err(e) => {
                 if e == WireError::BadTag {
                     self.stats.auth_failures += 1;
+                    self.note_auth_failure(DatagramHeader::claimed_src(dgram));
                 } else {
                     self.stats.malformed += 1;
                 }
@@ -1034,7 +1088,7 @@ impl Transport {
                 h.write(&mut f.buf);
                 Some((
                     Some(i),
-                    DatagramHeader::seal(&self.key, &mut f.buf, f.body_end),
+                    DatagramHeader::seal(key_of(&self.keys, peer), &mut f.buf, f.body_end),
                 ))
             }
             None => Some((None, self.seal_scratch(&h))),
@@ -1045,7 +1099,11 @@ impl Transport {
     fn seal_scratch(&mut self, h: &DatagramHeader) -> usize {
         self.scratch.resize(HEADER_LEN + TAG_LEN, 0);
         h.write(&mut self.scratch);
-        DatagramHeader::seal(&self.key, &mut self.scratch, HEADER_LEN)
+        DatagramHeader::seal(
+            key_of(&self.keys, h.dst_host),
+            &mut self.scratch,
+            HEADER_LEN,
+        )
     }
 }
 
@@ -1176,6 +1234,27 @@ mod tests {
         t.push_op_lazy_until(1, &op(now), now + 10_000).unwrap();
         t.flush(now);
         t.poll_transmit(now).is_some()
+    }
+
+    #[test]
+    fn per_host_keys_a_host_cannot_speak_as_another() {
+        use crate::keys::HostKey;
+        let hk: Vec<HostKey> = (0..3).map(|_| HostKey::generate()).collect();
+        let publics: Vec<[u8; 32]> = hk.iter().map(|k| k.public()).collect();
+        let keys = |i: usize| hk[i].pair_keys(i, &publics);
+        let mut t0 = Transport::new(0, 3, keys(0), cfg(), 1);
+        let mut t1 = Transport::new(1, 3, keys(1), cfg(), 2);
+        // Host 2 writes a datagram for host 0 and then claims to be host 1: it can tag it only
+        // with its own key for host 0, which is not the pair (0, 1)'s.
+        let mut t2 = Transport::new(2, 3, keys(2), cfg(), 3);
+        let mut forged = t2.poll_transmit(0).unwrap().1.to_vec();
+        forged[4..6].copy_from_slice(&1u16.to_le_bytes());
+        assert_eq!(t0.on_datagram(0, &forged).err(), Some(WireError::BadTag));
+        assert_eq!(t0.auth_failures_from(), &[0, 1, 0]);
+        // The real host 1 gets through.
+        let hello = t1.poll_transmit(0).unwrap().1.to_vec();
+        assert!(t0.on_datagram(0, &hello).is_ok());
+        assert_eq!(t0.stats.auth_failures, 1);
     }
 
     #[test]

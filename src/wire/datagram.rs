@@ -25,7 +25,8 @@ pub const FLAG_IN_SESSION: u8 = 1;
 /// receiver took its epoch; the receiver acknowledges at once.
 pub const FLAG_CONFIRM: u8 = 2;
 
-/// The 32-byte cluster secret shared by all daemons of a cluster.
+/// A 32-byte datagram key: the cluster secret shared by all daemons (the simple mode), or the
+/// key of one pair of hosts (see [`crate::keys`]).
 #[derive(Clone)]
 pub struct Key(pub [u8; 32]);
 
@@ -35,6 +36,30 @@ impl Key {
         let mut t = [0u8; TAG_LEN];
         t.copy_from_slice(&h.as_bytes()[..TAG_LEN]);
         t
+    }
+}
+
+/// The keys of one host's datagrams: one cluster secret for every peer, or one per peer.
+#[derive(Debug, Clone)]
+pub enum Keys {
+    Cluster(Key),
+    /// Entry `i`: the key of the pair (this host, host i); this host's own entry is unused.
+    PerPeer(Vec<Key>),
+}
+
+impl Keys {
+    /// The key of datagrams to and from host `peer`.
+    pub fn for_peer(&self, peer: u16) -> Option<&Key> {
+        match self {
+            Keys::Cluster(k) => Some(k),
+            Keys::PerPeer(v) => v.get(peer as usize),
+        }
+    }
+}
+
+impl From<Key> for Keys {
+    fn from(k: Key) -> Keys {
+        Keys::Cluster(k)
     }
 }
 
@@ -79,6 +104,13 @@ impl DatagramHeader {
         let t = key.tag(&buf[..len]);
         buf[len..len + TAG_LEN].copy_from_slice(&t);
         len + TAG_LEN
+    }
+
+    /// The sending host a datagram claims (not yet authenticated: it picks the key to check
+    /// the tag with); `None` unless it is long enough and has the magic and version.
+    pub fn claimed_src(dgram: &[u8]) -> Option<u16> {
+        (dgram.len() >= HEADER_LEN + TAG_LEN && get_u16(dgram, 0) == MAGIC && dgram[2] == VERSION)
+            .then(|| get_u16(dgram, 4))
     }
 
     /// Checks envelope and tag; returns the header and the body slice.

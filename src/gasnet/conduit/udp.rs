@@ -3,8 +3,9 @@
 //! numbers, acknowledgements, retransmission, duplicate suppression, a bounded window as the
 //! credits), so every Active Message is handled by the target process when it polls.
 //!
-//! Addresses: node n listens on 127.1.(n >> 8).(n & 255) at a port derived from the job id, so
-//! concurrent jobs do not collide and no exchange is needed. The job key authenticates datagrams.
+//! Addresses: node n listens on its host's address from the cluster config (127.1.x.y without
+//! one) at a port derived from the job id and n ([`JobInfo::rank_addrs`]), so concurrent jobs do
+//! not collide and no exchange is needed. The job key authenticates datagrams.
 
 use std::collections::VecDeque;
 use std::net::SocketAddr;
@@ -33,10 +34,8 @@ pub struct UdpConduit {
     local: VecDeque<(u32, Vec<u8>)>,
 }
 
-fn addr(job: u32, node: u32) -> SocketAddr {
-    let port = 40_000 + (job % 20_000) as u16;
-    SocketAddr::from(([127, 1, (node >> 8) as u8, (node & 255) as u8], port))
-}
+/// The salt of the udp conduit's ports (see [`JobInfo::rank_addrs`]).
+const PORT_SALT: u16 = 1;
 
 impl UdpConduit {
     pub fn new(job: &JobInfo, segment_len: usize) -> Result<UdpConduit, GasnetError> {
@@ -45,7 +44,9 @@ impl UdpConduit {
                 "the udp conduit addresses at most 65535 nodes".into(),
             ));
         }
-        let peers: Vec<SocketAddr> = (0..job.size).map(|n| addr(job.job_id, n)).collect();
+        let peers: Vec<SocketAddr> = job
+            .rank_addrs(PORT_SALT)
+            .map_err(|e| GasnetError::Setup(format!("udp conduit addresses: {e}")))?;
         let d = UdpDriver::bind(peers[job.rank as usize], peers, None)
             .map_err(|e| GasnetError::Setup(format!("udp conduit cannot bind: {e}")))?;
         let key = Key(*blake3::hash(

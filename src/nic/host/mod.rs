@@ -25,7 +25,6 @@ use crate::nic::gemini::{Completion, Initiator};
 use crate::nic::memory::Endpoints;
 use crate::shm::{Command, CqEntry};
 use crate::transport::{Transport, TransportConfig, TransportEvent};
-use crate::wire::Key;
 
 pub use sessions::AttachError;
 
@@ -93,13 +92,13 @@ pub struct HostCore {
 }
 
 impl HostCore {
-    /// Host `index` of `nhosts`, authenticating with `key`; `seed` makes its incarnation
+    /// Host `index` of `nhosts`, authenticating with `keys`; `seed` makes its incarnation
     /// distinct (randomness in the daemon, a constant in simulations).
     pub fn new(
         index: u16,
         nhosts: u16,
         name: impl Into<String>,
-        key: Key,
+        keys: impl Into<crate::wire::Keys>,
         cfg: TransportConfig,
         seed: u64,
     ) -> HostCore {
@@ -107,7 +106,7 @@ impl HostCore {
             index,
             name: name.into(),
             nhosts,
-            transport: Transport::new(index, nhosts, key, cfg, seed),
+            transport: Transport::new(index, nhosts, keys, cfg, seed),
             endpoints: Endpoints::default(),
             initiator: Initiator::default(),
             sessions: HashMap::default(),
@@ -259,6 +258,17 @@ impl HostCore {
             ("out_of_window", t.out_of_window.to_string()),
             ("acks_sent", t.acks_sent.to_string()),
             ("auth_failures", t.auth_failures.to_string()),
+            ("auth_failures_by_claimed_host", {
+                let by: Vec<String> = (self.transport.auth_failures_from().iter().enumerate())
+                    .filter(|(_, n)| **n > 0)
+                    .map(|(h, n)| format!("host{h}={n}"))
+                    .collect();
+                if by.is_empty() {
+                    "-".into()
+                } else {
+                    by.join(" ")
+                }
+            }),
             ("malformed_datagrams", t.malformed.to_string()),
             ("stale_datagrams", t.stale.to_string()),
             ("malformed_ops", s.malformed_ops.to_string()),
