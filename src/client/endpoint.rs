@@ -387,13 +387,6 @@ impl Endpoint {
     }
 }
 
-impl Drop for Endpoint {
-    fn drop(&mut self) {
-        // A rank that bootstrapped through a PMI-1 process manager tells it it is done.
-        crate::job::pmi_finalize();
-    }
-}
-
 fn register_with(client: &Client, len: usize, perms: Perms) -> Result<MemRegion, NicError> {
     let map = Arc::new(Mapping::create("softnic-region", len)?);
     let h = client.register(&map, perms)?;

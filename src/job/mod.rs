@@ -197,7 +197,7 @@ impl JobInfo {
     }
 }
 
-/// The PMI connection of a rank that bootstrapped through one, kept until the endpoint goes.
+/// The PMI connection of a rank that bootstrapped through one, kept until the process exits.
 static PMI: std::sync::Mutex<Option<pmi::PmiClient>> = std::sync::Mutex::new(None);
 
 /// Tells the PMI process manager, if this rank bootstrapped through one, that it is done.
@@ -256,6 +256,15 @@ impl JobInfo {
         }
         if let Ok(mut g) = PMI.lock() {
             *g = Some(c);
+        }
+        // Whatever the program does, the process manager hears PMI_Finalize when it exits
+        // (Hydra counts an exit without it as a failure and kills the job's other ranks).
+        extern "C" fn finalize_at_exit() {
+            pmi_finalize();
+        }
+        // SAFETY: registers a plain function with no captured state; it runs once at exit.
+        unsafe {
+            libc::atexit(finalize_at_exit);
         }
         Ok(JobInfo {
             rank,
