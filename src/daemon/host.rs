@@ -98,6 +98,36 @@ pub struct HostNic {
 }
 
 impl HostNic {
+    /// Whether the process behind an attach socket may attach: the daemon's own user, or a
+    /// member (primary or supplementary group) of `allowed_gid`.
+    fn may_attach(&self, c: &rustix::net::UCred) -> bool {
+        if c.uid.as_raw() == self.uid {
+            return true;
+        }
+        let Some(g) = self.allowed_gid else {
+            return false;
+        };
+        c.gid.as_raw() == g || supplementary_groups(c.pid.as_raw_nonzero().get()).contains(&g)
+    }
+
+    /// What a refused process is told: who it is, whom the daemon admits, what to change.
+    fn refusal(&self, c: &rustix::net::UCred) -> String {
+        format!(
+            "permission denied: host {}'s daemon runs as uid {} and admits {}; this process \
+             is uid {} gid {} (run as uid {}, or set cluster.allowed_gid to a group of this \
+             user and restart the daemon)",
+            self.core.name,
+            self.uid,
+            match self.allowed_gid {
+                Some(g) => format!("members of group {g}"),
+                None => "no other users (no cluster.allowed_gid)".into(),
+            },
+            c.uid.as_raw(),
+            c.gid.as_raw(),
+            self.uid,
+        )
+    }
+
     /// Starts host `index` of `cfg`. Its TCP sockets are registered with `registry` under
     /// `token`; a UDP or packet socket only while the daemon sleeps (see [`HostNic::arm`]).
     pub fn new(
@@ -176,6 +206,12 @@ impl HostNic {
             )
         })?;
         rustix::net::listen(&listener, 128)?;
+        // Anyone may knock: who gets in is decided by the peer's credentials at accept, so a
+        // user who may not attach hears why at once instead of a bare "permission denied".
+        {
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(&socket_path, std::fs::Permissions::from_mode(0o666))?;
+        }
         Ok(HostNic {
             core,
             driver,
@@ -407,20 +443,12 @@ impl HostNic {
                 }
             };
             let pid = match rustix::net::sockopt::get_socket_peercred(&fd) {
-                Ok(c) if c.uid.as_raw() == self.uid || Some(c.gid.as_raw()) == self.allowed_gid => {
-                    c.pid.as_raw_nonzero().get()
-                }
+                Ok(c) if self.may_attach(&c) => c.pid.as_raw_nonzero().get(),
                 Ok(c) => {
                     self.core.stats.attach_refused += 1;
-                    tracing::warn!(host = %self.core.name, "refusing attach from uid {} gid {}", c.uid.as_raw(), c.gid.as_raw());
-                    let _ = attach::send(
-                        fd.as_fd(),
-                        &Response::Error(
-                            "permission denied: the daemon's uid or allowed_gid only".into(),
-                        )
-                        .encode(),
-                        &[],
-                    );
+                    let why = self.refusal(&c);
+                    tracing::warn!(host = %self.core.name, "refusing attach: {why}");
+                    let _ = attach::send(fd.as_fd(), &Response::Error(why).encode(), &[]);
                     continue;
                 }
                 Err(e) => {
@@ -673,6 +701,20 @@ impl Drop for HostNic {
     fn drop(&mut self) {
         let _ = std::fs::remove_file(&self.socket_path);
     }
+}
+
+/// The supplementary groups of process `pid` (its `Groups:` line in /proc; empty if gone).
+fn supplementary_groups(pid: i32) -> Vec<u32> {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|t| {
+            t.lines().find_map(|l| l.strip_prefix("Groups:")).map(|g| {
+                g.split_whitespace()
+                    .filter_map(|x| x.parse().ok())
+                    .collect()
+            })
+        })
+        .unwrap_or_default()
 }
 
 #[cfg(test)]

@@ -39,6 +39,8 @@ pub enum LaunchError {
     },
     #[error("-n must be at least 1 and --hosts between 1 and 250")]
     Size,
+    #[error("the daemon refused: {0}")]
+    Refused(String),
     #[error("the {0} spawner needs --config: the cluster's hosts and daemons")]
     NeedConfig(&'static str),
     #[error("cannot run {command} (the ssh command; set SOFTNIC_SSH_CMD): {source}")]
@@ -188,16 +190,26 @@ pub fn daemon_answers(path: &Path) -> bool {
 
 /// Pings a daemon's attach socket until it answers or `within` passes.
 pub fn health_check(path: &Path, within: Duration) -> bool {
+    matches!(daemon_health(path, within), Ok(true))
+}
+
+/// Pings a daemon's attach socket until it answers (`Ok(true)`) or `within` passes
+/// (`Ok(false)`); a daemon that refuses this user is an error at once, with its reason.
+pub fn daemon_health(path: &Path, within: Duration) -> Result<bool, String> {
     let t = Instant::now();
-    while t.elapsed() < within {
+    loop {
         if let Ok(s) = attach::connect(path) {
-            if let Ok((Response::Pong, _)) = attach::call(&s, &Request::Ping, &[]) {
-                return true;
+            match attach::call(&s, &Request::Ping, &[]) {
+                Ok((Response::Pong, _)) => return Ok(true),
+                Ok((Response::Error(why), _)) => return Err(why),
+                _ => {}
             }
+        }
+        if t.elapsed() >= within {
+            return Ok(false);
         }
         std::thread::sleep(Duration::from_millis(20));
     }
-    false
 }
 
 /// Starts the local default's daemons on a free port; returns them and the config.
@@ -261,11 +273,15 @@ pub fn run(l: &Launch) -> Result<i32, LaunchError> {
     let nhosts = cfg.hosts.len();
     for i in 0..nhosts as u16 {
         let path = cfg.socket_path(i);
-        if !health_check(&path, Duration::from_secs(5)) {
-            return Err(LaunchError::Health(
-                cfg.hosts[i as usize].name.clone(),
-                path,
-            ));
+        match daemon_health(&path, Duration::from_secs(5)) {
+            Ok(true) => {}
+            Ok(false) => {
+                return Err(LaunchError::Health(
+                    cfg.hosts[i as usize].name.clone(),
+                    path,
+                ))
+            }
+            Err(why) => return Err(LaunchError::Refused(why)),
         }
     }
     let job_id: u32 = rand::random::<u32>() >> 1;

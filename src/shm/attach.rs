@@ -235,10 +235,16 @@ pub fn call(
     req: &Request,
     fds: &[BorrowedFd<'_>],
 ) -> io::Result<(Response, Vec<OwnedFd>)> {
-    send(sock.as_fd(), &req.encode(), fds)?;
+    let sent = send(sock.as_fd(), &req.encode(), fds);
     let mut buf = vec![0u8; MAX_MESSAGE];
     let mut got = Vec::new();
-    let n = recv(sock.as_fd(), &mut buf, &mut got)?;
+    // A daemon that refuses this process says why as soon as it accepts, then closes: the
+    // request may find the socket closed, and the reason is still there to read.
+    let n = match (sent, recv(sock.as_fd(), &mut buf, &mut got)) {
+        (_, Ok(n)) if n > 0 => n,
+        (Err(e), _) => return Err(e),
+        (Ok(()), r) => r?,
+    };
     if n == 0 {
         return Err(io::Error::new(
             io::ErrorKind::ConnectionReset,
