@@ -193,3 +193,51 @@ fn lossy_namespaces_randomaccess_verifies_and_a_killed_daemon_is_named() {
     d.restart(1);
     run_ok("small", "job right after the restart");
 }
+
+/// `softnic doctor` on two namespace hosts: all well, then with host 1's UDP port blocked
+/// inbound by nftables it names host 1 and the port, and exits 1.
+#[test]
+fn doctor_names_the_host_whose_port_is_blocked() {
+    if !rustix::process::geteuid().is_root() {
+        eprintln!("skipped: network namespaces and nftables need root (CI runs as root)");
+        return;
+    }
+    let (pair, d) = udp_daemons("d", 7703);
+    let doctor = || {
+        Command::new(env!("CARGO_BIN_EXE_softnic"))
+            .args(["doctor", "--config"])
+            .arg(&d.config)
+            .output()
+            .unwrap()
+    };
+    let out = doctor();
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(out.status.success(), "{text}");
+    assert!(
+        text.contains("ok: every daemon reached from here hears every peer"),
+        "{text}"
+    );
+
+    let rules = "table inet softnic_block {\n chain input {\n  type filter hook input priority 0;\n  udp dport 7703 drop\n }\n}\n";
+    let mut nft = Command::new("ip")
+        .args(["netns", "exec", &pair.ns[1], "nft", "-f", "-"])
+        .stdin(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    use std::io::Write;
+    nft.stdin
+        .take()
+        .unwrap()
+        .write_all(rules.as_bytes())
+        .unwrap();
+    assert!(nft.wait().unwrap().success());
+    // Long enough for what host 1 heard before to age past "recent".
+    std::thread::sleep(std::time::Duration::from_millis(3200));
+    let out = doctor();
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert_eq!(out.status.code(), Some(1), "{text}");
+    assert!(
+        text.contains("fix: host h1 receives nothing while its peers hear it: incoming UDP port 7703 is blocked on h1"),
+        "{text}"
+    );
+}

@@ -10,7 +10,7 @@ use softnic::config::{Config, FaultArgs, TransportKind};
 use softnic::job::host_spawn::{self, HostSpawn};
 use softnic::job::local::{self, Launch};
 use softnic::job::placement::Map;
-use softnic::job::{ssh, Spawner};
+use softnic::job::{doctor, ssh, Spawner};
 use softnic::shm::attach::{self, Request, Response};
 
 #[derive(Parser, Debug)]
@@ -101,6 +101,13 @@ enum Cmd {
         /// Where the private key goes (the config's cluster.private_key_file).
         #[arg(long, default_value = "/etc/softnic/host.key")]
         out: PathBuf,
+    },
+    /// Check every daemon of a config this machine can reach: make them all answer each
+    /// other, then print what each sees of its peers (session, round trip, last heard,
+    /// authentication failures) and what to fix. Exit status 1 when something is wrong.
+    Doctor {
+        #[arg(long)]
+        config: PathBuf,
     },
     /// Print a daemon's counters.
     Stat {
@@ -220,6 +227,38 @@ fn main() -> anyhow::Result<()> {
             );
             println!("public_key = \"{}\"", softnic::keys::hex(&key.public()));
             Ok(())
+        }
+        Cmd::Doctor { config } => {
+            let cfg = Config::load(&config)?;
+            let n = cfg.hosts.len() as u16;
+            let ask = |h: u16, req: &Request| -> Option<Response> {
+                let s = attach::connect(&cfg.socket_path(h)).ok()?;
+                attach::call(&s, req, &[]).ok().map(|r| r.0)
+            };
+            // Make every peer answer, give the answers time to come, then look.
+            let reached: Vec<bool> = (0..n)
+                .map(|h| matches!(ask(h, &Request::Probe), Some(Response::Pong)))
+                .collect();
+            std::thread::sleep(Duration::from_millis(1500));
+            let views: Vec<_> = (0..n)
+                .map(|h| match (reached[h as usize], ask(h, &Request::Stat)) {
+                    (true, Some(Response::Stat(t))) => Some(doctor::parse_stat(&t, &cfg)),
+                    _ => None,
+                })
+                .collect();
+            let r = doctor::diagnose(&cfg, &views, env!("CARGO_PKG_VERSION"));
+            print!("{}", r.table);
+            for note in &r.notes {
+                println!("note: {note}");
+            }
+            if r.problems.is_empty() {
+                println!("ok: every daemon reached from here hears every peer");
+                return Ok(());
+            }
+            for p in &r.problems {
+                println!("fix: {p}");
+            }
+            std::process::exit(1);
         }
         Cmd::Stat { config, host } => {
             let path = config

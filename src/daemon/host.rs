@@ -95,6 +95,11 @@ pub struct HostNic {
     token: mio::Token,
     armed: bool,
     pub counters: DriverCounters,
+    /// The config's host names, and how this host authenticates (for `softnic stat`).
+    names: Vec<String>,
+    keys_line: String,
+    /// The time of the last turn, and when it was: `now` between turns.
+    last_now: (u64, std::time::Instant),
 }
 
 impl HostNic {
@@ -182,6 +187,10 @@ impl HostNic {
             peer_timeout: cfg.cluster.peer_timeout_ms * 1_000_000,
             ..Default::default()
         };
+        let keys_line = match &cfg.hosts[index as usize].public_key {
+            Some(pk) => format!("per-host, public key {pk}"),
+            None => "cluster secret".into(),
+        };
         let core = HostCore::new(
             index,
             nhosts,
@@ -229,7 +238,15 @@ impl HostNic {
             token,
             armed: false,
             counters: DriverCounters::default(),
+            names: cfg.hosts.iter().map(|h| h.name.clone()).collect(),
+            keys_line,
+            last_now: (0, std::time::Instant::now()),
         })
+    }
+
+    /// The daemon's clock now (the last turn's time plus what passed since).
+    fn now(&self) -> u64 {
+        self.last_now.0 + self.last_now.1.elapsed().as_nanos() as u64
     }
 
     // ------------------------------------------------------------------ the turn
@@ -269,6 +286,7 @@ impl HostNic {
 
     /// One pass over everything this host has to do. Returns whether anything happened.
     pub fn turn(&mut self, now: u64) -> bool {
+        self.last_now = (now, std::time::Instant::now());
         let mut busy = false;
         self.sent_to.clear();
         for slot in 0..self.sessions.len() {
@@ -528,6 +546,11 @@ impl HostNic {
         match req {
             Request::Ping => (Response::Pong, Vec::new()),
             Request::Stat => (Response::Stat(self.stat_text()), Vec::new()),
+            Request::Probe => {
+                let now = self.now();
+                self.core.transport.probe(now);
+                (Response::Pong, Vec::new())
+            }
             Request::Hello {
                 job,
                 job_key,
@@ -679,6 +702,10 @@ impl HostNic {
             ("transport", self.driver.kind().name().to_string()),
             ("clients", clients.to_string()),
         ];
+        lines.extend([
+            ("version", env!("CARGO_PKG_VERSION").to_string()),
+            ("keys", self.keys_line.clone()),
+        ]);
         lines.extend(c.stat_lines());
         lines.extend([
             ("fault_dropped", d.fault_dropped.to_string()),
@@ -690,10 +717,31 @@ impl HostNic {
             ("bad_commands", self.counters.bad_commands.to_string()),
             ("client_wakes", self.counters.client_wakes.to_string()),
         ]);
-        lines
+        let mut text: String = lines
             .iter()
             .map(|(k, v)| format!("{k:<24} {v}\n"))
-            .collect()
+            .collect();
+        // One line per peer: what `softnic doctor` reads.
+        let now = self.now();
+        for (i, name) in self.names.iter().enumerate() {
+            if i == c.index as usize {
+                continue;
+            }
+            let Some(v) = c.transport.peer_view(i as u16, now) else {
+                continue;
+            };
+            let opt = |x: Option<u64>, div: u64| x.map_or("-".into(), |x| (x / div).to_string());
+            text.push_str(&format!(
+                "{:<24} {} rtt_us={} heard_ms={} heard={} auth_failures={}\n",
+                format!("peer {name}"),
+                if v.open { "open" } else { "closed" },
+                opt(v.srtt_ns, 1_000),
+                opt(v.heard_ago_ns, 1_000_000),
+                v.heard,
+                v.auth_failures,
+            ));
+        }
+        text
     }
 }
 

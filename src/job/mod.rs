@@ -4,6 +4,7 @@
 //! and `SOFTNIC_HOST`; and the launchers.
 
 pub mod daemon_process;
+pub mod doctor;
 pub mod host_spawn;
 pub mod local;
 pub mod placement;

@@ -40,6 +40,8 @@ pub enum Request {
     },
     Stat,
     Ping,
+    /// Make every peer answer soon (`softnic doctor`); answered `Pong`.
+    Probe,
     /// Register `[addr, addr+len)` of the client's own address space, reached by the daemon by
     /// copy (process_vm_readv/writev), as memory for the local side of operations only.
     RegisterProcess {
@@ -113,6 +115,7 @@ impl Request {
             Request::Deregister { region } => pack(3, [region as u64, 0, 0, 0, 0, 0], ""),
             Request::Stat => pack(4, [0; FIELDS], ""),
             Request::Ping => pack(5, [0; FIELDS], ""),
+            Request::Probe => pack(7, [0; FIELDS], ""),
             Request::RegisterProcess { addr, len } => pack(6, [addr, len, 0, 0, 0, 0], ""),
         }
     }
@@ -140,6 +143,7 @@ impl Request {
             },
             4 => Request::Stat,
             5 => Request::Ping,
+            7 => Request::Probe,
             6 => Request::RegisterProcess {
                 addr: f[0],
                 len: f[1],
@@ -274,6 +278,7 @@ mod tests {
                 len: 1 << 20,
             },
             Request::Stat,
+            Request::Probe,
             Request::Ping,
         ] {
             assert_eq!(Request::decode(&r.encode()).unwrap(), r);

@@ -228,6 +228,23 @@ struct Peer {
     /// the progress clock).
     idle: bool,
     dead: bool,
+    /// When an authenticated datagram from this peer last arrived, and how many did.
+    last_heard: Option<u64>,
+    heard: u64,
+}
+
+/// One peer as this host sees it (`softnic stat`, `softnic doctor`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PeerView {
+    /// A session with its current incarnation is open.
+    pub open: bool,
+    pub srtt_ns: Option<u64>,
+    /// Since an authenticated datagram from it last arrived.
+    pub heard_ago_ns: Option<u64>,
+    /// Authenticated datagrams from it.
+    pub heard: u64,
+    /// Datagrams claiming to come from it that failed authentication.
+    pub auth_failures: u64,
 }
 
 impl Peer {
@@ -239,6 +256,8 @@ impl Peer {
             hello_at: 0,
             hello_interval: cfg.rto_init,
             hello_sent: None,
+            last_heard: None,
+            heard: 0,
             answer: None,
             answered_at: None,
             next_seq: 1,
@@ -455,6 +474,36 @@ impl Transport {
     /// Whether a session with `peer` is open (it answered a greeting in our current life).
     pub fn is_open(&self, peer: u16) -> bool {
         self.peers.get(peer as usize).is_some_and(Peer::is_open)
+    }
+
+    /// How `peer` looks from here at `now`.
+    pub fn peer_view(&self, peer: u16, now: u64) -> Option<PeerView> {
+        let p = self.peers.get(peer as usize)?;
+        Some(PeerView {
+            open: p.is_open(),
+            srtt_ns: p.rtt.srtt,
+            heard_ago_ns: p.last_heard.map(|t| now.saturating_sub(t)),
+            heard: p.heard,
+            auth_failures: self
+                .auth_failures_from
+                .get(peer as usize)
+                .copied()
+                .unwrap_or(0),
+        })
+    }
+
+    /// Makes every peer answer soon (`softnic doctor`): an open session asks its peer to
+    /// confirm it (answered at once), a closed one greets now instead of at its backoff.
+    pub fn probe(&mut self, now: u64) {
+        for (i, p) in self.peers.iter_mut().enumerate() {
+            if i == self.host as usize {
+                continue;
+            }
+            if p.is_open() {
+                p.confirmed = false;
+            }
+            p.hello_at = now;
+        }
     }
 
     /// The smoothed round trip to `peer`, once measured (ns).
@@ -693,6 +742,9 @@ impl Transport {
             return Err(WireError::BadField("datagram not addressed to this host"));
         }
         let peer = h.src_host;
+        let p = &mut self.peers[peer as usize];
+        p.last_heard = Some(now);
+        p.heard += 1;
         match self.verdict(peer, &h, body.len()) {
             Verdict::Malformed(why) => {
                 self.stats.malformed += 1;
