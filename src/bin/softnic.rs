@@ -10,7 +10,7 @@ use softnic::config::{Config, FaultArgs, TransportKind};
 use softnic::job::host_spawn::{self, HostSpawn};
 use softnic::job::local::{self, Launch};
 use softnic::job::placement::Map;
-use softnic::job::{doctor, ssh, Spawner};
+use softnic::job::{doctor, slurm, ssh, Spawner};
 use softnic::shm::attach::{self, Request, Response};
 
 #[derive(Parser, Debug)]
@@ -71,6 +71,12 @@ enum Cmd {
         /// The program and its arguments (after --).
         #[arg(last = true, required = true)]
         program: Vec<OsString>,
+    },
+    /// Make sure this host's daemon runs (started by the slurm spawner on every node).
+    #[command(hide = true)]
+    DaemonUp {
+        #[arg(long)]
+        config: PathBuf,
     },
     /// The ssh spawner's agent on a host (started by `softnic run --spawner ssh`).
     #[command(hide = true)]
@@ -177,8 +183,15 @@ fn main() -> anyhow::Result<()> {
             let code = match Spawner::choose(spawner, cfg.as_ref())? {
                 Spawner::Local => local::run(&l)?,
                 Spawner::Ssh => ssh::run(&l)?,
+                Spawner::Slurm => slurm::run(&l)?,
             };
             std::process::exit(code);
+        }
+        Cmd::DaemonUp { config } => {
+            let cfg = Config::load(&config)?;
+            let me = softnic::job::this_host(&cfg, &config)?;
+            host_spawn::ensure_daemon(&cfg, &config, me)?;
+            Ok(())
         }
         Cmd::HostSpawn {
             config,

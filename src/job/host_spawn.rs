@@ -164,7 +164,7 @@ fn label(
 
 /// Makes sure host `me`'s daemon answers: if none does, starts `softnicd` (beside this
 /// binary) detached in a session of its own, logging to `<runtime_dir>/<host>.log`.
-fn ensure_daemon(cfg: &Config, config: &Path, me: u16) -> Result<(), LaunchError> {
+pub fn ensure_daemon(cfg: &Config, config: &Path, me: u16) -> Result<(), LaunchError> {
     let sock = cfg.socket_path(me);
     if health_check(&sock, Duration::from_millis(300)) {
         return Ok(());

@@ -9,6 +9,7 @@ pub mod host_spawn;
 pub mod local;
 pub mod placement;
 pub mod pmi;
+pub mod slurm;
 pub mod ssh;
 pub mod supervise;
 
@@ -21,10 +22,14 @@ pub enum Spawner {
     Local,
     /// On the config's hosts over ssh.
     Ssh,
+    /// Inside a Slurm allocation: `srun` starts a daemon per node where none runs, then the
+    /// ranks, which bootstrap through Slurm's PMI (`--mpi=pmi2`).
+    Slurm,
 }
 
 impl Spawner {
-    /// `--spawner`, else `SOFTNIC_SPAWNER`, else ssh when the config has a host that is not
+    /// `--spawner`, else `SOFTNIC_SPAWNER`, else slurm inside an allocation (`SLURM_JOB_ID`),
+    /// else ssh when the config has a host that is not
     /// on this machine and whose daemon does not answer here either, else local (every host
     /// is here, or reachable from here: daemons in network namespaces of this machine).
     pub fn choose(
@@ -38,12 +43,16 @@ impl Spawner {
             return match v.as_str() {
                 "local" => Ok(Spawner::Local),
                 "ssh" => Ok(Spawner::Ssh),
+                "slurm" => Ok(Spawner::Slurm),
                 _ => Err(JobError::Invalid {
                     name: "SOFTNIC_SPAWNER",
                     value: v,
-                    why: "expected local or ssh".into(),
+                    why: "expected local, ssh or slurm".into(),
                 }),
             };
+        }
+        if std::env::var_os("SLURM_JOB_ID").is_some() && config.is_some() {
+            return Ok(Spawner::Slurm);
         }
         let remote = config.is_some_and(|c| {
             (0..c.hosts.len() as u16).any(|i| {
@@ -218,16 +227,7 @@ impl JobInfo {
     pub fn from_pmi() -> Result<JobInfo, JobError> {
         let config: PathBuf = var("SOFTNIC_CONFIG")?.into();
         let cfg = crate::config::Config::load(&config)?;
-        let host = match std::env::var("SOFTNIC_HOST") {
-            Ok(name) => cfg.host_index(&name).map_err(|_| JobError::Host {
-                config: config.display().to_string(),
-                why: format!("SOFTNIC_HOST={name} names none of its hosts"),
-            })?,
-            Err(_) => local_host(&cfg).map_err(|why| JobError::Host {
-                config: config.display().to_string(),
-                why,
-            })?,
-        };
+        let host = this_host(&cfg, &config)?;
         let mut c = pmi::PmiClient::connect()?;
         let (rank, size) = (c.rank, c.size);
         if rank == 0 {
@@ -277,6 +277,28 @@ impl JobInfo {
             config: Some(config),
         })
     }
+}
+
+/// Which host of `cfg` this process runs on: `SOFTNIC_HOST`, else the Slurm node's name
+/// (`SLURMD_NODENAME`) when the config has a host of that name, else the config's only host
+/// whose address is on this machine.
+pub fn this_host(cfg: &crate::config::Config, config: &std::path::Path) -> Result<u16, JobError> {
+    let host_err = |why: String| JobError::Host {
+        config: config.display().to_string(),
+        why,
+    };
+    if let Ok(name) = std::env::var("SOFTNIC_HOST") {
+        return cfg
+            .host_index(&name)
+            .map_err(|_| host_err(format!("SOFTNIC_HOST={name} names none of its hosts")));
+    }
+    if let Some(i) = std::env::var("SLURMD_NODENAME")
+        .ok()
+        .and_then(|n| cfg.host_index(&n).ok())
+    {
+        return Ok(i);
+    }
+    local_host(cfg).map_err(host_err)
 }
 
 /// The config's one host whose address belongs to this machine (binding a socket to it

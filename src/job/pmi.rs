@@ -250,10 +250,11 @@ impl PmiClient {
         Ok(c)
     }
 
+    /// Sends one request in one write: some managers (Slurm's pmi2 plugin) take each read as
+    /// a whole request.
     fn send(&mut self, line: &str) -> Result<(), PmiError> {
-        let s = self.r.get_mut();
-        s.write_all(line.as_bytes())?;
-        s.write_all(b"\n")?;
+        let msg = format!("{line}\n");
+        self.r.get_mut().write_all(msg.as_bytes())?;
         Ok(())
     }
 
