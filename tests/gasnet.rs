@@ -452,6 +452,39 @@ fn portals_conduit_in_lossy_namespaces() {
     assert_eq!(d.counter("peers_declared_dead"), 0, "{}", d.stat());
 }
 
+/// The portals conduit's suites over the ssh spawner on three namespace hosts with their own
+/// sshd: the daemons are started over ssh, each rank runs on its host.
+#[test]
+fn portals_conduit_over_ssh_on_namespace_hosts() {
+    assert!(!in_job(), "this test only launches the others by name");
+    if !rustix::process::geteuid().is_root() || !std::path::Path::new("/usr/sbin/sshd").exists() {
+        eprintln!("skipped: namespace hosts with sshd need root and openssh-server (CI has both)");
+        return;
+    }
+    let c = ssh_hosts::Cluster::new().unwrap();
+    let exe = std::env::current_exe().unwrap();
+    for (test, n) in [
+        ("active_messages_every_category_and_argument_count", "6"),
+        ("put_get_sizes_offsets_and_handles", "3"),
+        ("remote_atomics_every_op_and_concurrent_fetch_add", "6"),
+        ("long_payloads_up_to_the_maximum_both_ways", "2"),
+    ] {
+        let out = c.run_env(
+            &["-n", n, "--conduit", "portals"],
+            &exe,
+            &["--exact", test, "--nocapture", "--test-threads=1"],
+            &[ENV_SEG],
+        );
+        let text = format!(
+            "{}\n{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(out.status.success(), "{test}:\n{text}");
+        assert!(text.contains("1 passed"), "{test}: no rank ran it:\n{text}");
+    }
+}
+
 /// The local default runs over the packet transport as root; the portals conduit's suites
 /// over the UDP transport, with the same faults, keep that path tested too.
 #[test]

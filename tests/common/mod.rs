@@ -2,6 +2,7 @@
 #![allow(dead_code)]
 
 pub mod netns;
+pub mod ssh_hosts;
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output};
