@@ -34,14 +34,6 @@ fn run_as_nobody(d: &Daemons, test: &str, phase: &str) -> Output {
         .unwrap()
 }
 
-fn text(o: &Output) -> String {
-    format!(
-        "{}\n{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
-}
-
 fn job_body() {
     let mut nic = init();
     let mem = nic.mem_register(4096, Perms::READ_WRITE).unwrap();
@@ -88,13 +80,13 @@ fn another_user_is_refused_at_once_saying_why() {
     let d = Daemons::start(2);
     let t = Instant::now();
     let out = run_as_nobody(&d, "another_user_is_refused_at_once_saying_why", "job");
-    assert!(!out.status.success(), "{}", text(&out));
+    assert!(!out.status.success(), "{}", output_text(&out));
     assert!(
         t.elapsed() < Duration::from_secs(3),
         "refused after {:?}",
         t.elapsed()
     );
-    let msg = text(&out);
+    let msg = output_text(&out);
     assert!(
         msg.contains("permission denied")
             && msg.contains(&format!("this process is uid {NOBODY}"))
@@ -136,9 +128,9 @@ fn an_allowed_group_attaches_and_reaches_only_its_own_job() {
     std::thread::sleep(Duration::from_millis(300));
     let test = "an_allowed_group_attaches_and_reaches_only_its_own_job";
     let out = run_as_nobody(&d, test, "job");
-    assert!(out.status.success(), "{}", text(&out));
+    assert!(out.status.success(), "{}", output_text(&out));
     let out = run_as_nobody(&d, test, "intruder");
-    assert!(out.status.success(), "{}", text(&out));
+    assert!(out.status.success(), "{}", output_text(&out));
     let _ = waiting.kill();
     let _ = waiting.wait();
 }

@@ -11,32 +11,11 @@ use std::process::{Command, Output};
 
 use common::*;
 
-/// An example program as cargo built it for the tests (`target/<profile>/examples/NAME`).
-fn example(name: &str) -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let dir = exe.parent().unwrap().parent().unwrap();
-    let p = dir.join("examples").join(name);
-    assert!(
-        p.exists(),
-        "{} missing: cargo builds the examples with the tests",
-        p.display()
-    );
-    p
-}
-
 fn have(cmd: &str) -> bool {
     Command::new("sh")
         .args(["-c", &format!("command -v {cmd}")])
         .output()
         .is_ok_and(|o| o.status.success())
-}
-
-fn text(o: &Output) -> String {
-    format!(
-        "{}\n{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
 }
 
 /// `mpiexec.hydra` with `SOFTNIC_CONFIG` for every rank and, per block of ranks, the host
@@ -63,12 +42,20 @@ fn hydra_ranks_bootstrap_through_pmi_and_find_their_daemons() {
     }
     let d = Daemons::start(2);
     let out = hydra(&d, &[(2, "h0"), (2, "h1")], &example("ring"), &["4"]);
-    assert!(out.status.success(), "{}", text(&out));
-    assert!(text(&out).contains("ring ok 4 ranks"), "{}", text(&out));
+    assert!(out.status.success(), "{}", output_text(&out));
+    assert!(
+        output_text(&out).contains("ring ok 4 ranks"),
+        "{}",
+        output_text(&out)
+    );
 
     let out = hydra(&d, &[(1, "h0"), (2, "h1")], &example("am_hello"), &[]);
-    assert!(out.status.success(), "{}", text(&out));
-    assert!(text(&out).contains("am_hello ok 3 nodes"), "{}", text(&out));
+    assert!(out.status.success(), "{}", output_text(&out));
+    assert!(
+        output_text(&out).contains("am_hello ok 3 nodes"),
+        "{}",
+        output_text(&out)
+    );
 
     // Both hosts are on this machine: without SOFTNIC_HOST a rank cannot tell which is its.
     let out = Command::new("mpiexec.hydra")
@@ -79,9 +66,9 @@ fn hydra_ranks_bootstrap_through_pmi_and_find_their_daemons() {
         .unwrap();
     assert!(!out.status.success());
     assert!(
-        text(&out).contains("several are on this machine (h0, h1); set SOFTNIC_HOST"),
+        output_text(&out).contains("several are on this machine (h0, h1); set SOFTNIC_HOST"),
         "{}",
-        text(&out)
+        output_text(&out)
     );
     // Without a config it says which variable is missing, at once.
     let out = Command::new("mpiexec.hydra")
@@ -92,9 +79,9 @@ fn hydra_ranks_bootstrap_through_pmi_and_find_their_daemons() {
         .unwrap();
     assert!(!out.status.success());
     assert!(
-        text(&out).contains("SOFTNIC_CONFIG is not set"),
+        output_text(&out).contains("SOFTNIC_CONFIG is not set"),
         "{}",
-        text(&out)
+        output_text(&out)
     );
 }
 
@@ -110,13 +97,13 @@ fn softnic_run_starts_the_examples() {
             .unwrap()
     };
     let out = run(&["-n", "4"], "ring");
-    assert!(out.status.success(), "{}", text(&out));
-    assert!(text(&out).contains("ring ok 4 ranks"));
+    assert!(out.status.success(), "{}", output_text(&out));
+    assert!(output_text(&out).contains("ring ok 4 ranks"));
     for conduit in ["udp", "portals"] {
         let out = run(&["-n", "3", "--conduit", conduit], "am_hello");
-        assert!(out.status.success(), "{}", text(&out));
+        assert!(out.status.success(), "{}", output_text(&out));
         let want = format!("am_hello ok 3 nodes (conduit {conduit})");
-        assert!(text(&out).contains(&want), "{}", text(&out));
+        assert!(output_text(&out).contains(&want), "{}", output_text(&out));
     }
 }
 
@@ -187,7 +174,7 @@ fn softnic_run_serves_pmi1_to_an_unmodified_c_program() {
         .arg(&src)
         .output()
         .unwrap();
-    assert!(cc.status.success(), "{}", text(&cc));
+    assert!(cc.status.success(), "{}", output_text(&cc));
     let run = |extra: &[&str]| {
         Command::new(env!("CARGO_BIN_EXE_softnic"))
             .args(["run", "-n", "3", "--"])
@@ -197,21 +184,21 @@ fn softnic_run_serves_pmi1_to_an_unmodified_c_program() {
             .unwrap()
     };
     let out = run(&[]);
-    assert!(out.status.success(), "{}", text(&out));
+    assert!(out.status.success(), "{}", output_text(&out));
     for r in 0..3 {
         assert!(
-            text(&out).contains(&format!("pmi ok rank {r} of 3")),
+            output_text(&out).contains(&format!("pmi ok rank {r} of 3")),
             "{}",
-            text(&out)
+            output_text(&out)
         );
     }
     let t = std::time::Instant::now();
     let out = run(&["abort"]);
-    assert_eq!(out.status.code(), Some(3), "{}", text(&out));
+    assert_eq!(out.status.code(), Some(3), "{}", output_text(&out));
     assert!(
-        text(&out).contains("rank 1 called PMI_Abort(3): rank one gives up"),
+        output_text(&out).contains("rank 1 called PMI_Abort(3): rank one gives up"),
         "{}",
-        text(&out)
+        output_text(&out)
     );
     assert!(t.elapsed().as_secs() < 30, "the abort ended the job");
     let _ = std::fs::remove_dir_all(&dir);

@@ -134,21 +134,7 @@ impl Proc {
 #[test]
 fn matching_order_and_exactly_once_under_loss_duplication_reordering() {
     for seed in [1u64, 2, 3] {
-        let mut c = SimCluster::new(
-            2,
-            TransportConfig {
-                peer_timeout: 60_000_000_000,
-                ..Default::default()
-            },
-            SimConfig {
-                seed,
-                loss: 0.3,
-                duplicate: 0.2,
-                reorder: 0.2,
-                mtu: 1472,
-                ..Default::default()
-            },
-        );
+        let mut c = lossy_pair(seed);
         let mut i = Proc::new(&mut c, 0, 0);
         let mut t = Proc::new(&mut c, 1, 1);
         for p in [&mut i, &mut t] {

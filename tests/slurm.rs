@@ -6,7 +6,7 @@
 mod common;
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::*;
@@ -114,24 +114,6 @@ fn hostname() -> String {
     String::from_utf8_lossy(&out.stdout).trim().to_string()
 }
 
-fn example(name: &str) -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    exe.parent()
-        .unwrap()
-        .parent()
-        .unwrap()
-        .join("examples")
-        .join(name)
-}
-
-fn text(o: &Output) -> String {
-    format!(
-        "{}\n{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
-}
-
 /// A one-host config whose host is named as the Slurm node.
 fn node_config(dir: &Path) -> softnic::config::Config {
     let port = 20_000 + rand::random::<u16>() % 40_000;
@@ -171,8 +153,12 @@ fn slurm_srun_pmi2_and_softnic_run_inside_salloc() {
         .env("SOFTNIC_CONFIG", d.path())
         .output()
         .unwrap();
-    assert!(out.status.success(), "{}", text(&out));
-    assert!(text(&out).contains("ring ok 4 ranks"), "{}", text(&out));
+    assert!(out.status.success(), "{}", output_text(&out));
+    assert!(
+        output_text(&out).contains("ring ok 4 ranks"),
+        "{}",
+        output_text(&out)
+    );
     drop(d);
 
     // softnic run inside salloc: srun starts the node's daemon, then the ranks.
@@ -191,8 +177,12 @@ fn slurm_srun_pmi2_and_softnic_run_inside_salloc() {
         .arg(example("ring"))
         .output()
         .unwrap();
-    assert!(out.status.success(), "{}", text(&out));
-    assert!(text(&out).contains("ring ok 4 ranks"), "{}", text(&out));
+    assert!(out.status.success(), "{}", output_text(&out));
+    assert!(
+        output_text(&out).contains("ring ok 4 ranks"),
+        "{}",
+        output_text(&out)
+    );
     // The daemon srun started, detached, still serves the node: stop it.
     let pids = Command::new("pgrep")
         .args(["-f", &format!("softnicd --config {}", config.display())])

@@ -7,30 +7,12 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
-use std::process::Output;
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use common::netns::drop_tenth_of_udp;
 use common::ssh_hosts::{sh, Cluster, HOSTS};
-
-fn example(name: &str) -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    exe.parent()
-        .unwrap()
-        .parent()
-        .unwrap()
-        .join("examples")
-        .join(name)
-}
-
-fn text(o: &Output) -> String {
-    format!(
-        "{}\n{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
-}
+use common::{example, output_text};
 
 fn ready() -> bool {
     if !rustix::process::geteuid().is_root() {
@@ -58,8 +40,12 @@ fn ssh_spawner_on_three_namespace_hosts() {
     }
     let t = Instant::now();
     let out = c.run(&["-n", "6"], &example("ring"), &[]);
-    assert!(out.status.success(), "{}", text(&out));
-    assert!(text(&out).contains("ring ok 6 ranks"), "{}", text(&out));
+    assert!(out.status.success(), "{}", output_text(&out));
+    assert!(
+        output_text(&out).contains("ring ok 6 ranks"),
+        "{}",
+        output_text(&out)
+    );
     eprintln!(
         "ring, 6 ranks over ssh, daemons started cold: {:?}",
         t.elapsed()
@@ -76,18 +62,22 @@ fn ssh_spawner_on_three_namespace_hosts() {
         &example("am_hello"),
         &[],
     );
-    assert!(out.status.success(), "{}", text(&out));
-    assert!(text(&out).contains("am_hello ok 6 nodes (conduit portals)"));
+    assert!(out.status.success(), "{}", output_text(&out));
+    assert!(output_text(&out).contains("am_hello ok 6 nodes (conduit portals)"));
     // --label, --hosts names and --ppn.
     let out = c.run(
         &["-n", "4", "--hosts", "h1,h2", "--ppn", "2", "--label"],
         Path::new("/bin/sh"),
         &["-c", "echo rank $SOFTNIC_RANK on $SOFTNIC_HOST"],
     );
-    assert!(out.status.success(), "{}", text(&out));
+    assert!(out.status.success(), "{}", output_text(&out));
     for (r, h) in [(0, "h1"), (1, "h2"), (2, "h1"), (3, "h2")] {
         let line = format!("[{r}] rank {r} on {h}");
-        assert!(text(&out).contains(&line), "{line}:\n{}", text(&out));
+        assert!(
+            output_text(&out).contains(&line),
+            "{line}:\n{}",
+            output_text(&out)
+        );
     }
 
     // The same with the kernel dropping 10% of incoming UDP on every host.
@@ -95,13 +85,13 @@ fn ssh_spawner_on_three_namespace_hosts() {
         drop_tenth_of_udp(ns).unwrap();
     }
     let out = c.run(&["-n", "6"], &example("ring"), &["20"]);
-    assert!(out.status.success(), "{}", text(&out));
+    assert!(out.status.success(), "{}", output_text(&out));
     let out = c.run(
         &["-n", "6", "--conduit", "portals"],
         &example("am_hello"),
         &[],
     );
-    assert!(out.status.success(), "{}", text(&out));
+    assert!(out.status.success(), "{}", output_text(&out));
 
     // Kill one rank: the job ends naming it and its host; nothing of it is left anywhere.
     let job = c.launch(
@@ -120,9 +110,13 @@ fn ssh_spawner_on_three_namespace_hosts() {
     };
     let killed = sh(&format!("kill -9 {victim}"));
     let out = job.wait_with_output().unwrap();
-    assert!(killed.is_ok(), "{killed:?}; the job said:\n{}", text(&out));
+    assert!(
+        killed.is_ok(),
+        "{killed:?}; the job said:\n{}",
+        output_text(&out)
+    );
     assert!(!out.status.success());
-    let msg = text(&out);
+    let msg = output_text(&out);
     assert!(
         msg.contains("on h1 was killed by signal 9; ending the job"),
         "the message names rank and host:\n{msg}"

@@ -13,7 +13,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use super::local::{health_check, LaunchError};
-use super::supervise::{install_signal_handler, supervise};
+use super::supervise::{die_with_parent, install_signal_handler, supervise};
 use crate::config::Config;
 
 /// One host's part of a job, as the launcher hands it over.
@@ -74,21 +74,8 @@ pub fn run(h: &HostSpawn) -> Result<i32, LaunchError> {
         if h.label {
             cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
         }
-        // A rank dies with this agent. If the agent is already gone when the child asks
-        // (between fork and the prctl), the child's parent is no longer the agent: give up.
-        let agent = rustix::process::getpid();
-        // SAFETY: between fork and exec only the async-signal-safe prctl and getppid run.
-        unsafe {
-            cmd.pre_exec(move || {
-                rustix::process::set_parent_process_death_signal(Some(
-                    rustix::process::Signal::Kill,
-                ))?;
-                match rustix::process::getppid() == Some(agent) {
-                    true => Ok(()),
-                    false => Err(std::io::Error::other("the agent is gone")),
-                }
-            });
-        }
+        // A rank dies with this agent.
+        die_with_parent(&mut cmd, rustix::process::Signal::Kill);
         match cmd.spawn() {
             Ok(mut c) => {
                 if h.label {

@@ -13,12 +13,11 @@
 //! and the agents stop their ranks.
 
 use std::ffi::{OsStr, OsString};
-use std::os::unix::process::CommandExt;
 use std::process::{Child, Command, Stdio};
 
 use super::local::{Launch, LaunchError};
 use super::placement::place;
-use super::supervise::{install_signal_handler, kill_all, supervise};
+use super::supervise::{die_with_parent, install_signal_handler, kill_all, supervise};
 use crate::config::Config;
 
 /// Variables the agent sets for each rank itself; never forwarded from the launcher.
@@ -120,21 +119,8 @@ pub fn run(l: &Launch) -> Result<i32, LaunchError> {
             cmd.arg("-n").stdin(Stdio::null());
         }
         cmd.arg("--").arg(host.ssh_target()).arg(words.join(" "));
-        // ssh dies with the launcher (and its session with it); if the launcher is already
-        // gone when the child asks, give up.
-        let launcher = rustix::process::getpid();
-        // SAFETY: between fork and exec only the async-signal-safe prctl and getppid run.
-        unsafe {
-            cmd.pre_exec(move || {
-                rustix::process::set_parent_process_death_signal(Some(
-                    rustix::process::Signal::Term,
-                ))?;
-                match rustix::process::getppid() == Some(launcher) {
-                    true => Ok(()),
-                    false => Err(std::io::Error::other("the launcher is gone")),
-                }
-            });
-        }
+        // ssh dies with the launcher, and its session with it.
+        die_with_parent(&mut cmd, rustix::process::Signal::Term);
         match cmd.spawn() {
             Ok(c) => children.push((h as u32, c)),
             Err(source) => {

@@ -107,3 +107,21 @@ pub fn terminate(children: &mut [&mut Child]) {
         let _ = c.wait();
     }
 }
+
+/// Makes `cmd`'s process die with this one: the kernel sends it `signal` when the thread that
+/// started it ends; and if this process is already gone when the child gets to ask (between
+/// fork and the prctl), the child gives up instead of running orphaned.
+pub fn die_with_parent(cmd: &mut std::process::Command, signal: rustix::process::Signal) {
+    use std::os::unix::process::CommandExt;
+    let parent = rustix::process::getpid();
+    // SAFETY: between fork and exec only the async-signal-safe prctl and getppid run.
+    unsafe {
+        cmd.pre_exec(move || {
+            rustix::process::set_parent_process_death_signal(Some(signal))?;
+            match rustix::process::getppid() == Some(parent) {
+                true => Ok(()),
+                false => Err(std::io::Error::other("the parent is gone")),
+            }
+        });
+    }
+}

@@ -971,15 +971,8 @@ impl Portals {
         dt: Datatype,
     ) -> Result<(), PortalsError> {
         let kind = ReqKind::FetchAtomic(op, dt);
-        let op = movement(
-            kind,
-            (put_md, put_offset),
-            Some((get_md, get_offset)),
-            length,
-            NO_ACK,
-            t,
-            (user_ptr, hdr_data),
-        );
+        let (get, put) = ((get_md, get_offset), (put_md, put_offset));
+        let op = fetching(kind, get, put, length, t, (user_ptr, hdr_data), &[]);
         self.op(ni, op, None)
     }
 
@@ -1001,19 +994,8 @@ impl Portals {
         dt: Datatype,
     ) -> Result<(), PortalsError> {
         let kind = ReqKind::Swap(op, dt);
-        let op = movement(
-            kind,
-            (put_md, put_offset),
-            Some((get_md, get_offset)),
-            length,
-            NO_ACK,
-            t,
-            (user_ptr, hdr_data),
-        );
-        let op = OpSpec {
-            operand: operand.to_vec(),
-            ..op
-        };
+        let (get, put) = ((get_md, get_offset), (put_md, put_offset));
+        let op = fetching(kind, get, put, length, t, (user_ptr, hdr_data), operand);
         self.op(ni, op, None)
     }
 
@@ -1123,15 +1105,8 @@ impl Portals {
         threshold: u64,
     ) -> Result<(), PortalsError> {
         let kind = ReqKind::FetchAtomic(op, dt);
-        let op = movement(
-            kind,
-            (put_md, put_offset),
-            Some((get_md, get_offset)),
-            length,
-            NO_ACK,
-            t,
-            (user_ptr, hdr_data),
-        );
+        let (get, put) = ((get_md, get_offset), (put_md, put_offset));
+        let op = fetching(kind, get, put, length, t, (user_ptr, hdr_data), &[]);
         self.op(ni, op, Some((ct, threshold)))
     }
 
@@ -1155,19 +1130,8 @@ impl Portals {
         threshold: u64,
     ) -> Result<(), PortalsError> {
         let kind = ReqKind::Swap(op, dt);
-        let op = movement(
-            kind,
-            (put_md, put_offset),
-            Some((get_md, get_offset)),
-            length,
-            NO_ACK,
-            t,
-            (user_ptr, hdr_data),
-        );
-        let op = OpSpec {
-            operand: operand.to_vec(),
-            ..op
-        };
+        let (get, put) = ((get_md, get_offset), (put_md, put_offset));
+        let op = fetching(kind, get, put, length, t, (user_ptr, hdr_data), operand);
         self.op(ni, op, Some((ct, threshold)))
     }
 
@@ -1180,9 +1144,26 @@ impl Portals {
 /// Fetching operations ask for no acknowledgement: their reply is the completion.
 const NO_ACK: AckReq = AckReq::NoAck;
 
+/// A fetch-atomic or swap: `put` is read and sent, the old values land in `get`; a swap's
+/// `operand` is its comparand or mask.
+fn fetching(
+    kind: ReqKind,
+    get: (u32, u64),
+    put: (u32, u64),
+    length: u64,
+    t: Target,
+    tags: (u64, u64),
+    operand: &[u8],
+) -> OpSpec {
+    OpSpec {
+        operand: operand.to_vec(),
+        ..movement(kind, put, Some(get), length, NO_ACK, t, tags)
+    }
+}
+
 /// The operation a data-movement call describes: `src` is the payload (or, for a get, the
 /// reply buffer again), `get` where replied data lands, `tags` the user pointer and header
-/// data; a swap's operand is set by its caller.
+/// data.
 fn movement(
     kind: ReqKind,
     src: (u32, u64),

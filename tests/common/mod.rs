@@ -10,6 +10,32 @@ use std::process::{Child, Command, Output};
 use softnic::gni::{MemHandle, Nic, Remote};
 use softnic::job::JobInfo;
 
+/// An example program as cargo built it with the tests (`target/<profile>/examples/NAME`).
+pub fn example(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("test exe");
+    let p = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("target/<profile>/deps")
+        .join("examples")
+        .join(name);
+    assert!(
+        p.exists(),
+        "{} missing: cargo builds the examples with the tests",
+        p.display()
+    );
+    p
+}
+
+/// A finished command's stdout and stderr, for assertions and their messages.
+pub fn output_text(o: &Output) -> String {
+    format!(
+        "{}\n{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
 pub fn in_job() -> bool {
     JobInfo::in_job()
 }

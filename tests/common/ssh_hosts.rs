@@ -102,17 +102,23 @@ impl Cluster {
         Ok(c)
     }
 
-    /// `softnic run --spawner ssh --config C ARGS -- PROGRAM …` as a child.
-    pub fn launch(&self, args: &[&str], program: &Path, prog_args: &[&str]) -> Child {
-        Command::new(env!("CARGO_BIN_EXE_softnic"))
-            .args(["run", "--spawner", "ssh", "--config"])
+    /// `softnic run --spawner ssh --config C ARGS -- PROGRAM …`, stdin from /dev/null.
+    fn command(&self, args: &[&str], program: &Path, prog_args: &[&str]) -> Command {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_softnic"));
+        c.args(["run", "--spawner", "ssh", "--config"])
             .arg(&self.config)
             .args(args)
             .arg("--")
             .arg(program)
             .args(prog_args)
             .env("SOFTNIC_SSH_CMD", &self.ssh_cmd)
-            .stdin(Stdio::null())
+            .stdin(Stdio::null());
+        c
+    }
+
+    /// The job as a child, its output piped.
+    pub fn launch(&self, args: &[&str], program: &Path, prog_args: &[&str]) -> Child {
+        self.command(args, program, prog_args)
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
@@ -120,9 +126,7 @@ impl Cluster {
     }
 
     pub fn run(&self, args: &[&str], program: &Path, prog_args: &[&str]) -> Output {
-        self.launch(args, program, prog_args)
-            .wait_with_output()
-            .unwrap()
+        self.run_env(args, program, prog_args, &[])
     }
 
     /// [`Cluster::run`] with launcher environment (`SOFTNIC_*` variables reach the ranks).
@@ -133,16 +137,8 @@ impl Cluster {
         prog_args: &[&str],
         env: &[(&str, &str)],
     ) -> Output {
-        Command::new(env!("CARGO_BIN_EXE_softnic"))
-            .args(["run", "--spawner", "ssh", "--config"])
-            .arg(&self.config)
-            .args(args)
-            .arg("--")
-            .arg(program)
-            .args(prog_args)
-            .env("SOFTNIC_SSH_CMD", &self.ssh_cmd)
+        self.command(args, program, prog_args)
             .envs(env.iter().copied())
-            .stdin(Stdio::null())
             .output()
             .unwrap()
     }
