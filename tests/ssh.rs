@@ -8,6 +8,7 @@
 mod common;
 
 use std::path::Path;
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use common::netns::drop_tenth_of_udp;
@@ -79,6 +80,28 @@ fn ssh_spawner_on_three_namespace_hosts() {
             output_text(&out)
         );
     }
+
+    // netbench's own launcher over ssh: the floor between the hosts' addresses and gni.
+    let netbench = example("ring").with_file_name("../netbench");
+    let nb_out = std::env::temp_dir().join(format!("softnic-ssh-nb-{}", std::process::id()));
+    let out = Command::new(&netbench)
+        .args(["pingpong", "--spawner", "ssh", "--config"])
+        .arg(&c.config)
+        .args([
+            "--sizes", "8", "--iters", "200", "--json", "--api", "gni", "--out",
+        ])
+        .arg(&nb_out)
+        .env("SOFTNIC_SSH_CMD", &c.ssh_cmd)
+        .output()
+        .unwrap();
+    let _ = std::fs::remove_dir_all(&nb_out);
+    assert!(out.status.success(), "{}", output_text(&out));
+    let rows = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        rows.contains(r#""api":"gni","conduit":"gni","op":"put","size":8,"ranks":2,"hosts":2"#),
+        "{}",
+        output_text(&out)
+    );
 
     // The same with the kernel dropping 10% of incoming UDP on every host.
     for ns in &c.ns {

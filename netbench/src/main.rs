@@ -82,6 +82,14 @@ struct Args {
     /// Where the JSON lines (`<bench>.jsonl`) and the figures (SVG and PNG) go.
     #[arg(long, default_value = "netbench-out")]
     out: std::path::PathBuf,
+    /// Run the jobs on a cluster config's hosts instead of the local default (as `softnic run
+    /// --config`). Rank 0 writes its rows to a file under the temp dir: run netbench on the host
+    /// of rank 0 (the config's first) or with a shared temp dir.
+    #[arg(long)]
+    config: Option<std::path::PathBuf>,
+    /// With --config: local, ssh or slurm (as `softnic run --spawner`; default the same choice).
+    #[arg(long, value_enum, requires = "config")]
+    spawner: Option<softnic::job::Spawner>,
 }
 
 impl Args {

@@ -230,13 +230,26 @@ fn run_step(
     let l = softnic::job::local::Launch {
         ranks: s.ranks,
         hosts: args.hosts,
+        config: args.config.clone(),
         program: program.to_path_buf().into(),
         args: step_args(args, s),
         env: vec![(ROWS_ENV.into(), file.display().to_string())],
         transport: s.transport,
         ..Default::default()
     };
-    let code = softnic::job::local::run(&l).with_context(|| format!("launching {}", s.label))?;
+    let launched = match &args.config {
+        None => softnic::job::local::run(&l),
+        Some(p) => {
+            use softnic::job::Spawner;
+            let cfg = softnic::config::Config::load(p)?;
+            match Spawner::choose(args.spawner, Some(&cfg))? {
+                Spawner::Local => softnic::job::local::run(&l),
+                Spawner::Ssh => softnic::job::ssh::run(&l),
+                Spawner::Slurm => softnic::job::slurm::run(&l),
+            }
+        }
+    };
+    let code = launched.with_context(|| format!("launching {}", s.label))?;
     let got = read_rows(&file);
     let _ = std::fs::remove_file(&file);
     Ok((code, got))

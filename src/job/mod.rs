@@ -279,6 +279,14 @@ impl JobInfo {
     }
 }
 
+/// The `softnic` binary: this one, or the one beside it when another program (netbench)
+/// launches jobs; `SOFTNIC_REMOTE_SOFTNIC` names it on the hosts the ssh spawner reaches.
+pub fn softnic_binary() -> std::io::Result<PathBuf> {
+    let me = std::env::current_exe()?;
+    let beside = me.with_file_name("softnic");
+    Ok(if beside.exists() { beside } else { me })
+}
+
 /// Which host of `cfg` this process runs on: `SOFTNIC_HOST`, else the Slurm node's name
 /// (`SLURMD_NODENAME`) when the config has a host of that name, else the config's only host
 /// whose address is on this machine.

@@ -23,7 +23,7 @@ pub fn run(l: &Launch) -> Result<i32, LaunchError> {
                     .into(),
             )
         })?;
-    let softnic = std::env::current_exe()?;
+    let softnic = super::softnic_binary()?;
     let srun = |c: &mut Command| -> Result<i32, LaunchError> {
         let st = c.status().map_err(|source| LaunchError::Spawn {
             rank: 0,

@@ -72,7 +72,7 @@ pub fn run(l: &Launch) -> Result<i32, LaunchError> {
     let job_key: u64 = rand::random();
     let softnic = match std::env::var_os("SOFTNIC_REMOTE_SOFTNIC") {
         Some(p) => p,
-        None => std::env::current_exe()?.into_os_string(),
+        None => super::softnic_binary()?.into_os_string(),
     };
     let ssh = ssh_command();
     let env = forwarded_env(l);

@@ -17,7 +17,7 @@ pub struct Cluster {
     pub ns: Vec<String>,
     bridge: String,
     pub config: std::path::PathBuf,
-    ssh_cmd: String,
+    pub ssh_cmd: String,
 }
 
 pub fn sh(cmd: &str) -> Result<(), String> {
