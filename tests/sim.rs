@@ -503,3 +503,38 @@ fn hostile(rng: &mut StdRng, key: &softnic::wire::Key, to: u16) -> Vec<u8> {
         _ => unreachable!(),
     }
 }
+
+/// A process that joins a job with the wrong key on a host where the job has no rank yet (no
+/// one there can compare keys) forms a job apart: its put to the real job's rank fails
+/// NoSuchEndpoint and that rank's memory stays untouched, and the real job's ops do not
+/// reach it either.
+#[test]
+fn a_wrong_key_on_another_host_reaches_nothing_of_the_job() {
+    let mut c = SimCluster::new(NHOSTS, cfg(), SimConfig::default());
+    let victim = Region::new(HeapBacking::new(4096), Perms::READ_WRITE);
+    c.attach(0, session(0), JOB, KEY, 0, 2).unwrap();
+    assert_eq!(c.register(0, session(0), victim.clone()), Ok(0));
+    let intruder = Region::new(HeapBacking::new(4096), Perms::READ_WRITE);
+    c.attach(1, session(1), JOB, KEY ^ 1, 1, 2).unwrap();
+    assert_eq!(c.register(1, session(1), intruder.clone()), Ok(0));
+    let put = |to_host: u16, to: u32| Command {
+        kind: CommandKind::PutInline,
+        client_req: 1,
+        host: to_host,
+        rank: to,
+        len: 8,
+        ..Default::default()
+    };
+    c.submit(1, session(1), put(0, 0), &[0xee; 8]);
+    c.submit(0, session(0), put(1, 1), &[0xdd; 8]);
+    c.run_until(1_000_000_000, |c| {
+        !c.completions(session(1)).is_empty() && !c.completions(session(0)).is_empty()
+    })
+    .unwrap();
+    for s in [session(0), session(1)] {
+        let e = &c.take_completions(s)[0];
+        assert_eq!(Status::from_u32(e.status), Status::NoSuchEndpoint);
+    }
+    assert_eq!(victim.to_vec(0, 8), [0; 8]);
+    assert_eq!(intruder.to_vec(0, 8), [0; 8]);
+}

@@ -7,10 +7,29 @@ use crate::wire::Status;
 
 use super::HostCore;
 
-/// The rank a session speaks as.
+/// The rank a session speaks as. `job` is the job's tag (see [`job_tag`]): what its ops carry
+/// and its endpoints are filed under; `raw_job` the id the launcher gave.
 pub(super) struct SessionInfo {
     pub job: u32,
+    pub raw_job: u32,
     pub rank: u32,
+}
+
+/// The identity a job's ops carry between hosts: its id and key hashed together, so ranks
+/// that present another key — on a host where the job has no rank yet, where nobody could
+/// compare keys — form a job apart and reach none of this one's endpoints or memory (as a
+/// Cray protection tag does, with 2^32 values).
+pub fn job_tag(job: u32, key: u64) -> u32 {
+    let h = blake3::hash(
+        &[
+            &b"softnic job tag v1"[..],
+            &job.to_le_bytes(),
+            &key.to_le_bytes(),
+        ]
+        .concat(),
+    );
+    let b = h.as_bytes();
+    u32::from_le_bytes([b[0], b[1], b[2], b[3]])
 }
 
 /// Why an attach was refused.
@@ -49,11 +68,19 @@ impl HostCore {
                 return Err(AttachError::WrongJobKey(job));
             }
         }
-        if !self.endpoints.insert(job, rank, session) {
+        let tag = job_tag(job, job_key);
+        if !self.endpoints.insert(tag, rank, session) {
             return Err(AttachError::RankTaken { job, rank });
         }
         self.jobs.entry(job).or_insert((job_key, 0)).1 += 1;
-        self.sessions.insert(session, SessionInfo { job, rank });
+        self.sessions.insert(
+            session,
+            SessionInfo {
+                job: tag,
+                raw_job: job,
+                rank,
+            },
+        );
         self.stats.clients_attached += 1;
         tracing::info!(host = %self.name, job, rank, "client attached");
         Ok(())
@@ -80,14 +107,14 @@ impl HostCore {
         };
         self.portals.remove(&(s.job, s.rank));
         self.endpoints.remove(s.job, s.rank);
-        if let Some(e) = self.jobs.get_mut(&s.job) {
+        if let Some(e) = self.jobs.get_mut(&s.raw_job) {
             e.1 -= 1;
             if e.1 == 0 {
-                self.jobs.remove(&s.job);
+                self.jobs.remove(&s.raw_job);
             }
         }
         self.stats.clients_detached += 1;
-        tracing::info!(host = %self.name, job = s.job, rank = s.rank, "client detached");
+        tracing::info!(host = %self.name, job = s.raw_job, rank = s.rank, "client detached");
     }
 
     /// Sessions attached now.
