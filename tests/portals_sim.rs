@@ -135,17 +135,7 @@ impl Proc {
 fn matching_order_and_exactly_once_under_loss_duplication_reordering() {
     for seed in [1u64, 2, 3] {
         let mut c = lossy_pair(seed);
-        let mut i = Proc::new(&mut c, 0, 0);
-        let mut t = Proc::new(&mut c, 1, 1);
-        for p in [&mut i, &mut t] {
-            p.call(
-                &mut c,
-                PtlCall::NiInit {
-                    ni: 0,
-                    matching: true,
-                },
-            );
-        }
+        let (mut i, mut t) = matching_pair(&mut c);
         let (teq, mut teq_ring) = t.eq(&mut c);
         t.call(
             &mut c,
@@ -349,6 +339,23 @@ fn lossy_pair(seed: u64) -> SimCluster {
     )
 }
 
+/// Rank 0 on host 0 (the initiator) and rank 1 on host 1 (the target), each with a matching
+/// interface 0.
+fn matching_pair(c: &mut SimCluster) -> (Proc, Proc) {
+    let mut i = Proc::new(c, 0, 0);
+    let mut t = Proc::new(c, 1, 1);
+    for p in [&mut i, &mut t] {
+        p.call(
+            c,
+            PtlCall::NiInit {
+                ni: 0,
+                matching: true,
+            },
+        );
+    }
+    (i, t)
+}
+
 impl Proc {
     /// A counting event in this process's memory.
     fn ct(&mut self, c: &mut SimCluster) -> (u32, CtSlot) {
@@ -467,17 +474,7 @@ fn conduit_am_portal_packing_catch_basin_and_flow_control_under_loss() {
     const N: u64 = 60;
     for seed in [4u64, 5, 6] {
         let mut c = lossy_pair(seed);
-        let mut i = Proc::new(&mut c, 0, 0);
-        let mut t = Proc::new(&mut c, 1, 1);
-        for p in [&mut i, &mut t] {
-            p.call(
-                &mut c,
-                PtlCall::NiInit {
-                    ni: 0,
-                    matching: true,
-                },
-            );
-        }
+        let (mut i, mut t) = matching_pair(&mut c);
         let (ieq, mut ieq_ring) = i.eq(&mut c);
         let src = region((N * LEN) as usize);
         for k in 0..N {

@@ -114,6 +114,17 @@ fn hostname() -> String {
     String::from_utf8_lossy(&out.stdout).trim().to_string()
 }
 
+/// Runs `c` (a 4-rank ring) and asserts that it passed.
+fn ring_ok(c: &mut Command) {
+    let out = c.output().unwrap();
+    assert!(out.status.success(), "{}", output_text(&out));
+    assert!(
+        output_text(&out).contains("ring ok 4 ranks"),
+        "{}",
+        output_text(&out)
+    );
+}
+
 /// A one-host config whose host is named as the Slurm node.
 fn node_config(dir: &Path) -> softnic::config::Config {
     let port = 20_000 + rand::random::<u16>() % 40_000;
@@ -146,18 +157,12 @@ fn slurm_srun_pmi2_and_softnic_run_inside_salloc() {
     // srun straight from the allocation's shell, over a running daemon: PMI bootstrap.
     let dir = slurm.dir.join("softnic-a");
     let d = Daemons::start_config(node_config(&dir), &[]);
-    let out = slurm
-        .cmd("srun")
-        .args(["--mpi=pmi2", "-n", "4"])
-        .arg(example("ring"))
-        .env("SOFTNIC_CONFIG", d.path())
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", output_text(&out));
-    assert!(
-        output_text(&out).contains("ring ok 4 ranks"),
-        "{}",
-        output_text(&out)
+    ring_ok(
+        slurm
+            .cmd("srun")
+            .args(["--mpi=pmi2", "-n", "4"])
+            .arg(example("ring"))
+            .env("SOFTNIC_CONFIG", d.path()),
     );
     drop(d);
 
@@ -167,21 +172,15 @@ fn slurm_srun_pmi2_and_softnic_run_inside_salloc() {
     let cfg = node_config(&dir.join("run"));
     let config = dir.join("cluster.toml");
     std::fs::write(&config, cfg.to_toml()).unwrap();
-    let out = slurm
-        .cmd("salloc")
-        .args(["-n", "4"])
-        .arg(env!("CARGO_BIN_EXE_softnic"))
-        .args(["run", "--config"])
-        .arg(&config)
-        .args(["-n", "4", "--"])
-        .arg(example("ring"))
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", output_text(&out));
-    assert!(
-        output_text(&out).contains("ring ok 4 ranks"),
-        "{}",
-        output_text(&out)
+    ring_ok(
+        slurm
+            .cmd("salloc")
+            .args(["-n", "4"])
+            .arg(env!("CARGO_BIN_EXE_softnic"))
+            .args(["run", "--config"])
+            .arg(&config)
+            .args(["-n", "4", "--"])
+            .arg(example("ring")),
     );
     // The daemon srun started, detached, still serves the node: stop it.
     let pids = Command::new("pgrep")

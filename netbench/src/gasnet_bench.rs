@@ -56,7 +56,7 @@ pub fn am(
     };
     let payload = vec![7u8; size];
     let mut samples = Vec::new();
-    if ctx.rank == 0 {
+    if ctx.job.rank == 0 {
         samples = crate::time_calls(ctx.warmup(), ctx.iters, || {
             let before = pongs.get();
             match op {
@@ -69,7 +69,7 @@ pub fn am(
         })?;
     }
     g.barrier()?;
-    Ok((ctx.rank == 0).then(|| row(ctx, g, "am", op, size).with_latency(&mut samples)))
+    Ok((ctx.job.rank == 0).then(|| row(ctx, g, "am", op, size).with_latency(&mut samples)))
 }
 
 /// One blocking put or get of `size` bytes on rank 0 (`op: put_blocking | get`).
@@ -77,7 +77,7 @@ pub fn blocking(ctx: &Ctx, g: &mut Gasnet, get: bool, size: usize) -> anyhow::Re
     g.barrier()?;
     let mut buf = vec![1u8; size];
     let mut samples = Vec::new();
-    if ctx.rank == 0 {
+    if ctx.job.rank == 0 {
         samples = crate::time_calls(ctx.warmup(), ctx.iters, || {
             if get {
                 g.get(&mut buf, 1, 0)?;
@@ -89,7 +89,7 @@ pub fn blocking(ctx: &Ctx, g: &mut Gasnet, get: bool, size: usize) -> anyhow::Re
     }
     g.barrier()?;
     let op = if get { "get" } else { "put_blocking" };
-    Ok((ctx.rank == 0).then(|| row(ctx, g, "pingpong", op, size).with_latency(&mut samples)))
+    Ok((ctx.job.rank == 0).then(|| row(ctx, g, "pingpong", op, size).with_latency(&mut samples)))
 }
 
 /// Non-blocking put bandwidth: rank 0 streams puts (implicit handles) then syncs them all.
@@ -98,7 +98,7 @@ pub fn bw(ctx: &Ctx, g: &mut Gasnet, size: usize) -> anyhow::Result<Option<Row>>
     let iters = crate::gni_bench::bw_iters(ctx.iters, size).min(4096);
     let src = vec![3u8; size];
     let mut out = None;
-    if ctx.rank == 0 {
+    if ctx.job.rank == 0 {
         let t = Instant::now();
         for _ in 0..iters {
             g.put_nbi(1, 0, &src)?;
@@ -128,17 +128,17 @@ pub fn progress(ctx: &Ctx, g: &mut Gasnet, size: usize) -> anyhow::Result<Vec<Ro
     let buf = vec![5u8; size];
     let mut rows = Vec::new();
     for busy in [false, true] {
-        if ctx.rank == 1 {
+        if ctx.job.rank == 1 {
             g.segment()[STOP_AT as usize..STOP_AT as usize + 8].fill(0);
         }
         g.barrier()?;
         let mut samples = Vec::new();
-        if ctx.rank == 0 {
+        if ctx.job.rank == 0 {
             samples = crate::time_calls(10, iters, || Ok(g.put(1, 0, &buf)?))?;
             if busy {
                 g.put(1, STOP_AT, &1u64.to_le_bytes())?;
             }
-        } else if ctx.rank == 1 && busy {
+        } else if ctx.job.rank == 1 && busy {
             while g.segment()[STOP_AT as usize] == 0 {
                 let t = Instant::now();
                 while t.elapsed() < COMPUTE {
@@ -148,7 +148,7 @@ pub fn progress(ctx: &Ctx, g: &mut Gasnet, size: usize) -> anyhow::Result<Vec<Ro
             }
         }
         g.barrier()?;
-        if ctx.rank == 0 {
+        if ctx.job.rank == 0 {
             let mut r = row(ctx, g, "progress", "put_blocking", size).with_latency(&mut samples);
             r.iters = iters;
             r.variant = Some(

@@ -108,11 +108,11 @@ fn updates(
     v: Variant,
 ) -> anyhow::Result<()> {
     let per_am = g.am_max_medium() / 16;
-    let mut buckets: Vec<Vec<u8>> = (0..ctx.size).map(|_| Vec::new()).collect();
+    let mut buckets: Vec<Vec<u8>> = (0..ctx.job.size).map(|_| Vec::new()).collect();
     let mut sent = 0u64;
     let first_ack = acks.get();
     let mut w = [0u8; 8];
-    for (i, (owner, off, ran)) in stream(ctx.rank, ctx.size, log_local).enumerate() {
+    for (i, (owner, off, ran)) in stream(ctx.job.rank, ctx.job.size, log_local).enumerate() {
         match v {
             Variant::Atomics => {
                 // Own words too: plain stores would race with the NIC's atomics on them.
@@ -121,7 +121,7 @@ fn updates(
                     g.wait_syncnbi_puts()?;
                 }
             }
-            _ if owner == ctx.rank => xor_word(g.segment(), TABLE_AT + off as usize, ran),
+            _ if owner == ctx.job.rank => xor_word(g.segment(), TABLE_AT + off as usize, ran),
             Variant::GetPut => {
                 let at = TABLE_AT as u64 + off;
                 g.get(&mut w, owner, at)?;
@@ -186,7 +186,7 @@ pub fn run(
         TABLE_AT + local * 8 <= g.segment().len(),
         "a 2^{log_local}-word table does not fit the segment: raise GASNET_SEGMENT_SIZE"
     );
-    let base = local as u64 * ctx.rank as u64;
+    let base = local as u64 * ctx.job.rank as u64;
     let seg = g.segment();
     for i in 0..local {
         seg[TABLE_AT + i * 8..TABLE_AT + i * 8 + 8]
@@ -205,21 +205,21 @@ pub fn run(
             .count() as u64;
         g.put(
             0,
-            (ERRORS_AT + ctx.rank as usize * 8) as u64,
+            (ERRORS_AT + ctx.job.rank as usize * 8) as u64,
             &bad.to_le_bytes(),
         )?;
         g.barrier()?;
-        if ctx.rank == 0 {
+        if ctx.job.rank == 0 {
             let seg = g.segment();
             errors = Some(
-                (0..ctx.size as usize)
+                (0..ctx.job.size as usize)
                     .map(|r| word(seg, ERRORS_AT + r * 8))
                     .sum(),
             );
         }
     }
-    let total = 4 * local as u64 * ctx.size as u64;
-    Ok((ctx.rank == 0).then(|| {
+    let total = 4 * local as u64 * ctx.job.size as u64;
+    Ok((ctx.job.rank == 0).then(|| {
         let mut r = ctx.row("randomaccess", "gasnet", g.conduit_name(), "xor", local * 8);
         r.iters = total as usize;
         r.gups = Some(total as f64 / secs / 1e9);

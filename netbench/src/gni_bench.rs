@@ -53,11 +53,11 @@ pub fn put_pingpong(
     let mut samples = Vec::with_capacity(ctx.iters);
     let (out, inn) = (b.out_off(), b.in_off());
     let flag = inn + size - 8;
-    if ctx.rank < 2 {
-        let peer = 1 - ctx.rank;
+    if ctx.job.rank < 2 {
+        let peer = 1 - ctx.job.rank;
         for i in 1..=(warm + ctx.iters) as u64 {
             let t = Instant::now();
-            if ctx.rank == 1 {
+            if ctx.job.rank == 1 {
                 let mem = &b.mem;
                 wait_until(
                     &waiter,
@@ -67,7 +67,7 @@ pub fn put_pingpong(
             }
             b.mem.bytes()[out + size - 8..out + size].copy_from_slice(&i.to_le_bytes());
             nic.put_nbi(b.remote(peer, inn), &b.mem.bytes()[out..out + size])?;
-            if ctx.rank == 0 {
+            if ctx.job.rank == 0 {
                 let mem = &b.mem;
                 wait_until(
                     &waiter,
@@ -84,7 +84,7 @@ pub fn put_pingpong(
     // Reset the flags for the next size.
     b.mem.bytes()[inn..inn + size].fill(0);
     nic.barrier()?;
-    Ok((ctx.rank == 0).then(|| {
+    Ok((ctx.job.rank == 0).then(|| {
         ctx.row("pingpong", "gni", "gni", "put", size)
             .with_latency(&mut samples)
     }))
@@ -100,11 +100,11 @@ fn blocking(
 ) -> anyhow::Result<Option<Row>> {
     nic.barrier()?;
     let mut samples = Vec::new();
-    if ctx.rank == 0 {
+    if ctx.job.rank == 0 {
         samples = crate::time_calls(ctx.warmup(), ctx.iters, || f(nic))?;
     }
     nic.barrier()?;
-    Ok((ctx.rank == 0).then(|| {
+    Ok((ctx.job.rank == 0).then(|| {
         ctx.row("pingpong", "gni", "gni", op, size)
             .with_latency(&mut samples)
     }))
@@ -145,7 +145,7 @@ pub fn put_bw(ctx: &Ctx, nic: &mut Nic, b: &Bufs, size: usize) -> anyhow::Result
     nic.barrier()?;
     let iters = bw_iters(ctx.iters, size);
     let mut row = None;
-    if ctx.rank == 0 {
+    if ctx.job.rank == 0 {
         let (out, dst) = (b.out_off(), b.remote(1, b.in_off()));
         let t = Instant::now();
         for _ in 0..iters {

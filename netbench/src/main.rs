@@ -151,14 +151,13 @@ pub fn time_calls(
 
 /// What every benchmark needs to know about the run.
 pub struct Ctx {
-    pub rank: u32,
-    pub size: u32,
+    /// Rank, size, job id and placement.
+    pub job: JobInfo,
+    /// The hosts the ranks live on.
     pub hosts: u32,
-    pub job_id: u32,
     pub iters: usize,
     /// The daemons' transport, from the job's config.
     pub transport: Option<String>,
-    pub job: JobInfo,
 }
 
 impl Ctx {
@@ -174,7 +173,7 @@ impl Ctx {
             conduit: conduit.into(),
             op: op.into(),
             size,
-            ranks: self.size,
+            ranks: self.job.size,
             hosts: self.hosts,
             iters: self.iters,
             // Rows of the raw-UDP floor and of the udp conduit never touch the daemons.
@@ -210,17 +209,14 @@ fn main() -> anyhow::Result<()> {
         h.len() as u32
     };
     let ctx = Ctx {
-        rank: job.rank,
-        size: job.size,
         hosts,
-        job_id: job.job_id,
         iters: args.iters,
         transport: job
             .config
             .as_deref()
             .and_then(|p| softnic::config::Config::load(p).ok())
             .map(|c| c.cluster.transport.name().to_string()),
-        job: job.clone(),
+        job,
     };
     if args.api.as_deref() == Some("gasnet") {
         let conduit = args.conduit.clone().unwrap_or_else(|| "udp".into());
@@ -245,7 +241,7 @@ fn main() -> anyhow::Result<()> {
     let mut rows: Vec<Row> = Vec::new();
     // One attachment serves every API: gni first, then Portals on the same endpoint, then gni
     // again for RandomAccess.
-    let mut nic = Nic::attach(job).context("attaching to the soft NIC")?;
+    let mut nic = Nic::attach(ctx.job.clone()).context("attaching to the soft NIC")?;
     let (lat_sizes, bw_sizes) = args.sizes();
     let max = lat_sizes
         .iter()
@@ -261,9 +257,9 @@ fn main() -> anyhow::Result<()> {
         Bench::Compare => (true, true, true),
         Bench::Am => (false, false, false),
     };
-    if (lat || bw) && want("raw-udp") && ctx.size >= 2 {
+    if (lat || bw) && want("raw-udp") && ctx.job.size >= 2 {
         // Ranks 0 and 1 run it; every rank joins the barriers that keep sizes apart.
-        let mut pair = if ctx.rank < 2 {
+        let mut pair = if ctx.job.rank < 2 {
             Some(raw_udp::Pair::connect(&ctx)?)
         } else {
             None
@@ -286,7 +282,7 @@ fn main() -> anyhow::Result<()> {
             }
         }
     }
-    if (lat || bw) && want("gni") && ctx.size >= 2 {
+    if (lat || bw) && want("gni") && ctx.job.size >= 2 {
         let b = gni_bench::Bufs::new(&mut nic, max)?;
         if lat {
             for &s in &lat_sizes {
@@ -306,7 +302,7 @@ fn main() -> anyhow::Result<()> {
             }
         }
     }
-    if (lat || bw) && want("portals") && ctx.size >= 2 {
+    if (lat || bw) && want("portals") && ctx.job.size >= 2 {
         let mut portals = softnic::portals::Portals::from_endpoint(nic.into_endpoint());
         let s = portals_bench::setup(&mut portals, max)?;
         if lat {
@@ -343,7 +339,7 @@ fn main() -> anyhow::Result<()> {
         }
     }
     nic.barrier()?;
-    if ctx.rank == 0 {
+    if ctx.job.rank == 0 {
         report::emit(&rows, args.json)?;
     }
     Ok(())
@@ -353,7 +349,7 @@ fn main() -> anyhow::Result<()> {
 fn run_gasnet(args: &Args, ctx: &Ctx) -> anyhow::Result<()> {
     let ra_acks = std::rc::Rc::new(std::cell::Cell::new(0u64));
     let (mut g, pongs) = gasnet_bench::init(&ra_acks).context("gasnet attach")?;
-    anyhow::ensure!(ctx.size >= 2, "GASNet benchmarks need at least 2 ranks");
+    anyhow::ensure!(ctx.job.size >= 2, "GASNet benchmarks need at least 2 ranks");
     let (am, lat, bw, ra) = match args.bench {
         Bench::Am => (true, false, false, false),
         Bench::Pingpong => (false, true, false, false),
@@ -409,7 +405,7 @@ fn run_gasnet(args: &Args, ctx: &Ctx) -> anyhow::Result<()> {
         }
     }
     g.barrier()?;
-    if ctx.rank == 0 {
+    if ctx.job.rank == 0 {
         report::emit(&rows, args.json)?;
     }
     Ok(())

@@ -318,10 +318,7 @@ mod tests {
 
     fn row(bench: &str, api: &str, conduit: &str, op: &str, size: usize, lat: f64) -> Row {
         let ctx = crate::Ctx {
-            rank: 0,
-            size: 2,
             hosts: 2,
-            job_id: 0,
             iters: 1,
             transport: None,
             job: softnic::job::JobInfo {

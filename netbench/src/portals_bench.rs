@@ -87,15 +87,15 @@ pub fn put_pingpong(
     let waiter = p.endpoint().client().waiter();
     let warm = ctx.iters / 10 + 10;
     let mut samples = Vec::with_capacity(ctx.iters);
-    if ctx.rank < 2 {
-        let peer = 1 - ctx.rank;
+    if ctx.job.rank < 2 {
+        let peer = 1 - ctx.job.rank;
         let flag = size - 8;
         for i in 1..=(warm + ctx.iters) as u64 {
             let t = Instant::now();
             let arrived = |m: &MemRegion| {
                 u64::from_le_bytes(m.bytes()[flag..flag + 8].try_into().unwrap()) == i
             };
-            if ctx.rank == 1 {
+            if ctx.job.rank == 1 {
                 wait_until(&waiter, || arrived(&s.inn), || drain(p, s));
             }
             s.out.bytes()[flag..flag + 8].copy_from_slice(&i.to_le_bytes());
@@ -109,7 +109,7 @@ pub fn put_pingpong(
                 i,
                 0,
             )?;
-            if ctx.rank == 0 {
+            if ctx.job.rank == 0 {
                 wait_until(&waiter, || arrived(&s.inn), || drain(p, s));
                 if i as usize > warm {
                     samples.push(t.elapsed().as_secs_f64() * 1e6 / 2.0);
@@ -121,7 +121,7 @@ pub fn put_pingpong(
     s.inn.bytes()[..size].fill(0);
     p.endpoint().barrier()?;
     drain(p, s);
-    Ok((ctx.rank == 0).then(|| {
+    Ok((ctx.job.rank == 0).then(|| {
         ctx.row("pingpong", "portals", "portals", "put", size)
             .with_latency(&mut samples)
     }))
@@ -137,7 +137,7 @@ pub fn get_like(
 ) -> anyhow::Result<Option<Row>> {
     p.endpoint().barrier()?;
     let mut samples = Vec::with_capacity(ctx.iters);
-    if ctx.rank == 0 {
+    if ctx.job.rank == 0 {
         let warm = ctx.iters / 10 + 10;
         for i in 0..warm + ctx.iters {
             let t = Instant::now();
@@ -175,7 +175,7 @@ pub fn get_like(
     } else {
         ("get", size)
     };
-    Ok((ctx.rank == 0).then(|| {
+    Ok((ctx.job.rank == 0).then(|| {
         ctx.row("pingpong", "portals", "portals", op, sz)
             .with_latency(&mut samples)
     }))
@@ -186,7 +186,7 @@ pub fn put_bw(ctx: &Ctx, p: &mut Portals, s: &Setup, size: usize) -> anyhow::Res
     p.endpoint().barrier()?;
     let iters = crate::gni_bench::bw_iters(ctx.iters, size);
     let mut row = None;
-    if ctx.rank == 0 {
+    if ctx.job.rank == 0 {
         let base = p.ct_get(s.ni, s.ct)?.success;
         let t = Instant::now();
         for i in 0..iters {

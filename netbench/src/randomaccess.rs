@@ -98,10 +98,11 @@ fn updates(
     log_local: u32,
     v: Variant,
 ) -> anyhow::Result<()> {
-    let mut buckets: Vec<Vec<(u64, u64)>> =
-        (0..ctx.size).map(|_| Vec::with_capacity(BUCKET)).collect();
-    for (owner, off, ran) in stream(ctx.rank, ctx.size, log_local) {
-        if owner == ctx.rank {
+    let mut buckets: Vec<Vec<(u64, u64)>> = (0..ctx.job.size)
+        .map(|_| Vec::with_capacity(BUCKET))
+        .collect();
+    for (owner, off, ran) in stream(ctx.job.rank, ctx.job.size, log_local) {
+        if owner == ctx.job.rank {
             table
                 .word(off as usize)
                 .fetch_xor(ran, std::sync::atomic::Ordering::Relaxed);
@@ -140,7 +141,7 @@ fn updates(
 /// HPCC's update stream splits the table by the high bits of the index: ranks must be 2^k.
 pub fn check_ranks(ctx: &Ctx) -> anyhow::Result<()> {
     anyhow::ensure!(
-        ctx.size.is_power_of_two(),
+        ctx.job.size.is_power_of_two(),
         "RandomAccess needs a power-of-two number of ranks"
     );
     Ok(())
@@ -158,7 +159,7 @@ pub fn run(
     let table = nic.mem_register(local * 8, Perms::READ_WRITE)?;
     let errs = nic.mem_register(8, Perms::READ_WRITE)?;
     nic.barrier()?;
-    let base = local as u64 * ctx.rank as u64;
+    let base = local as u64 * ctx.job.rank as u64;
     for i in 0..local {
         table
             .word(i * 8)
@@ -189,8 +190,8 @@ pub fn run(
         nic.barrier()?;
         errors = Some(errs.read_u64(0));
     }
-    let total = 4 * local as u64 * ctx.size as u64;
-    Ok((ctx.rank == 0).then(|| {
+    let total = 4 * local as u64 * ctx.job.size as u64;
+    Ok((ctx.job.rank == 0).then(|| {
         let mut r = ctx.row("randomaccess", "gni", "gni", "axor", local * 8);
         r.iters = total as usize;
         r.gups = Some(total as f64 / secs / 1e9);

@@ -20,7 +20,7 @@ const PORT_SALT: u16 = 2;
 
 impl Pair {
     pub fn connect(ctx: &Ctx) -> anyhow::Result<Pair> {
-        let me = ctx.rank;
+        let me = ctx.job.rank;
         let sock = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::DGRAM, None)?;
         let _ = sock.set_recv_buffer_size(8 << 20);
         let _ = sock.set_send_buffer_size(8 << 20);
@@ -88,7 +88,7 @@ pub fn pingpong(ctx: &Ctx, p: &mut Pair, size: usize) -> Option<Row> {
     let warm = ctx.iters / 10 + 10;
     let mut samples = Vec::with_capacity(ctx.iters);
     for i in 0..warm + ctx.iters {
-        if ctx.rank == 0 {
+        if ctx.job.rank == 0 {
             let t = Instant::now();
             p.sock.send_to(&msg, p.peer).ok();
             if p.recv_timeout(Duration::from_millis(200)).is_none() {
@@ -107,7 +107,7 @@ pub fn pingpong(ctx: &Ctx, p: &mut Pair, size: usize) -> Option<Row> {
     // Drain strays before the next size.
     std::thread::sleep(Duration::from_millis(10));
     while p.try_recv().is_some() {}
-    if ctx.rank != 0 {
+    if ctx.job.rank != 0 {
         return None;
     }
     Some(
@@ -130,7 +130,7 @@ pub fn bw(ctx: &Ctx, p: &mut Pair, size: usize, mtu: usize) -> Option<Row> {
     p.epoch += 1;
     let base = p.epoch << 32;
     while p.try_recv().is_some() {}
-    if ctx.rank == 0 {
+    if ctx.job.rank == 0 {
         let mut chunk = vec![0u8; mtu.max(17)];
         let mut delivered = 0u64;
         let t = Instant::now();

@@ -44,26 +44,23 @@ pub fn run(h: &HostSpawn) -> Result<i32, LaunchError> {
         return Ok(130);
     }
     let size = h.rank_hosts.len() as u32;
-    let map = h
-        .rank_hosts
-        .iter()
-        .map(|x| x.to_string())
-        .collect::<Vec<_>>()
-        .join(",");
     let mut children: Vec<(u32, Child)> = Vec::new();
     let mut copiers = Vec::new();
     for r in (0..size).filter(|&r| h.rank_hosts[r as usize] == me) {
         let mut cmd = Command::new(&h.program);
+        let job = super::JobInfo {
+            rank: r,
+            size,
+            job_id: h.job_id,
+            job_key: h.job_key,
+            daemon: cfg.socket_path(me),
+            rank_hosts: h.rank_hosts.clone(),
+            config: Some(h.config.clone()),
+        };
         cmd.args(&h.args)
             .envs(h.env.iter().map(|(k, v)| (k, v)))
-            .env("SOFTNIC_RANK", r.to_string())
-            .env("SOFTNIC_SIZE", size.to_string())
-            .env("SOFTNIC_JOB_ID", h.job_id.to_string())
-            .env("SOFTNIC_JOB_KEY", h.job_key.to_string())
-            .env("SOFTNIC_DAEMON", cfg.socket_path(me))
-            .env("SOFTNIC_HOST", &h.host)
-            .env("SOFTNIC_RANK_HOSTS", &map)
-            .env("SOFTNIC_CONFIG", &h.config);
+            .envs(job.env())
+            .env("SOFTNIC_HOST", &h.host);
         if let Some(c) = &h.conduit {
             cmd.env("SOFTNIC_CONDUIT", c);
         }

@@ -182,10 +182,7 @@ impl Drop for LocalDaemons {
 
 /// Whether a daemon answers at `path` now (one ping).
 pub fn daemon_answers(path: &Path) -> bool {
-    attach::connect(path)
-        .ok()
-        .and_then(|s| attach::call(&s, &Request::Ping, &[]).ok())
-        .is_some_and(|(r, _)| matches!(r, Response::Pong))
+    matches!(daemon_health(path, Duration::ZERO), Ok(true))
 }
 
 /// Pings a daemon's attach socket until it answers or `within` passes.
@@ -287,11 +284,6 @@ pub fn run(l: &Launch) -> Result<i32, LaunchError> {
     let job_id: u32 = rand::random::<u32>() >> 1;
     let job_key: u64 = rand::random();
     let rank_hosts = place(l.ranks, &l.host_indices(&cfg)?, l.ppn, l.map)?;
-    let map = rank_hosts
-        .iter()
-        .map(|h| h.to_string())
-        .collect::<Vec<_>>()
-        .join(",");
     // PMI-1 for ranks that bootstrap through it (an unmodified PMI-1 program): one socket
     // pair each, served by a thread until the job ends.
     let (pmi, pmi_fds) = PmiServer::new(l.ranks, &format!("softnic-{job_id}"))?;
@@ -306,16 +298,18 @@ pub fn run(l: &Launch) -> Result<i32, LaunchError> {
         cmd.env("PMI_FD", pmi_fd.as_raw_fd().to_string())
             .env("PMI_RANK", r.to_string())
             .env("PMI_SIZE", l.ranks.to_string());
+        let job = super::JobInfo {
+            rank: r,
+            size: l.ranks,
+            job_id,
+            job_key,
+            daemon: cfg.socket_path(h),
+            rank_hosts: rank_hosts.clone(),
+            config: Some(cfg_path.clone()),
+        };
         cmd.args(&l.args)
-            .env("SOFTNIC_RANK", r.to_string())
-            .env("SOFTNIC_SIZE", l.ranks.to_string())
-            .env("SOFTNIC_JOB_ID", job_id.to_string())
-            .env("SOFTNIC_JOB_KEY", job_key.to_string())
-            .env("SOFTNIC_DAEMON", cfg.socket_path(h))
-            .env("SOFTNIC_HOST", &cfg.hosts[h as usize].name)
-            .env("SOFTNIC_HOSTS", nhosts.to_string())
-            .env("SOFTNIC_RANK_HOSTS", &map)
-            .env("SOFTNIC_CONFIG", &cfg_path);
+            .envs(job.env())
+            .env("SOFTNIC_HOST", &cfg.hosts[h as usize].name);
         if let Some(c) = &l.conduit {
             cmd.env("SOFTNIC_CONDUIT", c);
         }

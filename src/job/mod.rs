@@ -15,6 +15,25 @@ pub mod supervise;
 
 use std::path::PathBuf;
 
+/// The variables a launcher sets for each rank itself ([`JobInfo::env`], the rank's host
+/// name and conduit): never forwarded from a launcher's own environment.
+pub const JOB_VARS: &[&str] = &[
+    "SOFTNIC_RANK",
+    "SOFTNIC_SIZE",
+    "SOFTNIC_JOB_ID",
+    "SOFTNIC_JOB_KEY",
+    "SOFTNIC_DAEMON",
+    "SOFTNIC_HOST",
+    "SOFTNIC_RANK_HOSTS",
+    "SOFTNIC_CONFIG",
+    "SOFTNIC_CONDUIT",
+];
+
+/// Whether `ip` is an address of this machine (a socket can be bound to it).
+pub fn is_local_ip(ip: std::net::IpAddr) -> bool {
+    std::net::UdpSocket::bind((ip, 0)).is_ok()
+}
+
 /// How `softnic run` starts ranks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum Spawner {
@@ -40,23 +59,19 @@ impl Spawner {
             return Ok(s);
         }
         if let Ok(v) = std::env::var("SOFTNIC_SPAWNER") {
-            return match v.as_str() {
-                "local" => Ok(Spawner::Local),
-                "ssh" => Ok(Spawner::Ssh),
-                "slurm" => Ok(Spawner::Slurm),
-                _ => Err(JobError::Invalid {
-                    name: "SOFTNIC_SPAWNER",
-                    value: v,
-                    why: "expected local, ssh or slurm".into(),
-                }),
-            };
+            use clap::ValueEnum;
+            return Spawner::from_str(&v, true).map_err(|why| JobError::Invalid {
+                name: "SOFTNIC_SPAWNER",
+                value: v,
+                why,
+            });
         }
         if std::env::var_os("SLURM_JOB_ID").is_some() && config.is_some() {
             return Ok(Spawner::Slurm);
         }
         let remote = config.is_some_and(|c| {
             (0..c.hosts.len() as u16).any(|i| {
-                std::net::UdpSocket::bind((c.hosts[i as usize].addr.ip(), 0)).is_err()
+                !is_local_ip(c.hosts[i as usize].addr.ip())
                     && !local::daemon_answers(&c.socket_path(i))
             })
         });
@@ -157,6 +172,28 @@ impl JobInfo {
             rank_hosts,
             config: std::env::var_os("SOFTNIC_CONFIG").map(Into::into),
         })
+    }
+
+    /// The environment a launcher gives this rank: what [`JobInfo::from_env`] reads back.
+    pub fn env(&self) -> Vec<(&'static str, std::ffi::OsString)> {
+        let map = self
+            .rank_hosts
+            .iter()
+            .map(|h| h.to_string())
+            .collect::<Vec<_>>()
+            .join(",");
+        let mut v: Vec<(&'static str, std::ffi::OsString)> = vec![
+            ("SOFTNIC_RANK", self.rank.to_string().into()),
+            ("SOFTNIC_SIZE", self.size.to_string().into()),
+            ("SOFTNIC_JOB_ID", self.job_id.to_string().into()),
+            ("SOFTNIC_JOB_KEY", self.job_key.to_string().into()),
+            ("SOFTNIC_DAEMON", self.daemon.clone().into()),
+            ("SOFTNIC_RANK_HOSTS", map.into()),
+        ];
+        if let Some(c) = &self.config {
+            v.push(("SOFTNIC_CONFIG", c.clone().into()));
+        }
+        v
     }
 
     /// Where each rank can be reached by a socket of its own process (the baselines without
@@ -313,7 +350,7 @@ pub fn this_host(cfg: &crate::config::Config, config: &std::path::Path) -> Resul
 /// succeeds), or why there is none or several.
 fn local_host(cfg: &crate::config::Config) -> Result<u16, String> {
     let local: Vec<usize> = (0..cfg.hosts.len())
-        .filter(|&i| std::net::UdpSocket::bind((cfg.hosts[i].addr.ip(), 0)).is_ok())
+        .filter(|&i| is_local_ip(cfg.hosts[i].addr.ip()))
         .collect();
     match local[..] {
         [i] => Ok(i as u16),

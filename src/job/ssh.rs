@@ -12,27 +12,13 @@
 //! launcher is killed, its ssh clients die with it (parent-death signal), their sessions close
 //! and the agents stop their ranks.
 
-use std::ffi::{OsStr, OsString};
+use std::ffi::OsStr;
 use std::process::{Child, Command, Stdio};
 
 use super::local::{Launch, LaunchError};
 use super::placement::place;
 use super::supervise::{die_with_parent, install_signal_handler, kill_all, supervise};
 use crate::config::Config;
-
-/// Variables the agent sets for each rank itself; never forwarded from the launcher.
-const JOB_VARS: &[&str] = &[
-    "SOFTNIC_RANK",
-    "SOFTNIC_SIZE",
-    "SOFTNIC_JOB_ID",
-    "SOFTNIC_JOB_KEY",
-    "SOFTNIC_DAEMON",
-    "SOFTNIC_HOST",
-    "SOFTNIC_HOSTS",
-    "SOFTNIC_RANK_HOSTS",
-    "SOFTNIC_CONFIG",
-    "SOFTNIC_CONDUIT",
-];
 
 /// A word for a POSIX shell: single-quoted, with `'` written as `'\''`.
 pub fn sh_quote(s: &OsStr) -> String {
@@ -52,7 +38,7 @@ fn ssh_command() -> Vec<String> {
 fn forwarded_env(l: &Launch) -> Vec<(String, String)> {
     let mut env: Vec<(String, String)> = std::env::vars()
         .filter(|(k, _)| {
-            (k.starts_with("SOFTNIC_") && !JOB_VARS.contains(&k.as_str()))
+            (k.starts_with("SOFTNIC_") && !super::JOB_VARS.contains(&k.as_str()))
                 || l.forward.iter().any(|f| f == k)
         })
         .collect();
@@ -176,19 +162,19 @@ pub fn host_names(
         .collect())
 }
 
-/// The launcher's own `OsString` arguments as the agent's command line expects them (for
-/// tests and `--dry-run` style checks).
-pub fn quoted(words: &[OsString]) -> String {
-    words
-        .iter()
-        .map(|w| sh_quote(w))
-        .collect::<Vec<_>>()
-        .join(" ")
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::ffi::OsString;
+
+    /// Words as one shell command line.
+    fn quoted(words: &[OsString]) -> String {
+        words
+            .iter()
+            .map(|w| sh_quote(w))
+            .collect::<Vec<_>>()
+            .join(" ")
+    }
 
     #[test]
     fn quoting_survives_a_shell() {
