@@ -111,6 +111,11 @@ pub struct Cluster {
     /// operation moves off it (each handoff on a shared core costs a context switch).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub nic_cpu: Option<i64>,
+    /// The network the daemons talk over, as an interface name (`eth1`) or a CIDR
+    /// (`10.2.0.0/16`); each host is then at its address on that network (`addr` or one of
+    /// `addrs`). Unset: each host's `addr`. `SOFTNIC_IFACE` and `--iface` override it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub iface: Option<String>,
 }
 
 /// Largest datagram without jumbo frames (Ethernet's 1500 less IP and UDP headers).
@@ -177,8 +182,12 @@ impl FaultArgs {
 pub struct Host {
     pub name: String,
     pub addr: SocketAddr,
-    /// Packet transport: the interface this host sends and receives on (default `lo` for a
-    /// loopback address).
+    /// This host's addresses on other networks, for `cluster.iface` to choose from.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub addrs: Vec<SocketAddr>,
+    /// The interface this host sends and receives on: the packet transport's (default `lo` for
+    /// a loopback address); UDP and TCP sockets are pinned to it (default: the interface that
+    /// holds the address).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub interface: Option<String>,
     /// Packet transport: this host's MAC, `aa:bb:cc:dd:ee:ff` (derived from the address on
@@ -242,7 +251,34 @@ impl Config {
         })?;
         c.apply_env();
         c.validate()?;
+        c.select_network()?;
         Ok(c)
+    }
+
+    /// Puts every host at its address on the network `cluster.iface` selects (a no-op without
+    /// one). Every process of a job applies the same selection, so all agree on the addresses.
+    pub fn select_network(&mut self) -> Result<(), ConfigError> {
+        use crate::transport::iface::{local_ifaces, pick, Selection};
+        let Some(sel) = &self.cluster.iface else {
+            return Ok(());
+        };
+        let invalid = |e: crate::transport::iface::IfaceError| {
+            ConfigError::Invalid(format!("iface {sel}: {e}"))
+        };
+        let sel = Selection::parse(sel).map_err(invalid)?;
+        let here = match sel {
+            Selection::Name(_) => local_ifaces().map_err(invalid)?,
+            Selection::Cidr(_) => Vec::new(),
+        };
+        let nets = sel.networks(&here).map_err(invalid)?;
+        for h in &mut self.hosts {
+            let all: Vec<SocketAddr> = std::iter::once(h.addr).chain(h.addrs.drain(..)).collect();
+            let chosen = pick(&h.name, &all, &nets).map_err(invalid)?;
+            // The others stay in `addrs`, so another selection may still choose among all.
+            h.addrs = all.into_iter().filter(|a| *a != chosen).collect();
+            h.addr = chosen;
+        }
+        self.validate()
     }
 
     pub fn parse(text: &str) -> Result<Config, ConfigError> {
@@ -259,8 +295,11 @@ impl Config {
     }
 
     /// `SOFTNIC_TRANSPORT`, `SOFTNIC_MTU`, `SOFTNIC_PEER_TIMEOUT_MS`, `SOFTNIC_RUNTIME_DIR`,
-    /// `SOFTNIC_NIC_CPU` (an index as `nic_cpu`, or `none`).
+    /// `SOFTNIC_NIC_CPU` (an index as `nic_cpu`, or `none`), `SOFTNIC_IFACE` (as `iface`).
     pub fn apply_env(&mut self) {
+        if let Ok(v) = std::env::var("SOFTNIC_IFACE") {
+            self.cluster.iface = (!v.is_empty()).then_some(v);
+        }
         if let Ok(v) = std::env::var("SOFTNIC_TRANSPORT") {
             match v.as_str() {
                 "udp" => self.cluster.transport = TransportKind::Udp,
@@ -324,6 +363,10 @@ impl Config {
                     h.name, h.addr
                 ));
             }
+        }
+        if let Some(sel) = &self.cluster.iface {
+            crate::transport::iface::Selection::parse(sel)
+                .map_err(|e| ConfigError::Invalid(e.to_string()))?;
         }
         if let Some(f) = &self.fault {
             if !(0.0..1.0).contains(&f.drop) || !(0.0..1.0).contains(&f.duplicate) {
@@ -531,12 +574,14 @@ impl Config {
                 allowed_gid: None,
                 spin_us: default_spin_us(),
                 nic_cpu: Some(-1),
+                iface: None,
             },
             fault: None,
             hosts: (0..n)
                 .map(|i| Host {
                     name: format!("h{i}"),
                     addr: SocketAddr::from(([127, 0, 0, 2 + i as u8], base_port)),
+                    addrs: Vec::new(),
                     interface: None,
                     mac: None,
                     public_key: None,
@@ -583,6 +628,44 @@ mod tests {
         assert_eq!(lan.cluster.mtu, 1472);
         assert!(lan.per_host_keys());
         lan.validate().unwrap();
+    }
+
+    #[test]
+    fn iface_puts_every_host_on_the_selected_network() {
+        let mut c = Config::local_default(2, 7700, "/tmp/x".into());
+        for (i, h) in c.hosts.iter_mut().enumerate() {
+            h.addr = format!("10.1.0.{}:7700", i + 1).parse().unwrap();
+            h.addrs = vec![format!("10.2.0.{}:7700", i + 1).parse().unwrap()];
+        }
+        let mut d = c.clone();
+        d.cluster.iface = Some("10.2.0.0/16".into());
+        d.select_network().unwrap();
+        assert_eq!(d.hosts[1].addr.to_string(), "10.2.0.2:7700");
+        // A second selection still chooses among all of a host's addresses.
+        d.cluster.iface = Some("10.1.0.0/24".into());
+        d.select_network().unwrap();
+        assert_eq!(d.hosts[1].addr.to_string(), "10.1.0.2:7700");
+        assert_eq!(d.hosts[1].addrs, vec!["10.2.0.2:7700".parse().unwrap()]);
+
+        c.hosts[1].addrs.clear();
+        c.cluster.iface = Some("10.2.0.0/16".into());
+        let e = c.select_network().unwrap_err().to_string();
+        assert!(
+            e.contains("host h1 has no address in 10.2.0.0/16 (its addresses: 10.1.0.2)"),
+            "{e}"
+        );
+        c.cluster.iface = Some("10.2.0.0/99".into());
+        assert!(c
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("expected an interface name"));
+        c.cluster.iface = Some("nosuchif0".into());
+        let e = c.select_network().unwrap_err().to_string();
+        assert!(
+            e.contains("no interface named \"nosuchif0\" here (interfaces: lo"),
+            "{e}"
+        );
     }
 
     #[test]

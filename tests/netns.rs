@@ -241,3 +241,62 @@ fn doctor_names_the_host_whose_port_is_blocked() {
         "{text}"
     );
 }
+
+/// Two networks between the namespace hosts, UDP on the first dropped by nftables: with the
+/// data network selected — as a CIDR in the config, then by interface name with `--iface` —
+/// a job passes, so every datagram went over the selected network, and `softnic stat` says
+/// where each daemon is.
+#[test]
+fn iface_selects_the_network_by_cidr_or_name() {
+    if in_job() {
+        return job_body();
+    }
+    if !rustix::process::geteuid().is_root() {
+        eprintln!("skipped: network namespaces and nftables need root (CI runs as root)");
+        return;
+    }
+    let pair = Pair::new("i").unwrap();
+    let data = format!("sd{}", std::process::id() % 100_000);
+    pair.add_network(&data, "10.78.0").unwrap();
+    for i in 0..2 {
+        let rules = format!(
+            "table inet softnic_mgmt {{\n chain input {{\n  type filter hook input priority 0;\n  iifname \"{}\" meta l4proto udp drop\n }}\n}}\n",
+            pair.ifs[i]
+        );
+        nft(&pair.ns[i], &rules).unwrap();
+    }
+    for (round, (iface, args)) in [
+        (Some("10.78.0.0/24"), vec![]),
+        (None, vec!["--iface", data.as_str()]),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let dir = std::env::temp_dir().join(format!(
+            "softnic-iface-{}-{round}-{:08x}",
+            std::process::id(),
+            rand::random::<u32>()
+        ));
+        let mut cfg = Config::local_default(2, 7704, dir);
+        cfg.cluster.transport = TransportKind::Udp;
+        cfg.cluster.mtu = 1472;
+        cfg.cluster.nic_cpu = None;
+        cfg.cluster.peer_timeout_ms = 3000;
+        cfg.cluster.iface = iface.map(str::to_string);
+        for (i, h) in cfg.hosts.iter_mut().enumerate() {
+            h.addr = format!("10.77.0.{}:7704", i + 1).parse().unwrap();
+            h.addrs = vec![format!("10.78.0.{}:7704", i + 1).parse().unwrap()];
+        }
+        cfg.validate().unwrap();
+        let d = Daemons::start_config_args(cfg, &pair.ns, &args);
+        d.run_job_ok("iface_selects_the_network_by_cidr_or_name", 2);
+        let stat = d.stat();
+        assert!(
+            stat.contains(&format!("10.78.0.1:7704 on {data}"))
+                && stat.contains(&format!("10.78.0.2:7704 on {data}")),
+            "round {round}: the daemons say where they are:\n{stat}"
+        );
+        assert!(d.counter("packets_received") > 2 * 100_000 / 1472, "{stat}");
+        drop(d);
+    }
+}

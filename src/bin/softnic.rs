@@ -57,6 +57,10 @@ enum Cmd {
         /// Use already running softnicd daemons of --config.
         #[arg(long, requires = "config")]
         attach: bool,
+        /// The network between hosts: an interface name (eth1) or a CIDR (10.2.0.0/16); each
+        /// host is at its config address on it (exported as SOFTNIC_IFACE).
+        #[arg(long, requires = "config")]
+        iface: Option<String>,
         /// Conduit for GASNet programs (exported as SOFTNIC_CONDUIT).
         #[arg(long)]
         conduit: Option<String>,
@@ -144,11 +148,17 @@ fn main() -> anyhow::Result<()> {
             label,
             config,
             attach,
+            iface,
             conduit,
             transport,
             faults,
             program,
         } => {
+            if let Some(i) = iface {
+                // Before any thread: every config load of this launcher, of the daemons it
+                // starts and of the ranks (SOFTNIC_* go everywhere) selects the same network.
+                std::env::set_var("SOFTNIC_IFACE", i);
+            }
             let fault = faults.fault();
             let mut program = program.into_iter();
             // --hosts N is the local default's size; names pick config hosts.

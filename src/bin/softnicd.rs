@@ -14,7 +14,8 @@ const ENV_HELP: &str = "Environment:
   SOFTNIC_TRANSPORT        udp or tcp (overrides cluster.transport)
   SOFTNIC_MTU              largest datagram in bytes (overrides cluster.mtu)
   SOFTNIC_PEER_TIMEOUT_MS  silence before a peer is declared dead (overrides cluster.peer_timeout_ms)
-  SOFTNIC_RUNTIME_DIR      where attach sockets live (overrides cluster.runtime_dir)";
+  SOFTNIC_RUNTIME_DIR      where attach sockets live (overrides cluster.runtime_dir)
+  SOFTNIC_IFACE            the network between hosts, a name or CIDR (overrides cluster.iface)";
 
 /// softnicd: the soft NIC daemon of one host. It serves the processes of its host through shared
 /// memory (Gemini-style put/get and 64-bit AMOs, completed without the target process) and
@@ -28,6 +29,10 @@ struct Args {
     /// Which [[host]] of the config this daemon serves; repeat to serve several in one process.
     #[arg(long = "host", required = true)]
     hosts: Vec<String>,
+    /// The network between hosts: an interface name (eth1) or a CIDR (10.2.0.0/16); each host
+    /// is at its config address on it (overrides SOFTNIC_IFACE and cluster.iface).
+    #[arg(long)]
+    iface: Option<String>,
     #[command(flatten)]
     faults: FaultArgs,
     /// Print the effective settings at start (SOFTNIC_LOG sets the log filter, e.g. debug).
@@ -40,6 +45,11 @@ fn main() -> anyhow::Result<()> {
     let default = if args.verbose { "info" } else { "warn" };
     softnic::logging::init(default);
     let mut cfg = Config::load(&args.config)?;
+    if let Some(i) = &args.iface {
+        cfg.cluster.iface = Some(i.clone());
+        cfg.validate()?;
+        cfg.select_network()?;
+    }
     if let Some(f) = args.faults.fault() {
         cfg.fault = Some(f);
         cfg.validate()?;

@@ -98,6 +98,8 @@ pub struct HostNic {
     /// The config's host names, and how this host authenticates (for `softnic stat`).
     names: Vec<String>,
     keys_line: String,
+    /// Where this host's transport sends and receives: address, interface, selection.
+    link_line: String,
     /// The time of the last turn, and when it was: `now` between turns.
     last_now: (u64, std::time::Instant),
 }
@@ -148,9 +150,20 @@ impl HostNic {
         let peers = cfg.hosts.iter().map(|h| h.addr).collect();
         let addr = cfg.hosts[index as usize].addr;
         let fault = cfg.fault.clone();
+        let device = link_device(cfg, index)?;
+        let link_line = format!(
+            "{addr} on {}{}",
+            device.as_deref().unwrap_or("any interface"),
+            cfg.cluster
+                .iface
+                .as_ref()
+                .map_or(String::new(), |s| format!(" (iface {s})"))
+        );
+        // A loopback address needs no pin (and `lo` carries nothing else).
+        let pin = device.as_deref().filter(|_| !addr.ip().is_loopback());
         let driver = match cfg.cluster.transport {
             TransportKind::Udp => {
-                let d = UdpDriver::bind(addr, peers, fault).map_err(|e| {
+                let d = UdpDriver::bind(addr, pin, peers, fault).map_err(|e| {
                     io::Error::new(e.kind(), format!("cannot bind UDP {addr}: {e}"))
                 })?;
                 Driver::Udp(d)
@@ -170,9 +183,9 @@ impl HostNic {
                 Driver::Packet(d)
             }
             TransportKind::Tcp => Driver::Tcp(
-                TcpDriver::bind(addr, peers, fault, registry.try_clone()?, token).map_err(|e| {
-                    io::Error::new(e.kind(), format!("cannot listen on TCP {addr}: {e}"))
-                })?,
+                TcpDriver::bind(addr, pin, peers, fault, registry.try_clone()?, token).map_err(
+                    |e| io::Error::new(e.kind(), format!("cannot listen on TCP {addr}: {e}")),
+                )?,
             ),
         };
         let (mtu, window) = match &driver {
@@ -240,6 +253,7 @@ impl HostNic {
             counters: DriverCounters::default(),
             names: cfg.hosts.iter().map(|h| h.name.clone()).collect(),
             keys_line,
+            link_line,
             last_now: (0, std::time::Instant::now()),
         })
     }
@@ -700,6 +714,7 @@ impl HostNic {
                 format!("{} (index {} of {})", c.name, c.index, c.nhosts),
             ),
             ("transport", self.driver.kind().name().to_string()),
+            ("link", self.link_line.clone()),
             ("clients", clients.to_string()),
         ];
         lines.extend([
@@ -782,4 +797,36 @@ mod tests {
         assert_eq!(udp_sizes(4096, 8972, 512).0, MIN_MTU);
         assert_eq!(udp_sizes(16 << 20, 8972, 4), (8972, 4));
     }
+}
+
+/// The interface host `index`'s sockets use: its configured `interface`, else the one that
+/// holds its address (None for an unspecified address). An address on no interface here is
+/// refused now, saying so, rather than by the kernel's bare EADDRNOTAVAIL.
+fn link_device(cfg: &Config, index: u16) -> io::Result<Option<String>> {
+    use crate::transport::iface;
+    let h = &cfg.hosts[index as usize];
+    let invalid = |e: iface::IfaceError| io::Error::new(io::ErrorKind::InvalidInput, e.to_string());
+    let here = iface::local_ifaces().map_err(invalid)?;
+    if let Some(name) = &h.interface {
+        if !here.iter().any(|i| &i.name == name) {
+            return Err(invalid(iface::IfaceError::NoSuchInterface {
+                name: name.clone(),
+                have: here
+                    .iter()
+                    .map(|i| i.name.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", "),
+            }));
+        }
+        return Ok(Some(name.clone()));
+    }
+    if h.addr.ip().is_unspecified() {
+        return Ok(None);
+    }
+    Ok(Some(
+        iface::holding(&h.name, h.addr.ip(), &here)
+            .map_err(invalid)?
+            .name
+            .clone(),
+    ))
 }

@@ -27,7 +27,7 @@ use crate::config::Config;
 
 #[derive(Debug, thiserror::Error)]
 pub enum DaemonError {
-    #[error("cannot start host {host}: {source}")]
+    #[error("cannot start host {host}")]
     Start { host: String, source: io::Error },
     #[error("event loop failed: {0}")]
     Io(#[from] io::Error),

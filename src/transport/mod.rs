@@ -7,6 +7,7 @@
 //! seeded lossy network for tests.
 
 pub mod fault;
+pub mod iface;
 mod lazy;
 pub mod packet;
 pub mod reliable;

@@ -57,7 +57,30 @@ impl Incoming {
     }
 }
 
+/// Starts a non-blocking connection to `peer` from `local`'s IP, pinned to `device`.
+fn connect(local: SocketAddr, device: Option<&str>, peer: SocketAddr) -> io::Result<TcpStream> {
+    let s = socket2::Socket::new(
+        socket2::Domain::for_address(peer),
+        socket2::Type::STREAM,
+        None,
+    )?;
+    s.set_nonblocking(true)?;
+    super::iface::pin(&s, device)?;
+    if !local.ip().is_unspecified() {
+        s.bind(&SocketAddr::new(local.ip(), 0).into())?;
+    }
+    match s.connect(&peer.into()) {
+        Ok(()) => {}
+        Err(e) if e.raw_os_error() == Some(libc::EINPROGRESS) => {}
+        Err(e) => return Err(e),
+    }
+    Ok(TcpStream::from_std(s.into()))
+}
+
 pub struct TcpDriver {
+    /// The listening address: outgoing connections leave from its IP (and `device`).
+    local: SocketAddr,
+    device: Option<String>,
     listener: TcpListener,
     registry: Registry,
     token: Token,
@@ -70,8 +93,10 @@ pub struct TcpDriver {
 
 impl TcpDriver {
     /// Listens on `addr`; registers everything it opens with `registry` under `token`.
+    /// Listens on `addr` (pinned to interface `device`, if given; outgoing connections too).
     pub fn bind(
         addr: SocketAddr,
+        device: Option<&str>,
         peers: Vec<SocketAddr>,
         fault: Option<Fault>,
         registry: Registry,
@@ -84,6 +109,7 @@ impl TcpDriver {
         )?;
         s.set_reuse_address(true)?;
         s.set_nonblocking(true)?;
+        super::iface::pin(&s, device)?;
         s.bind(&addr.into())?;
         s.listen(128)?;
         let mut listener = TcpListener::from_std(s.into());
@@ -101,6 +127,8 @@ impl TcpDriver {
             .collect();
         let fault = FaultInjector::new(fault, addr.port() as u64 ^ 0x7cb);
         Ok(TcpDriver {
+            local: addr,
+            device: device.map(str::to_string),
             listener,
             registry,
             token,
@@ -149,7 +177,7 @@ impl TcpDriver {
                 return;
             }
             o.last_attempt = Some(Instant::now());
-            match TcpStream::connect(o.addr) {
+            match connect(self.local, self.device.as_deref(), o.addr) {
                 Ok(mut s) => {
                     let _ = s.set_nodelay(true);
                     if self

@@ -154,13 +154,17 @@ pub struct UdpDriver {
 }
 
 impl UdpDriver {
+    /// Binds `addr` (pinned to interface `device`, if given) and opens a sending socket to
+    /// each peer's address.
     pub fn bind(
         addr: SocketAddr,
+        device: Option<&str>,
         peers: Vec<SocketAddr>,
         fault: Option<Fault>,
     ) -> io::Result<UdpDriver> {
         let s = Socket::new(Domain::for_address(addr), Type::DGRAM, Some(Protocol::UDP))?;
         s.set_reuse_address(true)?;
+        super::iface::pin(&s, device)?;
         // Room for a full window of datagrams in flight; the kernel caps it at rmem_max.
         size_buffers(&s);
         s.set_nonblocking(true)?;
@@ -177,6 +181,7 @@ impl UdpDriver {
                         break;
                     }
                 }
+                super::iface::pin(&t, device)?;
                 t.bind(&SocketAddr::new(addr.ip(), 0).into())?;
                 t.connect(&p.into())?;
                 t.set_nonblocking(true)?;

@@ -122,6 +122,8 @@ pub struct Daemons {
     children: Vec<Child>,
     /// The network namespace of each host's daemon (none: this one).
     netns: Vec<String>,
+    /// More softnicd arguments.
+    args: Vec<String>,
 }
 
 impl Daemons {
@@ -144,6 +146,15 @@ impl Daemons {
     /// Starts one softnicd per host of `cfg`, host `i` inside network namespace `netns[i]`
     /// when given (`ip netns exec`).
     pub fn start_config(cfg: softnic::config::Config, netns: &[String]) -> Daemons {
+        Self::start_config_args(cfg, netns, &[])
+    }
+
+    /// [`Daemons::start_config`] with more softnicd arguments.
+    pub fn start_config_args(
+        cfg: softnic::config::Config,
+        netns: &[String],
+        args: &[&str],
+    ) -> Daemons {
         let dir = cfg.cluster.runtime_dir.clone();
         std::fs::create_dir_all(&dir).unwrap();
         let config = dir.join("cluster.toml");
@@ -154,6 +165,7 @@ impl Daemons {
             cfg,
             children: Vec::new(),
             netns: netns.to_vec(),
+            args: args.iter().map(|a| a.to_string()).collect(),
         };
         d.children = (0..d.cfg.hosts.len()).map(|i| d.spawn_daemon(i)).collect();
         for i in 0..d.cfg.hosts.len() {
@@ -174,6 +186,7 @@ impl Daemons {
         c.arg("--config")
             .arg(&self.config)
             .args(["--host", &self.cfg.hosts[i].name])
+            .args(&self.args)
             .spawn()
             .expect("softnicd starts")
     }

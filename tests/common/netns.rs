@@ -59,6 +59,39 @@ impl Pair {
         Ok(p)
     }
 
+    /// A second network between the two namespaces: a veth pair called `name` on both sides
+    /// (as a uniform cluster's data interface), addresses `prefix`.1 and `prefix`.2 /24.
+    pub fn add_network(&self, name: &str, prefix: &str) -> Result<(), String> {
+        ip(&[
+            "link",
+            "add",
+            name,
+            "netns",
+            &self.ns[0],
+            "type",
+            "veth",
+            "peer",
+            "name",
+            name,
+            "netns",
+            &self.ns[1],
+        ])?;
+        for i in 0..2 {
+            let ns = &self.ns[i];
+            ip(&[
+                "-n",
+                ns,
+                "addr",
+                "add",
+                &format!("{prefix}.{}/24", i + 1),
+                "dev",
+                name,
+            ])?;
+            ip(&["-n", ns, "link", "set", name, "up"])?;
+        }
+        Ok(())
+    }
+
     /// Interface `i`'s MAC as `ip` prints it.
     pub fn mac(&self, i: usize) -> Result<String, String> {
         let out = ip(&["-n", &self.ns[i], "-br", "link", "show", &self.ifs[i]])?;
@@ -77,15 +110,8 @@ impl Drop for Pair {
     }
 }
 
-/// Installs the loss of an unreliable LAN in namespace `ns`: the kernel drops one incoming UDP
-/// datagram in ten at random (nftables `numgen random`; netem is not available everywhere).
-pub fn drop_tenth_of_udp(ns: &str) -> Result<(), String> {
-    let rules = "table inet softnic_loss {\n\
-                 \tchain input {\n\
-                 \t\ttype filter hook input priority 0;\n\
-                 \t\tmeta l4proto udp numgen random mod 10 0 drop\n\
-                 \t}\n\
-                 }\n";
+/// Loads nftables `rules` in namespace `ns`.
+pub fn nft(ns: &str, rules: &str) -> Result<(), String> {
     let mut c = Command::new("ip")
         .args(["netns", "exec", ns, "nft", "-f", "-"])
         .stdin(std::process::Stdio::piped())
@@ -100,6 +126,20 @@ pub fn drop_tenth_of_udp(ns: &str) -> Result<(), String> {
     } else {
         Err(format!("nft: {}", String::from_utf8_lossy(&out.stderr)))
     }
+}
+
+/// Installs the loss of an unreliable LAN in namespace `ns`: the kernel drops one incoming UDP
+/// datagram in ten at random (nftables `numgen random`; netem is not available everywhere).
+pub fn drop_tenth_of_udp(ns: &str) -> Result<(), String> {
+    nft(
+        ns,
+        "table inet softnic_loss {\n\
+         \tchain input {\n\
+         \t\ttype filter hook input priority 0;\n\
+         \t\tmeta l4proto udp numgen random mod 10 0 drop\n\
+         \t}\n\
+         }\n",
+    )
 }
 
 /// Two namespace hosts (`tag` names the pair), each with its own softnicd on UDP with

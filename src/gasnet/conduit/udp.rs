@@ -47,7 +47,7 @@ impl UdpConduit {
         let peers: Vec<SocketAddr> = job
             .rank_addrs(PORT_SALT)
             .map_err(|e| GasnetError::Setup(format!("udp conduit addresses: {e}")))?;
-        let d = UdpDriver::bind(peers[job.rank as usize], peers, None)
+        let d = UdpDriver::bind(peers[job.rank as usize], None, peers, None)
             .map_err(|e| GasnetError::Setup(format!("udp conduit cannot bind: {e}")))?;
         let key = Key(*blake3::hash(
             &[job.job_key.to_le_bytes(), (job.job_id as u64).to_le_bytes()].concat(),
