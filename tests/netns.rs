@@ -300,3 +300,42 @@ fn iface_selects_the_network_by_cidr_or_name() {
         drop(d);
     }
 }
+
+/// `softnic doctor` finds a path MTU below the configured datagram size: host 1's interface
+/// takes at most 1400 bytes, so host 0's 1472-byte probes never arrive whole, while small
+/// datagrams (greetings, acks) go both ways.
+#[test]
+fn doctor_names_a_path_mtu_below_the_configured_mtu() {
+    if !rustix::process::geteuid().is_root() {
+        eprintln!("skipped: network namespaces need root (CI runs as root)");
+        return;
+    }
+    let (pair, d) = udp_daemons("m", 7705);
+    ip(&[
+        "-n",
+        &pair.ns[1],
+        "link",
+        "set",
+        "dev",
+        &pair.ifs[1],
+        "mtu",
+        "1400",
+    ])
+    .unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_softnic"))
+        .args(["doctor", "--config"])
+        .arg(&d.config)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert_eq!(out.status.code(), Some(1), "{text}");
+    assert!(
+        text.contains("datagrams of 1472 bytes from h0 do not reach h1"),
+        "{text}"
+    );
+    assert!(!text.contains("from h1 do not reach h0"), "{text}");
+    assert!(
+        !text.contains("clock is"),
+        "one machine, one clock:\n{text}"
+    );
+}

@@ -150,7 +150,9 @@ impl HostNic {
         let peers = cfg.hosts.iter().map(|h| h.addr).collect();
         let addr = cfg.hosts[index as usize].addr;
         let fault = cfg.fault.clone();
-        let device = link_device(cfg, index)?;
+        let me = &cfg.hosts[index as usize];
+        let device = crate::transport::iface::device(&me.name, me.interface.as_deref(), addr)
+            .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e.to_string()))?;
         let link_line = format!(
             "{addr} on {}{}",
             device.as_deref().unwrap_or("any interface"),
@@ -562,7 +564,7 @@ impl HostNic {
             Request::Stat => (Response::Stat(self.stat_text()), Vec::new()),
             Request::Probe => {
                 let now = self.now();
-                self.core.transport.probe(now);
+                self.core.transport.probe(now, wall_ns());
                 (Response::Pong, Vec::new())
             }
             Request::Hello {
@@ -715,6 +717,7 @@ impl HostNic {
             ),
             ("transport", self.driver.kind().name().to_string()),
             ("link", self.link_line.clone()),
+            ("mtu", c.transport.mtu().to_string()),
             ("clients", clients.to_string()),
         ];
         lines.extend([
@@ -746,14 +749,21 @@ impl HostNic {
                 continue;
             };
             let opt = |x: Option<u64>, div: u64| x.map_or("-".into(), |x| (x / div).to_string());
+            // Its clock less ours when its probe arrived (the one-way delay is noise here).
+            let clock = v.clock.map_or("-".into(), |(theirs, ago)| {
+                let ours = wall_ns().saturating_sub(ago);
+                ((theirs as i128 - ours as i128) / 1_000_000).to_string()
+            });
             text.push_str(&format!(
-                "{:<24} {} rtt_us={} heard_ms={} heard={} auth_failures={}\n",
+                "{:<24} {} rtt_us={} heard_ms={} heard={} auth_failures={} largest={} clock_ms={}\n",
                 format!("peer {name}"),
                 if v.open { "open" } else { "closed" },
                 opt(v.srtt_ns, 1_000),
                 opt(v.heard_ago_ns, 1_000_000),
                 v.heard,
                 v.auth_failures,
+                v.largest,
+                clock,
             ));
         }
         text
@@ -764,6 +774,13 @@ impl Drop for HostNic {
     fn drop(&mut self) {
         let _ = std::fs::remove_file(&self.socket_path);
     }
+}
+
+/// The wall clock, Unix ns (what `softnic doctor` compares across hosts).
+fn wall_ns() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64)
 }
 
 /// The supplementary groups of process `pid` (its `Groups:` line in /proc; empty if gone).
@@ -797,36 +814,4 @@ mod tests {
         assert_eq!(udp_sizes(4096, 8972, 512).0, MIN_MTU);
         assert_eq!(udp_sizes(16 << 20, 8972, 4), (8972, 4));
     }
-}
-
-/// The interface host `index`'s sockets use: its configured `interface`, else the one that
-/// holds its address (None for an unspecified address). An address on no interface here is
-/// refused now, saying so, rather than by the kernel's bare EADDRNOTAVAIL.
-fn link_device(cfg: &Config, index: u16) -> io::Result<Option<String>> {
-    use crate::transport::iface;
-    let h = &cfg.hosts[index as usize];
-    let invalid = |e: iface::IfaceError| io::Error::new(io::ErrorKind::InvalidInput, e.to_string());
-    let here = iface::local_ifaces().map_err(invalid)?;
-    if let Some(name) = &h.interface {
-        if !here.iter().any(|i| &i.name == name) {
-            return Err(invalid(iface::IfaceError::NoSuchInterface {
-                name: name.clone(),
-                have: here
-                    .iter()
-                    .map(|i| i.name.as_str())
-                    .collect::<Vec<_>>()
-                    .join(", "),
-            }));
-        }
-        return Ok(Some(name.clone()));
-    }
-    if h.addr.ip().is_unspecified() {
-        return Ok(None);
-    }
-    Ok(Some(
-        iface::holding(&h.name, h.addr.ip(), &here)
-            .map_err(invalid)?
-            .name
-            .clone(),
-    ))
 }

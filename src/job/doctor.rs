@@ -3,12 +3,17 @@
 //! — the answer to "it hangs and I don't know why". It reads the daemons' `softnic stat`
 //! (their version, keys and one `peer` line per host) and reasons over all of them together:
 //! a host nobody hears is down or unreachable; a host that hears nobody while others hear it
-//! has its port blocked inbound; failed authentication names the pair whose keys differ.
+//! has its port blocked inbound; failed authentication names the pair whose keys differ; a
+//! probe padded to the largest datagram that does not arrive whole means the path MTU is
+//! smaller than `mtu`; clocks apart by more than [`CLOCK_SKEW_MS`] are named.
 
 use crate::config::Config;
 
 /// A peer heard from within this long counts as reachable.
 pub const RECENT_MS: u64 = 3_000;
+/// Hosts whose wall clocks differ by more than this are named (their logs and traces will not
+/// line up).
+pub const CLOCK_SKEW_MS: u64 = 1_000;
 
 /// One `peer NAME …` line of a daemon's stat.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -18,6 +23,10 @@ pub struct PeerLine {
     pub heard_ms: Option<u64>,
     pub heard: u64,
     pub auth_failures: u64,
+    /// The largest datagram that arrived from it (bytes).
+    pub largest: u64,
+    /// Its wall clock less this host's (ms), from its last padded probe.
+    pub clock_ms: Option<i64>,
 }
 
 impl PeerLine {
@@ -31,6 +40,8 @@ impl PeerLine {
 pub struct HostView {
     pub version: String,
     pub keys: String,
+    /// The largest datagram it sends (0: not said).
+    pub mtu: u64,
     /// By config host index.
     pub peers: Vec<Option<PeerLine>>,
 }
@@ -47,6 +58,7 @@ pub fn parse_stat(text: &str, cfg: &Config) -> HostView {
         match k {
             "version" => v.version = rest.to_string(),
             "keys" => v.keys = rest.to_string(),
+            "mtu" => v.mtu = rest.parse().unwrap_or(0),
             "peer" => {
                 let mut words = rest.split_whitespace();
                 let Some(name) = words.next() else { continue };
@@ -60,6 +72,8 @@ pub fn parse_stat(text: &str, cfg: &Config) -> HostView {
                     heard_ms: None,
                     heard: 0,
                     auth_failures: 0,
+                    largest: 0,
+                    clock_ms: None,
                 };
                 for w in words {
                     let Some((key, val)) = w.split_once('=') else {
@@ -71,6 +85,8 @@ pub fn parse_stat(text: &str, cfg: &Config) -> HostView {
                         "heard_ms" => p.heard_ms = n,
                         "heard" => p.heard = n.unwrap_or(0),
                         "auth_failures" => p.auth_failures = n.unwrap_or(0),
+                        "largest" => p.largest = n.unwrap_or(0),
+                        "clock_ms" => p.clock_ms = val.parse().ok(),
                         _ => {}
                     }
                 }
@@ -98,8 +114,8 @@ pub fn diagnose(cfg: &Config, views: &[Option<HostView>], version: &str) -> Repo
     let addr = |i: usize| cfg.hosts[i].addr;
     let mut r = Report::default();
     let mut table = format!(
-        "{:<14} {:<14} {:<8} {:>9} {:>10}  {}\n",
-        "from", "to", "session", "rtt (µs)", "heard (ms)", "auth failures"
+        "{:<14} {:<14} {:<8} {:>9} {:>10} {:>8} {:>10}  {}\n",
+        "from", "to", "session", "rtt (µs)", "heard (ms)", "largest", "clock (ms)", "auth failures"
     );
     for (a, v) in views.iter().enumerate() {
         let Some(v) = v else { continue };
@@ -107,12 +123,14 @@ pub fn diagnose(cfg: &Config, views: &[Option<HostView>], version: &str) -> Repo
             let Some(p) = p else { continue };
             let show = |x: Option<u64>| x.map_or("-".to_string(), |x| x.to_string());
             table.push_str(&format!(
-                "{:<14} {:<14} {:<8} {:>9} {:>10}  {}\n",
+                "{:<14} {:<14} {:<8} {:>9} {:>10} {:>8} {:>10}  {}\n",
                 name(a),
                 name(b),
                 if p.open { "open" } else { "closed" },
                 show(p.rtt_us),
                 show(p.heard_ms),
+                p.largest,
+                p.clock_ms.map_or("-".to_string(), |c| format!("{c:+}")),
                 p.auth_failures
             ));
         }
@@ -197,6 +215,41 @@ pub fn diagnose(cfg: &Config, views: &[Option<HostView>], version: &str) -> Repo
                 name(a),
                 addr(a)
             ));
+        }
+    }
+    // Path MTU: host a was asked for padded probes (it is a viewer with its session to b
+    // open) and b hears a, but nothing that large arrived.
+    for &a in &viewers {
+        let mtu = views[a].as_ref().map_or(0, |v| v.mtu);
+        for &b in viewers.iter().filter(|&&b| b != a) {
+            let (Some(out), Some(inc)) = (line(a, b), line(b, a)) else {
+                continue;
+            };
+            if mtu > 0 && out.open && inc.hears() && inc.largest < mtu {
+                r.problems.push(format!(
+                    "datagrams of {mtu} bytes from {} do not reach {} (the largest that did: {}):                      the path MTU between them is smaller; lower cluster.mtu (1472 on                      1500-byte Ethernet, 8972 with jumbo frames end to end)",
+                    name(a),
+                    name(b),
+                    inc.largest
+                ));
+            }
+        }
+    }
+    // Clocks: each pair once, as the later of the two views says.
+    for &a in &viewers {
+        for b in (0..n).filter(|&b| b > a || !viewers.contains(&b)) {
+            let Some(skew) = line(a, b).and_then(|p| p.clock_ms) else {
+                continue;
+            };
+            if skew.unsigned_abs() > CLOCK_SKEW_MS {
+                r.problems.push(format!(
+                    "host {}'s clock is {:.1} s {} host {}'s: run NTP (chrony) on both, or logs                      and traces will not line up",
+                    name(b),
+                    skew.unsigned_abs() as f64 / 1000.0,
+                    if skew > 0 { "ahead of" } else { "behind" },
+                    name(a)
+                ));
+            }
         }
     }
     // Silent: a host that no viewer hears.
@@ -315,6 +368,36 @@ mod tests {
         assert_eq!(r.notes.len(), 1);
         let r = diagnose(&c, &[None, None, None], "0.1.0");
         assert!(r.problems[0].contains("no daemon of this config answers"));
+    }
+
+    #[test]
+    fn a_small_path_mtu_and_skewed_clocks_are_named() {
+        let c = Config::local_default(2, 7700, "/tmp/x".into());
+        let v = |peer: &str, largest: u64, clock: &str| {
+            let t = format!(
+                "version 0.1.0\nkeys cluster secret\nmtu 8972\npeer {peer} open rtt_us=40 \
+                 heard_ms=10 heard=5 auth_failures=0 largest={largest} clock_ms={clock}\n"
+            );
+            Some(parse_stat(&t, &c))
+        };
+        // h0's jumbo probes reach h1 whole; h1's do not reach h0 (a 1500-byte hop on the way).
+        let views = vec![v("h1", 1500, "-2500"), v("h0", 8972, "2500")];
+        let r = diagnose(&c, &views, "0.1.0");
+        let all = r.problems.join("\n");
+        assert_eq!(r.problems.len(), 2, "{all}");
+        assert!(
+            all.contains(
+                "datagrams of 8972 bytes from h1 do not reach h0 (the largest that did: 1500)"
+            ),
+            "{all}"
+        );
+        assert!(
+            all.contains("host h1's clock is 2.5 s behind host h0's"),
+            "{all}"
+        );
+        assert!(r.table.contains("-2500"), "{}", r.table);
+        let views = vec![v("h1", 8972, "3"), v("h0", 8972, "-3")];
+        assert!(diagnose(&c, &views, "0.1.0").problems.is_empty());
     }
 
     #[test]

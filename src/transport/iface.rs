@@ -194,6 +194,24 @@ pub fn holding<'a>(
         })
 }
 
+/// The interface host `host`'s sockets use: its configured `interface`, else the one that
+/// holds its address `addr` (None for an unspecified address). An address on no interface here
+/// is refused now, saying so, rather than by the kernel's bare EADDRNOTAVAIL.
+pub fn device(
+    host: &str,
+    interface: Option<&str>,
+    addr: SocketAddr,
+) -> Result<Option<String>, IfaceError> {
+    let here = local_ifaces()?;
+    if let Some(name) = interface {
+        return Ok(Some(find(&here, name)?.name.clone()));
+    }
+    if addr.ip().is_unspecified() {
+        return Ok(None);
+    }
+    Ok(Some(holding(host, addr.ip(), &here)?.name.clone()))
+}
+
 /// Pins `sock` to interface `device` (SO_BINDTODEVICE): it then sends and receives only
 /// there. Unprivileged since Linux 5.7; where refused, the socket stays bound by address only.
 pub fn pin(sock: &socket2::Socket, device: Option<&str>) -> std::io::Result<()> {

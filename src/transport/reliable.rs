@@ -32,7 +32,8 @@ use std::collections::{BTreeMap, VecDeque};
 
 use super::lazy::LazyPolicy;
 use crate::wire::{
-    DatagramHeader, Key, Keys, OpRef, WireError, FLAG_CONFIRM, FLAG_IN_SESSION, HEADER_LEN, TAG_LEN,
+    DatagramHeader, Key, Keys, OpRef, WireError, FLAG_CONFIRM, FLAG_IN_SESSION, FLAG_PADDED,
+    HEADER_LEN, TAG_LEN,
 };
 
 /// Bodies transmitted after a lost one (and delivered) that prove its loss at once.
@@ -231,6 +232,14 @@ struct Peer {
     /// When an authenticated datagram from this peer last arrived, and how many did.
     last_heard: Option<u64>,
     heard: u64,
+    /// The largest authenticated datagram from this peer (bytes): below the MTU after a
+    /// padded probe, larger ones do not reach us.
+    largest: usize,
+    /// Padded probes due to this peer (`Transport::probe`): a few, so that random loss
+    /// does not look like a small path MTU.
+    pad_due: u8,
+    /// The wall clock (Unix ns) a padded probe from this peer carried, and when it arrived.
+    peer_clock: Option<(u64, u64)>,
 }
 
 /// One peer as this host sees it (`softnic stat`, `softnic doctor`).
@@ -245,6 +254,10 @@ pub struct PeerView {
     pub heard: u64,
     /// Datagrams claiming to come from it that failed authentication.
     pub auth_failures: u64,
+    /// The largest authenticated datagram from it (bytes).
+    pub largest: usize,
+    /// Its wall clock (Unix ns) as its last padded probe said, and how long ago that came.
+    pub clock: Option<(u64, u64)>,
 }
 
 impl Peer {
@@ -258,6 +271,9 @@ impl Peer {
             hello_sent: None,
             last_heard: None,
             heard: 0,
+            largest: 0,
+            pad_due: 0,
+            peer_clock: None,
             answer: None,
             answered_at: None,
             next_seq: 1,
@@ -401,6 +417,9 @@ pub struct Transport {
     keys: Keys,
     /// Authentication failures by claimed sender.
     auth_failures_from: Vec<u64>,
+    /// The wall clock (Unix ns) at the last probe and the transport's time then: what padded
+    /// probes carry, advanced by the time since.
+    wall_at_probe: (u64, u64),
     cfg: TransportConfig,
     peers: Vec<Peer>,
     pool: Vec<Vec<u8>>,
@@ -429,6 +448,7 @@ impl Transport {
             body_cap: auth_friendly_body(cfg.mtu),
             keys: keys.into(),
             auth_failures_from: vec![0; nhosts as usize],
+            wall_at_probe: (0, 0),
             peers: Vec::new(),
             pool: Vec::new(),
             scratch: vec![0; HEADER_LEN + TAG_LEN],
@@ -471,6 +491,11 @@ impl Transport {
         self.body_cap
     }
 
+    /// The largest datagram this transport sends (bytes).
+    pub fn mtu(&self) -> usize {
+        self.cfg.mtu
+    }
+
     /// Whether a session with `peer` is open (it answered a greeting in our current life).
     pub fn is_open(&self, peer: u16) -> bool {
         self.peers.get(peer as usize).is_some_and(Peer::is_open)
@@ -484,6 +509,8 @@ impl Transport {
             srtt_ns: p.rtt.srtt,
             heard_ago_ns: p.last_heard.map(|t| now.saturating_sub(t)),
             heard: p.heard,
+            largest: p.largest,
+            clock: p.peer_clock.map(|(w, t)| (w, now.saturating_sub(t))),
             auth_failures: self
                 .auth_failures_from
                 .get(peer as usize)
@@ -493,14 +520,18 @@ impl Transport {
     }
 
     /// Makes every peer answer soon (`softnic doctor`): an open session asks its peer to
-    /// confirm it (answered at once), a closed one greets now instead of at its backoff.
-    pub fn probe(&mut self, now: u64) {
+    /// confirm it (answered at once), a closed one greets now instead of at its backoff; and
+    /// each open peer gets datagrams padded to the largest size, which tell it whether
+    /// datagrams that large cross the path, and this host's wall clock `wall_ns` (Unix ns).
+    pub fn probe(&mut self, now: u64, wall_ns: u64) {
+        self.wall_at_probe = (wall_ns, now);
         for (i, p) in self.peers.iter_mut().enumerate() {
             if i == self.host as usize {
                 continue;
             }
             if p.is_open() {
                 p.confirmed = false;
+                p.pad_due = 3;
             }
             p.hello_at = now;
         }
@@ -655,10 +686,14 @@ impl Transport {
     /// before anything changes: a session change must come with a fresh stream's fields.
     fn verdict(&self, peer: u16, h: &DatagramHeader, body_len: usize) -> Verdict {
         let p = &self.peers[peer as usize];
-        if h.flags & !(FLAG_IN_SESSION | FLAG_CONFIRM) != 0 {
+        if h.flags & !(FLAG_IN_SESSION | FLAG_CONFIRM | FLAG_PADDED) != 0 {
             return Verdict::Malformed("unknown datagram flags");
         }
-        if h.seq == 0 && body_len != 0 {
+        let padded = h.flags & FLAG_PADDED != 0;
+        if padded && h.seq != 0 {
+            return Verdict::Malformed("padding in a datagram with a body");
+        }
+        if h.seq == 0 && body_len != 0 && !padded {
             return Verdict::Malformed("an acknowledgement with a body");
         }
         if h.dst_epoch != p.local_epoch || h.src_epoch == 0 {
@@ -745,6 +780,7 @@ impl Transport {
         let p = &mut self.peers[peer as usize];
         p.last_heard = Some(now);
         p.heard += 1;
+        p.largest = p.largest.max(dgram.len());
         match self.verdict(peer, &h, body.len()) {
             Verdict::Malformed(why) => {
                 self.stats.malformed += 1;
@@ -779,6 +815,10 @@ impl Transport {
         }
         self.process_ack(now, peer, h.ack, h.sack);
         if h.seq == 0 {
+            if h.flags & FLAG_PADDED != 0 && body.len() >= 8 {
+                let wall = u64::from_le_bytes(body[..8].try_into().unwrap());
+                self.peers[peer as usize].peer_clock = Some((wall, now));
+            }
             return Ok(Received { peer, body: None });
         }
         let cfg_window = self.cfg.window as u64;
@@ -1084,6 +1124,16 @@ impl Transport {
             let h = self.header(peer, 0, epoch);
             return Some((None, self.seal_scratch(&h)));
         }
+        if let (1.., Some(epoch)) = (p.pad_due, p.peer_epoch) {
+            p.pad_due -= 1;
+            let mut h = self.header(peer, 0, epoch);
+            h.flags |= FLAG_PADDED;
+            let (wall, at) = self.wall_at_probe;
+            let wall = wall + now.saturating_sub(at);
+            let len = self.cfg.mtu;
+            return Some((None, self.seal_scratch_padded(&h, len, wall)));
+        }
+        let p = &mut self.peers[peer as usize];
         let Some(peer_epoch) = p.peer_epoch else {
             if now < p.hello_at {
                 return None;
@@ -1149,12 +1199,28 @@ impl Transport {
 
     /// Writes a body-less datagram with header `h` into `scratch`; returns its length.
     fn seal_scratch(&mut self, h: &DatagramHeader) -> usize {
+        self.scratch.clear();
         self.scratch.resize(HEADER_LEN + TAG_LEN, 0);
         h.write(&mut self.scratch);
         DatagramHeader::seal(
             key_of(&self.keys, h.dst_host),
             &mut self.scratch,
             HEADER_LEN,
+        )
+    }
+
+    /// A padded probe `len` bytes long in all: the wall clock `wall` (u64, Unix ns) after the
+    /// header, then zeros.
+    fn seal_scratch_padded(&mut self, h: &DatagramHeader, len: usize, wall: u64) -> usize {
+        let len = len.max(HEADER_LEN + 8 + TAG_LEN);
+        self.scratch.clear();
+        self.scratch.resize(len, 0);
+        h.write(&mut self.scratch);
+        self.scratch[HEADER_LEN..HEADER_LEN + 8].copy_from_slice(&wall.to_le_bytes());
+        DatagramHeader::seal(
+            key_of(&self.keys, h.dst_host),
+            &mut self.scratch,
+            len - TAG_LEN,
         )
     }
 }
@@ -1278,6 +1344,35 @@ mod tests {
             "greetings open the session"
         );
         t
+    }
+
+    #[test]
+    fn a_probe_pads_to_the_mtu_and_carries_the_wall_clock() {
+        let mut t = pair();
+        let mtu = t[0].mtu();
+        assert!(t[1].peer_view(0, 0).unwrap().largest < mtu);
+        t[0].probe(1_000, 5_000_000_000);
+        let mut sizes = Vec::new();
+        while let Some((to, d)) = t[0].poll_transmit(2_000) {
+            assert_eq!(to, 1);
+            sizes.push(d.len());
+            let d = d.to_vec();
+            t[1].on_datagram(3_000, &d).unwrap();
+        }
+        assert_eq!(sizes.iter().filter(|&&l| l == mtu).count(), 3, "{sizes:?}");
+        let v = t[1].peer_view(0, 4_000).unwrap();
+        assert_eq!(v.largest, mtu);
+        // The clock as it was when the probe left (1 µs after the probe call), seen 1 µs ago.
+        assert_eq!(v.clock, Some((5_000_001_000, 1_000)));
+        // Padding goes only with pure datagrams: one that also has a sequence number is
+        // refused, and nothing is delivered.
+        t[0].probe(5_000, 0);
+        let (_, d) = t[0].poll_transmit(6_000).unwrap();
+        let mut d = d.to_vec();
+        d[16] = 1; // seq = 1
+        let len = d.len() - TAG_LEN;
+        DatagramHeader::seal(&Key([1; 32]), &mut d, len);
+        assert!(t[1].on_datagram(7_000, &d).is_err());
     }
 
     /// Pushes one lazy op at `now` (deadline `now + 10 µs`), flushes, and says whether a

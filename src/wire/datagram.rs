@@ -24,6 +24,9 @@ pub const FLAG_IN_SESSION: u8 = 1;
 /// Header flag: the sender opened its session from an answer and does not yet know that the
 /// receiver took its epoch; the receiver acknowledges at once.
 pub const FLAG_CONFIRM: u8 = 2;
+/// Header flag: a pure datagram whose body is padding, to the largest datagram size: a path
+/// MTU probe (`softnic doctor`). The receiver notes its size and ignores the body.
+pub const FLAG_PADDED: u8 = 4;
 
 /// A 32-byte datagram key: the cluster secret shared by all daemons (the simple mode), or the
 /// key of one pair of hosts (see [`crate::keys`]).
