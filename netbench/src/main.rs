@@ -9,6 +9,7 @@ mod gni_bench;
 mod plot;
 mod portals_bench;
 mod randomaccess;
+mod raw_tcp;
 mod raw_udp;
 mod report;
 mod suite;
@@ -177,10 +178,9 @@ impl Ctx {
             hosts: self.hosts,
             iters: self.iters,
             // Rows of the raw-UDP floor and of the udp conduit never touch the daemons.
-            transport: self
-                .transport
-                .clone()
-                .filter(|_| api != "raw-udp" && conduit != "raw-udp" && conduit != "udp"),
+            transport: self.transport.clone().filter(|_| {
+                !api.starts_with("raw-") && !conduit.starts_with("raw-") && conduit != "udp"
+            }),
             ..Default::default()
         }
     }
@@ -235,8 +235,8 @@ fn main() -> anyhow::Result<()> {
         .unwrap_or_else(|| "all".into());
     let want = |name: &str| sel == "all" || sel == name;
     anyhow::ensure!(
-        want("raw-udp") || want("gni") || want("portals"),
-        "unknown --conduit/--api {sel:?}: use raw-udp, gni, portals or all"
+        want("raw-udp") || want("raw-tcp") || want("gni") || want("portals"),
+        "unknown --conduit/--api {sel:?}: use raw-udp, raw-tcp, gni, portals or all"
     );
     let mut rows: Vec<Row> = Vec::new();
     // One attachment serves every API: gni first, then Portals on the same endpoint, then gni
@@ -277,6 +277,29 @@ fn main() -> anyhow::Result<()> {
             for &s in &bw_sizes {
                 if let Some(p) = pair.as_mut() {
                     rows.extend(raw_udp::bw(&ctx, p, s, mtu));
+                }
+                nic.barrier()?;
+            }
+        }
+    }
+    if (lat || bw) && want("raw-tcp") && ctx.job.size >= 2 {
+        let mut conn = if ctx.job.rank < 2 {
+            Some(raw_tcp::Conn::connect(&ctx)?)
+        } else {
+            None
+        };
+        if lat {
+            for &s in &lat_sizes {
+                if let Some(c) = conn.as_mut() {
+                    rows.extend(raw_tcp::pingpong(&ctx, c, s)?);
+                }
+                nic.barrier()?;
+            }
+        }
+        if bw {
+            for &s in &bw_sizes {
+                if let Some(c) = conn.as_mut() {
+                    rows.extend(raw_tcp::bw(&ctx, c, s)?);
                 }
                 nic.barrier()?;
             }

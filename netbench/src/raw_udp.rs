@@ -1,4 +1,5 @@
-//! The floor: two processes with plain UDP sockets, busy-polling, no NIC in between.
+//! The floor: two processes with plain UDP sockets, busy-polling, pinned apart, no NIC in
+//! between; streams with the kernel's batching (sendmmsg/recvmmsg, UDP GSO/GRO).
 
 use std::net::{SocketAddr, UdpSocket};
 use std::time::{Duration, Instant};
@@ -22,14 +23,16 @@ impl Pair {
     pub fn connect(ctx: &Ctx) -> anyhow::Result<Pair> {
         let me = ctx.job.rank;
         let sock = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::DGRAM, None)?;
-        let _ = sock.set_recv_buffer_size(8 << 20);
-        let _ = sock.set_send_buffer_size(8 << 20);
         // Each rank on its host's address: on one machine or across a LAN alike.
         let addrs = ctx.job.rank_addrs(PORT_SALT)?;
         sock.bind(&addrs[me as usize].into())?;
         let sock: UdpSocket = sock.into();
         sock.set_nonblocking(true)?;
         let peer = addrs[1 - me as usize];
+        // Sizes for a stream: what the kernel grants up to 16 MiB (rmem_max caps it).
+        let s2 = socket2::SockRef::from(&sock);
+        let _ = s2.set_recv_buffer_size(16 << 20);
+        let _ = s2.set_send_buffer_size(16 << 20);
         let mut p = Pair {
             sock,
             peer,
@@ -62,6 +65,8 @@ impl Pair {
         }
         std::thread::sleep(Duration::from_millis(20));
         while p.try_recv().is_some() {}
+        // Connected: the stream's sendmmsg names no address.
+        p.sock.connect(peer)?;
         Ok(p)
     }
 
@@ -81,8 +86,10 @@ impl Pair {
     }
 }
 
-/// Half round trip of a spinning ping-pong of `size`-byte datagrams.
+/// Half round trip of a spinning ping-pong of `size`-byte datagrams, the two ranks pinned
+/// apart.
 pub fn pingpong(ctx: &Ctx, p: &mut Pair, size: usize) -> Option<Row> {
+    let _pin = Pinned::apart(ctx.job.rank);
     let size = size.clamp(1, 65_000);
     let msg = vec![0x5au8; size];
     let warm = ctx.iters / 10 + 10;
@@ -120,80 +127,254 @@ const DATA: u8 = 1;
 const DONE: u8 = 2;
 const COUNT: u8 = 3;
 
-/// Streams `size` bytes in datagrams of `mtu` bytes per round; rank 1 reports how many bytes
-/// arrived when asked. MB/s counts only bytes that arrived. Round ids carry an epoch per call,
-/// and the caller separates calls with a barrier, so stragglers of one size are never counted
-/// (or lost) in the next.
-pub fn bw(ctx: &Ctx, p: &mut Pair, size: usize, mtu: usize) -> Option<Row> {
-    let per = size.div_ceil(mtu).max(1);
-    let rounds = (crate::gni_bench::bw_iters(ctx.iters, size) / 4).max(5);
-    p.epoch += 1;
-    let base = p.epoch << 32;
-    while p.try_recv().is_some() {}
-    if ctx.job.rank == 0 {
-        let mut chunk = vec![0u8; mtu.max(17)];
-        let mut delivered = 0u64;
-        let t = Instant::now();
-        for r in base..base + rounds as u64 {
-            for k in 0..per {
-                let n = if k + 1 == per { size - k * mtu } else { mtu }.max(9);
-                chunk[0] = DATA;
-                chunk[1..9].copy_from_slice(&r.to_le_bytes());
-                while p.sock.send_to(&chunk[..n], p.peer).is_err() {
-                    std::hint::spin_loop();
-                }
+/// Datagrams (or GSO buffers) per `sendmmsg`/`recvmmsg`.
+const BATCH: usize = 64;
+/// The largest UDP payload a GSO buffer may carry in all.
+const GSO_MAX: usize = 65_000;
+
+/// Pins this rank to a core apart from its peer's for a floor measurement (rank 0 on the first
+/// allowed CPU, the others on the last); the earlier affinity comes back on drop. On separate
+/// machines the pin costs nothing; on one machine it keeps sender and receiver off each other.
+pub struct Pinned {
+    before: Vec<u32>,
+}
+
+impl Pinned {
+    pub fn apart(rank: u32) -> Option<Pinned> {
+        let before = softnic::shm::cores::allowed().ok()?;
+        if before.len() < 2 {
+            return None;
+        }
+        let cpu = if rank == 0 {
+            before[0]
+        } else {
+            before[before.len() - 1]
+        };
+        softnic::shm::cores::set_allowed(&[cpu]).ok()?;
+        Some(Pinned { before })
+    }
+}
+
+impl Drop for Pinned {
+    fn drop(&mut self) {
+        let _ = softnic::shm::cores::set_allowed(&self.before);
+    }
+}
+
+/// Sets a UDP socket option; whether the kernel took it.
+fn udp_opt(fd: i32, opt: i32, val: i32) -> bool {
+    // SAFETY: `val` outlives the call, and its size is passed.
+    unsafe {
+        libc::setsockopt(
+            fd,
+            libc::SOL_UDP,
+            opt,
+            &val as *const i32 as *const libc::c_void,
+            std::mem::size_of::<i32>() as libc::socklen_t,
+        ) == 0
+    }
+}
+
+/// Sends `units` (slices of one buffer) with `sendmmsg` on a connected socket, spinning while
+/// the socket buffer is full; returns how many left.
+fn send_all(fd: i32, units: &[&[u8]]) -> usize {
+    let mut iov: Vec<libc::iovec> = units
+        .iter()
+        .map(|u| libc::iovec {
+            iov_base: u.as_ptr() as *mut libc::c_void,
+            iov_len: u.len(),
+        })
+        .collect();
+    // SAFETY: an all-zero mmsghdr is valid (no name, no control).
+    let mut msgs: Vec<libc::mmsghdr> = (0..iov.len())
+        .map(|_| unsafe { std::mem::zeroed() })
+        .collect();
+    for (m, v) in msgs.iter_mut().zip(iov.iter_mut()) {
+        m.msg_hdr.msg_iov = v;
+        m.msg_hdr.msg_iovlen = 1;
+    }
+    let mut done = 0;
+    let mut stalls = 0u32;
+    while done < msgs.len() {
+        // SAFETY: every header points at a live iovec over a live buffer.
+        let n = unsafe {
+            libc::sendmmsg(
+                fd,
+                msgs[done..].as_mut_ptr(),
+                (msgs.len() - done) as u32,
+                libc::MSG_DONTWAIT,
+            )
+        };
+        if n > 0 {
+            done += n as usize;
+            stalls = 0;
+        } else {
+            // Full socket buffer (EAGAIN/ENOBUFS): the kernel drains it; give up on a unit
+            // only if it never does (counted as not delivered).
+            stalls += 1;
+            if stalls > 1_000_000 {
+                done += 1;
             }
-            // Ask for the count until it comes (the request or the answer may be lost).
-            loop {
-                let mut d = [DONE; 9];
-                d[1..9].copy_from_slice(&r.to_le_bytes());
-                p.sock.send_to(&d, p.peer).ok();
-                if let Some(n) = p.recv_timeout(Duration::from_millis(50)) {
-                    if n >= 17 && p.buf[0] == COUNT && p.buf[1..9] == r.to_le_bytes() {
-                        delivered += u64::from_le_bytes(p.buf[9..17].try_into().unwrap());
-                        break;
-                    }
+            std::hint::spin_loop();
+        }
+    }
+    done
+}
+
+/// Receive buffers for `recvmmsg`: `BATCH` slots of 64 KiB.
+struct RxBatch {
+    bufs: Vec<u8>,
+    iov: Vec<libc::iovec>,
+    msgs: Vec<libc::mmsghdr>,
+}
+
+impl RxBatch {
+    fn new() -> RxBatch {
+        let mut bufs = vec![0u8; BATCH * 65_536];
+        let mut iov: Vec<libc::iovec> = bufs
+            .chunks_mut(65_536)
+            .map(|c| libc::iovec {
+                iov_base: c.as_mut_ptr() as *mut libc::c_void,
+                iov_len: c.len(),
+            })
+            .collect();
+        // SAFETY: an all-zero mmsghdr is valid (no name, no control).
+        let mut msgs: Vec<libc::mmsghdr> =
+            (0..BATCH).map(|_| unsafe { std::mem::zeroed() }).collect();
+        for (m, v) in msgs.iter_mut().zip(iov.iter_mut()) {
+            m.msg_hdr.msg_iov = v;
+            m.msg_hdr.msg_iovlen = 1;
+        }
+        RxBatch { bufs, iov, msgs }
+    }
+
+    /// Receives what is waiting (none: 0); the slots then hold the datagrams.
+    fn recv(&mut self, fd: i32) -> usize {
+        debug_assert_eq!(self.iov.len(), BATCH);
+        for m in &mut self.msgs {
+            m.msg_len = 0;
+        }
+        // SAFETY: the headers point at `iov`, which point into `bufs`; all live in self.
+        let n = unsafe {
+            libc::recvmmsg(
+                fd,
+                self.msgs.as_mut_ptr(),
+                BATCH as u32,
+                libc::MSG_DONTWAIT,
+                std::ptr::null_mut(),
+            )
+        };
+        n.max(0) as usize
+    }
+
+    fn get(&self, i: usize) -> &[u8] {
+        &self.bufs[i * 65_536..i * 65_536 + self.msgs[i].msg_len as usize]
+    }
+}
+
+/// The stream floor: rank 0 sends `size`-byte messages back to back (datagrams of `mtu`
+/// bytes, or GSO buffers of such datagrams where the kernel offers UDP GSO), `sendmmsg` in
+/// batches of 64, pinned apart from rank 1, which drains with `recvmmsg` (GRO where offered).
+/// No per-message handshake: the pipe stays full. MB/s counts only bytes that arrived, over
+/// the sender's time until rank 1's count came back. As many messages as the gni stream.
+pub fn bw(ctx: &Ctx, p: &mut Pair, size: usize, mtu: usize) -> Option<Row> {
+    let _pin = Pinned::apart(ctx.job.rank);
+    let count = crate::gni_bench::bw_iters(ctx.iters, size);
+    p.epoch += 1;
+    let epoch = p.epoch;
+    let fd = std::os::fd::AsRawFd::as_raw_fd(&p.sock);
+    while p.try_recv().is_some() {}
+    let mtu = mtu.clamp(17, 65_000);
+    if ctx.job.rank == 0 {
+        // GSO pays where datagrams are small: up to 64 of them in one buffer of < 64 KiB.
+        let segs = (GSO_MAX / mtu).min(64);
+        let gso = segs > 1 && size > mtu && udp_opt(fd, libc::UDP_SEGMENT, mtu as i32);
+        let unit = if gso { segs * mtu } else { mtu };
+        // Every datagram starts with DATA and the epoch (with GSO, at every `mtu` boundary).
+        let mut chunk = vec![0u8; unit];
+        for d in chunk.chunks_mut(mtu) {
+            d[0] = DATA;
+            d[1..9].copy_from_slice(&epoch.to_le_bytes());
+        }
+        // One message's units; the same list for every message.
+        let mut lens = Vec::new();
+        let mut off = 0;
+        while off < size.max(1) {
+            let n = unit.min(size - off.min(size)).max(9);
+            lens.push(n);
+            off += unit;
+        }
+        let t = Instant::now();
+        let mut batch: Vec<&[u8]> = Vec::with_capacity(BATCH);
+        for _ in 0..count {
+            for &n in &lens {
+                batch.push(&chunk[..n]);
+                if batch.len() == BATCH {
+                    send_all(fd, &batch);
+                    batch.clear();
                 }
             }
         }
+        send_all(fd, &batch);
+        if gso {
+            udp_opt(fd, libc::UDP_SEGMENT, 0);
+        }
+        // Ask for the count until it comes (the request or the answer may be lost).
+        let delivered = loop {
+            let mut d = [DONE; 9];
+            d[1..9].copy_from_slice(&epoch.to_le_bytes());
+            p.sock.send_to(&d, p.peer).ok();
+            if let Some(n) = p.recv_timeout(Duration::from_millis(50)) {
+                if n >= 17 && p.buf[0] == COUNT && p.buf[1..9] == epoch.to_le_bytes() {
+                    break u64::from_le_bytes(p.buf[9..17].try_into().unwrap());
+                }
+            }
+            if t.elapsed() > Duration::from_secs(60) {
+                break 0;
+            }
+        };
         let secs = t.elapsed().as_secs_f64();
         let mut row = ctx.row("bw", "raw-udp", "raw-udp", "stream", size);
-        row.iters = rounds;
+        row.iters = count;
         row.mb_s = Some(delivered as f64 / secs / 1e6);
         Some(row)
     } else {
+        let gro = udp_opt(fd, libc::UDP_GRO, 1);
+        let mut rx = RxBatch::new();
         let mut got = 0u64;
-        let mut round = base;
         let mut answer = [COUNT; 17];
-        while round < base + rounds as u64 {
-            let Some(n) = p.recv_timeout(Duration::from_secs(10)) else {
-                break;
-            };
-            if n < 9 {
-                continue;
+        answer[1..9].copy_from_slice(&epoch.to_le_bytes());
+        let mut last = Instant::now();
+        let mut done = false;
+        while !done && last.elapsed() < Duration::from_secs(10) {
+            let n = rx.recv(fd);
+            if n > 0 {
+                last = Instant::now();
             }
-            let r = u64::from_le_bytes(p.buf[1..9].try_into().unwrap());
-            match p.buf[0] {
-                DATA if r == round => got += n as u64,
-                DONE if r == round => {
-                    answer[1..9].copy_from_slice(&r.to_le_bytes());
-                    answer[9..17].copy_from_slice(&got.to_le_bytes());
-                    p.sock.send_to(&answer, p.peer).ok();
-                    got = 0;
-                    round += 1;
+            for i in 0..n {
+                let d = rx.get(i);
+                if d.len() < 9 || d[1..9] != epoch.to_le_bytes() {
+                    continue;
                 }
-                DONE if r + 1 == round => {
-                    p.sock.send_to(&answer, p.peer).ok();
+                match d[0] {
+                    DATA => got += d.len() as u64,
+                    DONE => {
+                        answer[9..17].copy_from_slice(&got.to_le_bytes());
+                        p.sock.send_to(&answer, p.peer).ok();
+                        done = true;
+                    }
+                    _ => {}
                 }
-                _ => {}
             }
         }
-        // Linger to repeat the final answer if it was lost (only to a request for it).
-        let last = base + rounds as u64 - 1;
+        if gro {
+            udp_opt(fd, libc::UDP_GRO, 0);
+        }
+        // Linger to repeat the answer if it was lost (only to a request for it).
         let t = Instant::now();
-        while t.elapsed() < Duration::from_millis(200) {
+        while done && t.elapsed() < Duration::from_millis(200) {
             if let Some(n) = p.try_recv() {
-                if n >= 9 && p.buf[0] == DONE && p.buf[1..9] == last.to_le_bytes() {
+                if n >= 9 && p.buf[0] == DONE && p.buf[1..9] == epoch.to_le_bytes() {
                     p.sock.send_to(&answer, p.peer).ok();
                 }
             }

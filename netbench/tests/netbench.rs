@@ -78,6 +78,7 @@ fn pingpong_and_bw_rows_have_the_contract_fields() {
         .collect();
     for want in [
         ("raw-udp", "pingpong"),
+        ("raw-tcp", "pingpong"),
         ("gni", "put"),
         ("gni", "put_blocking"),
         ("gni", "get"),
@@ -93,7 +94,13 @@ fn pingpong_and_bw_rows_have_the_contract_fields() {
     assert!(bw
         .iter()
         .any(|r| r["conduit"] == "gni" && r["mb_s"].as_f64().unwrap() > 0.0));
-    assert!(bw.iter().any(|r| r["conduit"] == "raw-udp"));
+    for floor in ["raw-udp", "raw-tcp"] {
+        assert!(
+            bw.iter()
+                .any(|r| r["conduit"] == floor && r["mb_s"].as_f64().unwrap() > 0.0),
+            "no {floor} stream row"
+        );
+    }
 }
 
 fn rows_bw() -> Vec<serde_json::Value> {
@@ -135,6 +142,7 @@ fn compare_covers_every_api_and_conduit_and_draws_the_figures() {
     };
     for (api, conduit) in [
         ("raw-udp", "raw-udp"),
+        ("raw-tcp", "raw-tcp"),
         ("gni", "gni"),
         ("portals", "portals"),
         ("gasnet", "udp"),

@@ -63,6 +63,16 @@ pub fn leave(cpu: u32) -> bool {
     any && rustix::process::sched_setaffinity(None, &set).is_ok()
 }
 
+/// Lets the calling thread run on exactly `cpus` (a benchmark pins its floor, then restores
+/// what [`allowed`] said before).
+pub fn set_allowed(cpus: &[u32]) -> std::io::Result<()> {
+    let mut set = rustix::process::CpuSet::new();
+    for &c in cpus {
+        set.set(c as usize);
+    }
+    Ok(rustix::process::sched_setaffinity(None, &set)?)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
