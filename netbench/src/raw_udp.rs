@@ -357,6 +357,9 @@ pub fn bw(ctx: &Ctx, p: &mut Pair, size: usize, mtu: usize) -> Option<Row> {
                     continue;
                 }
                 match d[0] {
+                    // Messages under 9 bytes travel as 9-byte datagrams (GRO may join
+                    // several): count the message bytes.
+                    DATA if size < 9 => got += (d.len() / 9 * size) as u64,
                     DATA => got += d.len() as u64,
                     DONE => {
                         answer[9..17].copy_from_slice(&got.to_le_bytes());
