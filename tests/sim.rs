@@ -470,19 +470,21 @@ fn hostile(rng: &mut StdRng, key: &softnic::wire::Key, to: u16) -> Vec<u8> {
         1 | 2 => {
             let body_len = rng.gen_range(0..120);
             let mut b = vec![0u8; HEADER_LEN + body_len + TAG_LEN];
+            let src_host = if rng.gen_bool(0.8) {
+                rng.gen_range(0..NHOSTS)
+            } else {
+                rng.gen()
+            };
             DatagramHeader {
                 flags: if rng.gen_bool(0.8) { 0 } else { rng.gen() },
-                src_host: if rng.gen_bool(0.8) {
-                    rng.gen_range(0..NHOSTS)
-                } else {
-                    rng.gen()
-                },
+                src_host,
                 dst_host: to,
                 src_epoch: extreme(rng) as u32,
                 dst_epoch: extreme(rng) as u32,
                 seq: extreme(rng),
                 ack: extreme(rng),
                 sack: extreme(rng),
+                nonce: rng.gen(),
             }
             .write(&mut b);
             for x in &mut b[HEADER_LEN..HEADER_LEN + body_len] {
@@ -492,7 +494,7 @@ fn hostile(rng: &mut StdRng, key: &softnic::wire::Key, to: u16) -> Vec<u8> {
             if body_len > 0 {
                 b[HEADER_LEN] = rng.gen_range(0..16);
             }
-            let len = DatagramHeader::seal(key, &mut b, HEADER_LEN + body_len);
+            let len = DatagramHeader::seal(&key.sealing(src_host), &mut b, HEADER_LEN + body_len);
             b.truncate(len);
             if rng.gen_bool(0.2) {
                 let cut = rng.gen_range(0..b.len());

@@ -319,7 +319,7 @@ impl HostNic {
                     break;
                 };
                 busy = true;
-                self.core.handle_datagram(now, &rx[..n]);
+                self.core.handle_datagram(now, &mut rx[..n]);
                 if self
                     .rx_watch
                     .got(self.driver.bursting(), self.driver.buffered())

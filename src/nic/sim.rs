@@ -163,7 +163,7 @@ impl SimCluster {
     pub fn inject(&mut self, h: u16, bytes: &[u8]) {
         let now = self.now;
         if let Some(core) = self.host_mut(h) {
-            core.handle_datagram(now, bytes);
+            core.handle_datagram(now, &mut bytes.to_vec());
         }
     }
 
@@ -188,9 +188,9 @@ impl SimCluster {
         for h in 0..self.hosts.len() as u16 {
             self.feed(h);
         }
-        while let Some((to, d)) = self.net.recv_due(now) {
+        while let Some((to, mut d)) = self.net.recv_due(now) {
             if let Some(core) = self.hosts[to as usize].as_mut() {
-                core.handle_datagram(now, &d);
+                core.handle_datagram(now, &mut d);
             }
         }
         for h in 0..self.hosts.len() as u16 {

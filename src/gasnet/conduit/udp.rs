@@ -218,7 +218,7 @@ impl Conduit for UdpConduit {
         let mut rx = std::mem::take(&mut self.rx);
         while let Some(n) = self.d.recv(&mut rx) {
             any = true;
-            let Ok(r) = self.t.on_datagram(now, &rx[..n]) else {
+            let Ok(r) = self.t.on_datagram(now, &mut rx[..n]) else {
                 continue;
             };
             let mut handle = |body: &[u8]| {

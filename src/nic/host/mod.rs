@@ -141,8 +141,8 @@ impl HostCore {
     }
 
     /// A datagram from the network (from whom is proven by its authentication tag, not by
-    /// where it came from). Anything invalid is counted and dropped.
-    pub fn handle_datagram(&mut self, now: u64, d: &[u8]) {
+    /// where it came from), decrypted in place. Anything invalid is counted and dropped.
+    pub fn handle_datagram(&mut self, now: u64, d: &mut [u8]) {
         let r = match self.transport.on_datagram(now, d) {
             Ok(r) => r,
             Err(e) => {
