@@ -53,6 +53,16 @@ impl Driver {
         }
     }
 
+    /// Hands the next received datagram to `f` where the driver holds it (UDP batch, packet
+    /// ring): `f` decrypts it in place, no copy on the way; `false` when none is waiting.
+    pub fn recv_with(&mut self, f: &mut dyn FnMut(&mut [u8])) -> bool {
+        match self {
+            Driver::Udp(d) => d.recv_with(f),
+            Driver::Tcp(d) => d.recv_with(f),
+            Driver::Packet(d) => d.recv_with(f),
+        }
+    }
+
     /// Whether more received data is likely waiting (TCP: always ask, reads are buffered;
     /// packet: always ask, asking is a look at memory).
     pub fn bursting(&self) -> bool {

@@ -108,6 +108,13 @@ impl Ring {
         // SAFETY: the caller checked `off + len <= slot`; the slot is ours until released.
         unsafe { std::slice::from_raw_parts(self.base.as_ptr().add(i * self.slot + off), len) }
     }
+
+    fn bytes_mut(&mut self, i: usize, off: usize, len: usize) -> &mut [u8] {
+        debug_assert!(off + len <= self.slot);
+        // SAFETY: as `bytes`; the kernel does not touch a slot it handed over until it is
+        // released, and `&mut self` makes this the only view of it here.
+        unsafe { std::slice::from_raw_parts_mut(self.base.as_ptr().add(i * self.slot + off), len) }
+    }
 }
 
 pub struct PacketDriver {
@@ -287,6 +294,23 @@ impl PacketDriver {
             return;
         }
         let copies = self.fault.as_mut().map_or(1, |f| f.copies(&mut self.stats));
+        if bytes.len() >= super::udp::DIRECT_MIN {
+            // As the UDP driver: queued frames first, then this one gathered from the
+            // Ethernet header and where the datagram lies.
+            self.flush();
+            let mut eth = [0u8; ETH_HEADER];
+            eth[..6].copy_from_slice(&dst);
+            eth[6..12].copy_from_slice(&self.macs[self.me as usize]);
+            eth[12..14].copy_from_slice(&ETHERTYPE.to_be_bytes());
+            for _ in 0..copies {
+                if let Err(e) =
+                    super::udp::send_iov(self.fd.as_raw_fd(), &[&eth, bytes], &mut self.stats)
+                {
+                    count_send_error(&mut self.stats, &e, 1);
+                }
+            }
+            return;
+        }
         for _ in 0..copies {
             self.tx.extend_from_slice(&dst);
             self.tx.extend_from_slice(&self.macs[self.me as usize]);
@@ -319,25 +343,53 @@ impl PacketDriver {
     /// that is truncated, malformed or too long for `out` is counted and skipped.
     pub fn recv(&mut self, out: &mut [u8]) -> Option<usize> {
         loop {
+            let mut got = None;
+            if !self.recv_with(&mut |d| {
+                if let Some(dst) = out.get_mut(..d.len()) {
+                    dst.copy_from_slice(d);
+                    got = Some(d.len());
+                }
+            }) {
+                return None;
+            }
+            if got.is_some() {
+                return got;
+            }
+            self.stats.rx_bad_frames += 1;
+        }
+    }
+
+    /// Hands the next received datagram to `f` where it lies in the ring (no copy; `f` may
+    /// decrypt it in place), then gives the slot back; `false` when the ring holds none. A
+    /// truncated or malformed frame is counted and skipped.
+    pub fn recv_with(&mut self, f: &mut dyn FnMut(&mut [u8])) -> bool {
+        loop {
             let i = self.ring.next;
             let status = self.ring.status(i).load(Ordering::Acquire);
             if status & TP_STATUS_USER == 0 {
-                return None;
+                return false;
             }
-            let got = self.take(i, out);
+            let ok = match self.frame(i) {
+                Some((off, len)) => {
+                    f(self.ring.bytes_mut(i, off, len));
+                    true
+                }
+                None => false,
+            };
             self.ring
                 .status(i)
                 .store(TP_STATUS_KERNEL, Ordering::Release);
             self.ring.next = (i + 1) % self.ring.slots;
-            match got {
-                Some(n) => return Some(n),
-                None => self.stats.rx_bad_frames += 1,
+            if ok {
+                return true;
             }
+            self.stats.rx_bad_frames += 1;
         }
     }
 
-    /// Copies slot `i`'s datagram out, after checking what the slot header claims.
-    fn take(&self, i: usize, out: &mut [u8]) -> Option<usize> {
+    /// Where slot `i`'s datagram lies (after the Ethernet header), after checking what the
+    /// slot header claims.
+    fn frame(&self, i: usize) -> Option<(usize, usize)> {
         let len = self.ring.header_u32(i, 4) as usize;
         let snap = self.ring.header_u32(i, 8) as usize;
         let mac = self.ring.header_u16(i, 12) as usize;
@@ -348,10 +400,7 @@ impl PacketDriver {
         if frame[12..14] != ETHERTYPE.to_be_bytes() {
             return None;
         }
-        let body = &frame[ETH_HEADER..];
-        let dst = out.get_mut(..body.len())?;
-        dst.copy_from_slice(body);
-        Some(body.len())
+        Some((mac + ETH_HEADER, snap - ETH_HEADER))
     }
 }
 
@@ -416,13 +465,25 @@ mod tests {
         d[0].send(1, b"to one again");
         d[0].flush();
         assert_eq!(
-            d[0].stats.send_syscalls, 1,
-            "three frames leave in one sendmmsg"
+            d[0].stats.send_syscalls, 3,
+            "small frames are batched; a large one leaves at once from where it lies, after \
+             what was queued before it"
+        );
+        d[0].send(1, b"one");
+        d[0].send(1, b"two");
+        d[0].flush();
+        assert_eq!(
+            d[0].stats.send_syscalls, 4,
+            "two small frames, one sendmmsg"
         );
         let n = recv_soon(&mut d[1], &mut buf).expect("host 1 gets its frame");
         assert_eq!(&buf[..n], b"to one");
         let n = recv_soon(&mut d[1], &mut buf).expect("and the next, in order");
         assert_eq!(&buf[..n], b"to one again");
+        for want in [&b"one"[..], b"two"] {
+            let n = recv_soon(&mut d[1], &mut buf).expect("and the later ones");
+            assert_eq!(&buf[..n], want);
+        }
         let n = recv_soon(&mut d[2], &mut buf).expect("host 2 gets the large one");
         assert_eq!(&buf[..n], &big[..]);
         assert_eq!(

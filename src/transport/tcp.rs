@@ -81,6 +81,8 @@ pub struct TcpDriver {
     /// The listening address: outgoing connections leave from its IP (and `device`).
     local: SocketAddr,
     device: Option<String>,
+    /// Where [`TcpDriver::recv_with`] puts a datagram.
+    scratch: Vec<u8>,
     listener: TcpListener,
     registry: Registry,
     token: Token,
@@ -129,6 +131,7 @@ impl TcpDriver {
         Ok(TcpDriver {
             local: addr,
             device: device.map(str::to_string),
+            scratch: Vec::new(),
             listener,
             registry,
             token,
@@ -244,6 +247,19 @@ impl TcpDriver {
                 }
             }
         }
+    }
+
+    /// Hands the next complete datagram to `f` (copied out of the stream buffer first);
+    /// `false` once everything is drained.
+    pub fn recv_with(&mut self, f: &mut dyn FnMut(&mut [u8])) -> bool {
+        let mut buf = std::mem::take(&mut self.scratch);
+        buf.resize(MAX_FRAME, 0);
+        let got = self.recv(&mut buf);
+        if let Some(n) = got {
+            f(&mut buf[..n]);
+        }
+        self.scratch = buf;
+        got.is_some()
     }
 
     /// The next received datagram, if one is complete; `None` once everything is drained.
