@@ -814,6 +814,127 @@ fn messages_are_matched_in_send_order_under_faults() {
     s.p.endpoint().barrier().unwrap();
 }
 
+/// Puts longer than a datagram stream from the MD as the window opens (no copy held by the
+/// daemon): several 300 KB puts gathered from a two-segment MD, each followed by a small put,
+/// under loss and duplication, arrive whole and in order; every SEND event comes before its
+/// ACK, and CT_SEND counts each put once.
+#[test]
+fn large_puts_stream_from_the_md_in_order_under_faults() {
+    if !in_job() {
+        return launch_ok(
+            "large_puts_stream_from_the_md_in_order_under_faults",
+            2,
+            2,
+            &[
+                "--fault-drop",
+                "0.05",
+                "--fault-duplicate",
+                "0.05",
+                "--fault-seed",
+                "11",
+            ],
+        );
+    }
+    const BIG: u64 = 300_000;
+    const N: u64 = 6;
+    let mut s = setup();
+    let me = my_rank(&s);
+    // Rank 0: the source, in two segments; rank 1: one slot per big put and a word per small.
+    let mem =
+        s.p.endpoint()
+            .mem_register((N * BIG + 4096) as usize, Perms::READ_WRITE)
+            .unwrap();
+    let pt = s.p.pt_alloc(s.ni, 0, Some(s.eq), None).unwrap();
+    if me == 1 {
+        let mut e = Me::new(whole(&mem), 0);
+        e.ignore_bits = u64::MAX;
+        e.options |= me_opt::EVENT_COMM_DISABLE | me_opt::EVENT_LINK_DISABLE;
+        s.p.me_append(s.ni, pt, &e, List::Priority, 0).unwrap();
+    }
+    s.p.endpoint().barrier().unwrap();
+    if me == 0 {
+        let src = pattern(BIG as usize, 42);
+        // The MD sees [100_000.., then 0..200_000]: its bytes 0..BIG are src.
+        mem.bytes()[100_000..300_000].copy_from_slice(&src[..200_000]);
+        mem.bytes()[..100_000].copy_from_slice(&src[200_000..]);
+        let ct = s.p.ct_alloc(s.ni).unwrap();
+        let md =
+            s.p.md_bind(
+                s.ni,
+                &Md {
+                    region: mem.handle,
+                    segments: vec![(100_000, 200_000), (0, 100_000)],
+                    options: md_opt::EVENT_CT_SEND | md_opt::IOVEC,
+                    eq: Some(s.eq),
+                    ct: Some(ct),
+                },
+            )
+            .unwrap();
+        let word = md_all(&mut s, &mem, md_opt::EVENT_SEND_DISABLE, None);
+        mem.bytes()[400_000..400_008].copy_from_slice(&7u64.to_le_bytes());
+        for k in 0..N {
+            s.p.put(
+                s.ni,
+                md,
+                0,
+                BIG,
+                AckReq::Ack,
+                target(1, pt, 0, k * BIG),
+                k,
+                0,
+            )
+            .unwrap();
+            // A small put behind it lands after it: its word says which big one came first.
+            s.p.put(
+                s.ni,
+                word,
+                400_000,
+                8,
+                AckReq::Ack,
+                target(1, pt, 0, N * BIG + 8 * k),
+                100 + k,
+                0,
+            )
+            .unwrap();
+        }
+        let mut seen = Vec::new();
+        while seen
+            .iter()
+            .filter(|(_, kind)| *kind == EventKind::Ack)
+            .count()
+            < 2 * N as usize
+        {
+            let (e, _) = s.p.eq_wait(s.ni, s.eq).unwrap();
+            assert_eq!(e.ni_fail, NiFail::Ok, "{e:?}");
+            seen.push((e.user_ptr, e.kind));
+        }
+        for k in 0..N {
+            let send = seen.iter().position(|&x| x == (k, EventKind::Send));
+            let ack = seen.iter().position(|&x| x == (k, EventKind::Ack));
+            assert!(
+                send.is_some() && send < ack,
+                "put {k}: SEND before ACK in {seen:?}"
+            );
+        }
+        assert_eq!(
+            s.p.ct_get(s.ni, ct).unwrap().success,
+            N,
+            "CT_SEND once per put"
+        );
+    }
+    s.p.endpoint().barrier().unwrap();
+    if me == 1 {
+        let want = pattern(BIG as usize, 42);
+        for k in 0..N {
+            let got = &mem.bytes()[(k * BIG) as usize..((k + 1) * BIG) as usize];
+            assert!(got == &want[..], "put {k} arrived whole");
+            let w = (N * BIG + 8 * k) as usize;
+            assert_eq!(mem.bytes()[w..w + 8], 7u64.to_le_bytes(), "small put {k}");
+        }
+    }
+    s.p.endpoint().barrier().unwrap();
+}
+
 // ---------------------------------------------------------------- matching rules via the NIC
 
 #[test]

@@ -29,6 +29,8 @@ pub(super) enum OutItem {
     Stream(Stream),
     /// An op owned in encoded form (Portals requests and responses that found no room).
     Encoded(Vec<u8>),
+    /// A large Portals put, read from its MD a fragment at a time as room appears.
+    PtlStream(super::portals::PtlStream),
 }
 
 /// Bulk data streamed from a region as fragments: a BTE put or a get reply.
@@ -487,9 +489,20 @@ impl HostCore {
                     match pushed {
                         Err(PushError::Full(_)) => return,
                         _ => {
-                            self.out[p].pop_front();
+                            if let Some(OutItem::Encoded(b)) = self.out[p].pop_front() {
+                                self.recycle_encoded(b);
+                            }
                         }
                     }
+                }
+                OutItem::PtlStream(ps) => {
+                    let end = ps.emit(peer, &mut self.transport, &mut self.copy_buf);
+                    let Some(end) = end else { return };
+                    let ps = match self.out[p].pop_front() {
+                        Some(OutItem::PtlStream(ps)) => ps,
+                        _ => unreachable!("the front item was this stream"),
+                    };
+                    self.ptl_stream_ended(&ps, end);
                 }
                 OutItem::Reply(r) => match self.transport.push_op(peer, &r.as_op()) {
                     Err(PushError::Full(_)) => return,

@@ -81,6 +81,8 @@ pub struct HostCore {
     ptl_asm: crate::nic::portals::wire::Reassembly,
     /// Scratch for the payload of the Portals operation being started.
     ptl_payload: Vec<u8>,
+    /// Buffers of encoded ops (waiting for room) for reuse.
+    encoded_spare: Vec<Vec<u8>>,
     /// Scratch for bytes copied out of registered memory (puts from it, streamed data).
     copy_buf: Vec<u8>,
     ptl_acks: portals::AckBatch,
@@ -119,6 +121,7 @@ impl HostCore {
             portals: HashMap::default(),
             ptl_asm: Default::default(),
             ptl_payload: Vec::new(),
+            encoded_spare: Vec::new(),
             copy_buf: Vec::new(),
             ptl_acks: Default::default(),
             ptl_scratch: Default::default(),

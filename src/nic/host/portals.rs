@@ -5,8 +5,10 @@
 use rustc_hash::FxHashMap as HashMap;
 
 use crate::nic::memory::Region;
+use crate::nic::portals::initiator::PayloadSource;
 use crate::nic::portals::triggered::TriggeredAction;
 use crate::nic::portals::wire::{encode_kind, request_ops, response_ops, Whole};
+use crate::nic::portals::ReqKind;
 use crate::nic::portals::{
     CtEvent, List, MatchEntry, NiFail, OpSpec, PortalsNi, ProcessId, PtlError, Response, SearchOp,
 };
@@ -19,8 +21,81 @@ use crate::wire::{ptl_acks, push_ptl_ack, OpHeader, OpKind, OpRef, PtlHeader, PT
 use super::gemini::OutItem;
 use super::{Flow, HostCore};
 
-/// The start scratch buffer is kept up to this capacity (small operations reuse it).
-const PAYLOAD_KEEP: usize = 64 << 10;
+/// A large put on its way out: fragments are read from the MD's memory as the transport has
+/// room, and its SEND event waits for the last of them.
+pub(super) struct PtlStream {
+    h: OpHeader,
+    m: PtlHeader,
+    job: u32,
+    rank: u32,
+    ni: u8,
+    id: u32,
+    src: PayloadSource,
+    sent: u64,
+}
+
+/// How a stream ended.
+pub(super) enum StreamEnd {
+    /// Its last fragment went into the transport.
+    Sent,
+    /// Its memory could not be read (unmapped meanwhile).
+    Segv,
+    /// The peer is gone (the operation fails with the others aimed at it).
+    PeerGone,
+}
+
+impl PtlStream {
+    /// Pushes fragments while the transport takes them; `None` when it is full (call again
+    /// later), else how the stream ended.
+    pub(super) fn emit(
+        &mut self,
+        peer: u16,
+        transport: &mut crate::transport::Transport,
+        buf: &mut Vec<u8>,
+    ) -> Option<StreamEnd> {
+        loop {
+            let remaining = self.src.length - self.sent;
+            let room = OpRef::max_data(OpKind::PtlReq, transport.open_room(peer));
+            // Fill the open datagram, unless only a sliver is left in it.
+            let max = if room as u64 >= remaining || room >= 1024 {
+                room
+            } else {
+                OpRef::max_data(OpKind::PtlReq, transport.body_capacity())
+            }
+            .max(1);
+            let n = remaining.min(max as u64);
+            let last = self.sent + n == self.src.length;
+            buf.clear();
+            if self.src.gather(self.sent, n, buf).is_err() {
+                return Some(StreamEnd::Segv);
+            }
+            let op = OpRef::PtlReq {
+                h: self.h,
+                m: self.m,
+                last,
+                operand: &[],
+                data: buf,
+            };
+            match transport.push_op(peer, &op) {
+                Ok(()) => {
+                    self.sent += n;
+                    if last {
+                        return Some(StreamEnd::Sent);
+                    }
+                }
+                Err(PushError::Full(_)) => return None,
+                Err(_) => return Some(StreamEnd::PeerGone),
+            }
+        }
+    }
+}
+
+/// The start scratch buffer is kept up to this capacity: operations up to it reuse it (a
+/// fresh large buffer costs a page fault per 4 KiB on first touch — measured, a third of a
+/// 1 MiB put stream's time went to clearing new pages).
+const PAYLOAD_KEEP: usize = 16 << 20;
+/// Encoded ops waiting for room are built in reused buffers, at most this many kept.
+const ENCODED_SPARE: usize = 256;
 /// How long a Portals acknowledgement may wait to share a datagram (ns).
 const ACK_LAZY_NS: u64 = 10_000;
 
@@ -397,6 +472,34 @@ impl HostCore {
             hdr_data: spec.hdr_data,
             uid: 0,
         };
+        // A remote put longer than one datagram streams from its MD; a shorter one is copied
+        // here, into its only fragment.
+        let one_fragment = OpRef::max_data(OpKind::PtlReq, self.transport.body_capacity());
+        if host != self.index && spec.kind == ReqKind::Put && spec.length > one_fragment as u64 {
+            let (id, src) = self.ni_state(job, rank, ni)?.ni.start_streamed(spec)?;
+            let h = OpHeader {
+                job,
+                src_rank: rank,
+                dst_rank: target_rank,
+                req: ((ni as u64) << 32) | id as u64,
+            };
+            // In order behind everything already waiting for this peer, acknowledgements too.
+            if self.ptl_acks.peer == host {
+                self.ptl_flush_acks();
+            }
+            self.out[host as usize].push_back(OutItem::PtlStream(PtlStream {
+                h,
+                m,
+                job,
+                rank,
+                ni,
+                id,
+                src,
+                sent: 0,
+            }));
+            self.drain_out(host);
+            return Ok(());
+        }
         let operand = spec.operand.clone();
         let mut payload = std::mem::take(&mut self.ptl_payload);
         let started = self
@@ -487,6 +590,28 @@ impl HostCore {
         }
     }
 
+    /// A stream left the queue: its SEND event, or its failure.
+    pub(super) fn ptl_stream_ended(&mut self, ps: &PtlStream, end: StreamEnd) {
+        match end {
+            StreamEnd::Sent => {
+                if let Ok(s) = self.ni_state(ps.job, ps.rank, ps.ni) {
+                    s.ni.sent(ps.id);
+                }
+            }
+            StreamEnd::Segv => {
+                // The target holds a partial message it never completes (bounded in bytes);
+                // the initiator learns of the failure as for a put from unmapped memory.
+                let resp = Response {
+                    ni_fail: NiFail::Segv,
+                    ack: true,
+                    ..Default::default()
+                };
+                self.ptl_complete(ps.job, ps.rank, ps.ni, ps.id, &resp);
+            }
+            StreamEnd::PeerGone => {}
+        }
+    }
+
     fn ptl_complete(&mut self, job: u32, rank: u32, ni: u8, id: u32, resp: &Response) {
         self.ptl_complete_with(job, rank, ni, |n| n.complete(id, resp));
     }
@@ -547,6 +672,7 @@ impl HostCore {
                     Some(Ok(whole)) => {
                         let (h, m, ..) = whole.parts();
                         let d = self.ptl_deliver(peer, &whole);
+                        self.ptl_asm.recycle(whole);
                         if d.fired {
                             self.ptl_run_fired(h.job, h.dst_rank, m.ni);
                         }
@@ -663,9 +789,18 @@ impl HostCore {
                 Err(_) => return, // dead peer: its operations fail through ptl_peer_dead
             }
         }
-        let mut b = vec![0u8; op.encoded_len()];
+        let mut b = self.encoded_spare.pop().unwrap_or_default();
+        b.clear();
+        b.resize(op.encoded_len(), 0);
         op.encode(&mut b);
         self.out[peer as usize].push_back(OutItem::Encoded(b));
+    }
+
+    /// Takes back the buffer of an encoded op that went into the transport.
+    pub(super) fn recycle_encoded(&mut self, b: Vec<u8>) {
+        if self.encoded_spare.len() < ENCODED_SPARE {
+            self.encoded_spare.push(b);
+        }
     }
 
     /// Fails every Portals operation aimed at a dead (or restarted) host.

@@ -75,24 +75,53 @@ pub struct Md {
     pub pending: usize,
 }
 
+/// Where a streamed put's payload lies: its MD's memory, read a fragment at a time as the
+/// network has room (as a NIC's DMA engine reads the buffer while the message leaves), so the
+/// daemon holds no copy of a large message waiting for the window.
+pub struct PayloadSource {
+    region: Region,
+    segments: Vec<(u64, u64)>,
+    /// Where the payload starts in the MD, and its length.
+    offset: u64,
+    pub length: u64,
+}
+
+impl PayloadSource {
+    /// Appends payload bytes `[off, off + len)` to `out`.
+    pub fn gather(&self, off: u64, len: u64, out: &mut Vec<u8>) -> Result<(), Status> {
+        gather(&self.region, &self.segments, self.offset + off, len, out)
+    }
+}
+
+/// Copies `len` bytes at offset `off` of the buffer `segments` of `region` make out (gather).
+fn gather(
+    region: &Region,
+    segments: &[(u64, u64)],
+    mut off: u64,
+    len: u64,
+    out: &mut Vec<u8>,
+) -> Result<(), Status> {
+    let mut left = len;
+    for &(start, slen) in segments {
+        if left == 0 {
+            break;
+        }
+        if off >= slen {
+            off -= slen;
+            continue;
+        }
+        let n = (slen - off).min(left);
+        region.append_to(start + off, n as usize, out)?;
+        left -= n;
+        off = 0;
+    }
+    Ok(())
+}
+
 impl Md {
     /// Copies `len` bytes at MD offset `off` out (gather).
-    fn gather(&self, mut off: u64, len: u64, out: &mut Vec<u8>) -> Result<(), Status> {
-        let mut left = len;
-        for &(start, slen) in &self.segments {
-            if left == 0 {
-                break;
-            }
-            if off >= slen {
-                off -= slen;
-                continue;
-            }
-            let n = (slen - off).min(left);
-            self.region.append_to(start + off, n as usize, out)?;
-            left -= n;
-            off = 0;
-        }
-        Ok(())
+    fn gather(&self, off: u64, len: u64, out: &mut Vec<u8>) -> Result<(), Status> {
+        gather(&self.region, &self.segments, off, len, out)
     }
 
     /// Copies `data` in at MD offset `off` (scatter).
@@ -198,7 +227,61 @@ impl PortalsNi {
     /// the wire; the caller's buffer, reused so that starting allocates nothing), posts SEND.
     /// Returns the operation's id for [`PortalsNi::complete`].
     pub fn start(&mut self, spec: OpSpec, payload: &mut Vec<u8>) -> Result<u32, PtlError> {
-        payload.clear();
+        self.begin(spec, Some(payload))
+    }
+
+    /// Starts a put whose payload the caller reads from its MD as the message leaves
+    /// ([`PayloadSource`]); its SEND event (and CT_SEND) come with [`PortalsNi::sent`], once
+    /// the last byte is out of the buffer. Checks as [`PortalsNi::start`].
+    pub fn start_streamed(&mut self, spec: OpSpec) -> Result<(u32, PayloadSource), PtlError> {
+        if spec.kind != ReqKind::Put {
+            return Err(PtlError::ArgInvalid);
+        }
+        let (md, offset, length) = (spec.md, spec.offset, spec.length);
+        let id = self.begin(spec, None)?;
+        let m = self.mds.get(md).expect("begin checked the MD");
+        Ok((
+            id,
+            PayloadSource {
+                region: m.region.clone(),
+                segments: m.segments.clone(),
+                offset,
+                length,
+            },
+        ))
+    }
+
+    /// The payload of streamed operation `id` has left its buffer: its SEND event and
+    /// CT_SEND count. An operation completed meanwhile (failed) is ignored.
+    pub fn sent(&mut self, id: u32) {
+        let Some(spec) = self.outgoing.get(id).map(|o| o.spec.clone()) else {
+            return;
+        };
+        self.post_send(&spec);
+    }
+
+    fn post_send(&mut self, spec: &OpSpec) {
+        let Some(m) = self.mds.get(spec.md) else {
+            return;
+        };
+        let (eq, ct, opts) = (m.eq, m.ct, m.options);
+        if opts & (md::EVENT_SEND_DISABLE | md::EVENT_SUCCESS_DISABLE) == 0 {
+            let e = self.initiator_event(EventKind::Send, spec, spec.length, NiFail::Ok);
+            self.post(eq, e);
+        }
+        if opts & md::EVENT_CT_SEND != 0 {
+            if let Some(c) = ct {
+                self.bump_ct(c, success(opts, spec.length));
+            }
+        }
+    }
+
+    /// Checks and registers an operation; with `payload`, copies what it sends there and
+    /// posts its SEND event now, else leaves both to the streaming caller.
+    fn begin(&mut self, spec: OpSpec, mut payload: Option<&mut Vec<u8>>) -> Result<u32, PtlError> {
+        if let Some(p) = payload.as_deref_mut() {
+            p.clear();
+        }
         let needs_reply = !matches!(spec.kind, ReqKind::Put | ReqKind::Atomic(..));
         let sends = !matches!(spec.kind, ReqKind::Get);
         if spec.length > self.limits.max_msg_size {
@@ -230,7 +313,12 @@ impl PortalsNi {
                 return Err(PtlError::ArgInvalid);
             }
         }
-        if sends && pay.gather(spec.offset, spec.length, payload).is_err() {
+        let streamed = payload.is_none();
+        let gathered = match payload {
+            Some(p) if sends => pay.gather(spec.offset, spec.length, p),
+            _ => Ok(()),
+        };
+        if gathered.is_err() {
             // Memory reached by copy is gone (a process region unmapped): the operation fails
             // as a segmentation violation where its completion would be reported, since a
             // one-way call has no other way back.
@@ -252,7 +340,6 @@ impl PortalsNi {
             }
             return Err(PtlError::ArgInvalid);
         }
-        let (eq, ct, opts) = (pay.eq, pay.ct, pay.options);
         self.mds.get_mut(spec.md).expect("checked").pending += 1;
         if needs_reply {
             self.mds
@@ -260,16 +347,8 @@ impl PortalsNi {
                 .expect("checked")
                 .pending += 1;
         }
-        if sends {
-            if opts & (md::EVENT_SEND_DISABLE | md::EVENT_SUCCESS_DISABLE) == 0 {
-                let e = self.initiator_event(EventKind::Send, &spec, spec.length, NiFail::Ok);
-                self.post(eq, e);
-            }
-            if opts & md::EVENT_CT_SEND != 0 {
-                if let Some(c) = ct {
-                    self.bump_ct(c, success(opts, spec.length));
-                }
-            }
+        if sends && !streamed {
+            self.post_send(&spec);
         }
         Ok(self.outgoing.insert(Outgoing { spec }))
     }

@@ -151,7 +151,14 @@ pub struct Reassembly {
     requests: HashMap<(u16, u64), Partial>,
     responses: HashMap<(u16, u64), Response>,
     bytes: usize,
+    /// Buffers of delivered requests, reused: a fresh large buffer is a page fault per 4 KiB
+    /// on first touch, and growing one copies what it held.
+    spare: Vec<Vec<u8>>,
 }
+
+/// Spare reassembly buffers kept for reuse, and the largest kept.
+const SPARE_BUFFERS: usize = 4;
+const SPARE_MAX_BYTES: usize = 16 << 20;
 
 /// Most bytes held in partial messages; beyond it a message fails (DROPPED) instead of growing.
 pub const MAX_PARTIAL_BYTES: usize = 256 << 20;
@@ -183,11 +190,19 @@ impl Reassembly {
                 data,
             }));
         }
-        let e = self.requests.entry(key).or_insert_with(|| Partial {
-            h,
-            m,
-            operand: operand.to_vec(),
-            data: Vec::new(),
+        let spare = &mut self.spare;
+        let e = self.requests.entry(key).or_insert_with(|| {
+            // Room for the whole message at once (its length is in every fragment's header;
+            // bounded, as a hostile header may claim anything).
+            let mut data = spare.pop().unwrap_or_default();
+            data.clear();
+            data.reserve((m.rlength as usize).min(MAX_PARTIAL_BYTES));
+            Partial {
+                h,
+                m,
+                operand: operand.to_vec(),
+                data,
+            }
         });
         if self.bytes + data.len() > MAX_PARTIAL_BYTES {
             let p = self.requests.remove(&key).expect("present");
@@ -212,6 +227,15 @@ impl Reassembly {
             operand,
             data,
         }))
+    }
+
+    /// Takes back a delivered request's buffer for the next message put back together.
+    pub fn recycle(&mut self, whole: Whole<'_>) {
+        if let Whole::Owned { data, .. } = whole {
+            if self.spare.len() < SPARE_BUFFERS && data.capacity() <= SPARE_MAX_BYTES {
+                self.spare.push(data);
+            }
+        }
     }
 
     /// Feeds a response fragment from `peer`: the whole response once its last fragment is in.
