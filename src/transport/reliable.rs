@@ -127,6 +127,8 @@ pub enum PushError {
     NoSuchPeer(u16),
     #[error("op of {0} bytes does not fit in one datagram")]
     TooLarge(usize),
+    #[error("the op's data could not be read")]
+    Source,
 }
 
 /// What an incoming datagram yielded.
@@ -630,9 +632,38 @@ impl Transport {
         self.push(peer, op, Some(deadline))
     }
 
+    /// Appends op `head` (its trailing data empty) with `data_len` data bytes that `fill`
+    /// appends straight into the datagram (from registered memory: no copy in between).
+    /// `Err(Source)` when `fill` fails; nothing is pushed then.
+    pub fn push_op_filled(
+        &mut self,
+        peer: u16,
+        head: &OpRef<'_>,
+        data_len: usize,
+        fill: &mut dyn FnMut(&mut Vec<u8>) -> bool,
+    ) -> Result<(), PushError> {
+        let len = head.encoded_len() + data_len;
+        self.push_with(peer, len, None, &mut |b| {
+            head.encode_with(b, data_len, fill)
+        })
+    }
+
     fn push(&mut self, peer: u16, op: &OpRef<'_>, lazy: Option<u64>) -> Result<(), PushError> {
+        self.push_with(peer, op.encoded_len(), lazy, &mut |b| {
+            op.encode_append(b);
+            true
+        })
+    }
+
+    /// Appends an op of `len` bytes that `write` appends to the open datagram.
+    fn push_with(
+        &mut self,
+        peer: u16,
+        len: usize,
+        lazy: Option<u64>,
+        write: &mut dyn FnMut(&mut Vec<u8>) -> bool,
+    ) -> Result<(), PushError> {
         self.can_push(peer)?;
-        let len = op.encoded_len();
         let cap = self.body_capacity();
         if len > cap {
             return Err(PushError::TooLarge(len));
@@ -659,9 +690,9 @@ impl Transport {
         let Some(b) = p.open.as_mut() else {
             unreachable!("opened above");
         };
-        let at = b.len();
-        b.resize(at + len, 0);
-        op.encode(&mut b[at..]);
+        if !write(b) {
+            return Err(PushError::Source);
+        }
         Ok(())
     }
 

@@ -349,6 +349,55 @@ impl<'a> OpRef<'a> {
             .min(u16::MAX as usize - 64)
     }
 
+    /// The data at the end of the op's encoding, and the op without it.
+    pub fn split_trailing(&self) -> (&'a [u8], OpRef<'a>) {
+        let mut head = *self;
+        let data = match &mut head {
+            OpRef::PtlReq { data, .. }
+            | OpRef::PtlResp { data, .. }
+            | OpRef::Am { data, .. }
+            | OpRef::Put { data, .. }
+            | OpRef::GetReply { data, .. } => std::mem::take(data),
+            OpRef::PtlAcks { acks, .. } => std::mem::take(acks),
+            OpRef::AmoScatter { pairs, .. } => std::mem::take(pairs),
+            _ => &[],
+        };
+        (data, head)
+    }
+
+    /// Appends the encoding to `out` (no pass over the data but the copy itself).
+    pub fn encode_append(&self, out: &mut Vec<u8>) {
+        let (data, head) = self.split_trailing();
+        let ok = head.encode_with(out, data.len(), &mut |o| {
+            o.extend_from_slice(data);
+            true
+        });
+        debug_assert!(ok);
+    }
+
+    /// Appends this op (its trailing data empty) carrying `data_len` data bytes that `fill`
+    /// appends to `out` after the fixed part. `false` (and `out` as before) when `fill`
+    /// fails or appends another length.
+    pub fn encode_with(
+        &self,
+        out: &mut Vec<u8>,
+        data_len: usize,
+        fill: &mut dyn FnMut(&mut Vec<u8>) -> bool,
+    ) -> bool {
+        debug_assert!(self.split_trailing().0.is_empty());
+        let head_len = self.encoded_len();
+        let len = head_len + data_len;
+        let at = out.len();
+        out.resize(at + head_len, 0);
+        self.encode(&mut out[at..]);
+        out[at + 2..at + 4].copy_from_slice(&(len as u16).to_le_bytes());
+        if !fill(out) || out.len() != at + len {
+            out.truncate(at);
+            return false;
+        }
+        true
+    }
+
     /// Encodes into the front of `buf` (which must hold [`Self::encoded_len`] bytes).
     pub fn encode(&self, buf: &mut [u8]) -> usize {
         let len = self.encoded_len();
@@ -793,6 +842,32 @@ mod tests {
         }
         let got: Vec<_> = OpIter::new(&buf[..at]).map(|r| r.unwrap()).collect();
         assert_eq!(got, ops);
+    }
+
+    #[test]
+    fn appended_encodings_equal_encode_and_a_failed_fill_leaves_nothing() {
+        let data = [9u8; 33];
+        for op in samples(&data) {
+            let mut want = vec![0u8; op.encoded_len()];
+            op.encode(&mut want);
+            let mut got = vec![7u8; 3];
+            op.encode_append(&mut got);
+            assert_eq!(&got[3..], &want[..], "{op:?}");
+            let (trailing, head) = op.split_trailing();
+            let mut filled = Vec::new();
+            assert!(head.encode_with(&mut filled, trailing.len(), &mut |o| {
+                o.extend_from_slice(trailing);
+                true
+            }));
+            assert_eq!(filled, want, "{op:?}");
+            let mut none = vec![1u8];
+            assert!(!head.encode_with(&mut none, trailing.len() + 1, &mut |o| {
+                o.extend_from_slice(trailing);
+                true
+            }));
+            assert!(!head.encode_with(&mut none, 0, &mut |_| false));
+            assert_eq!(none, [1], "nothing is left of a failed fill");
+        }
     }
 
     proptest! {

@@ -496,7 +496,7 @@ impl HostCore {
                     }
                 }
                 OutItem::PtlStream(ps) => {
-                    let end = ps.emit(peer, &mut self.transport, &mut self.copy_buf);
+                    let end = ps.emit(peer, &mut self.transport);
                     let Some(end) = end else { return };
                     let ps = match self.out[p].pop_front() {
                         Some(OutItem::PtlStream(ps)) => ps,
@@ -532,18 +532,7 @@ impl HostCore {
                         };
                         let n = (remaining as usize).min(max);
                         let last = st.sent + n as u64 == st.len;
-                        let data = &mut self.copy_buf;
-                        data.clear();
-                        match st.src.append_to(st.src_off + st.sent, n, data) {
-                            Ok(()) => {}
-                            Err(s) => {
-                                // Streams are mapped (checked at the command); never expected.
-                                if let Some(c) = self.initiator.complete(st.h.req, s, 0) {
-                                    self.completions.push(c);
-                                }
-                                break;
-                            }
-                        };
+                        let data: &[u8] = &[];
                         let op = match st.kind {
                             StreamKind::Put {
                                 region,
@@ -567,7 +556,22 @@ impl HostCore {
                                 data,
                             },
                         };
-                        match self.transport.push_op(peer, &op) {
+                        // The data goes from the region straight into the datagram.
+                        let (src, at) = (&st.src, st.src_off + st.sent);
+                        let mut unreadable = None;
+                        let pushed = self.transport.push_op_filled(peer, &op, n, &mut |b| {
+                            src.append_to(at, n, b)
+                                .map_err(|s| unreadable = Some(s))
+                                .is_ok()
+                        });
+                        if let (Err(PushError::Source), Some(s)) = (&pushed, unreadable) {
+                            // Streams are mapped (checked at the command); never expected.
+                            if let Some(c) = self.initiator.complete(st.h.req, s, 0) {
+                                self.completions.push(c);
+                            }
+                            break;
+                        }
+                        match pushed {
                             Ok(()) => {
                                 st.sent += n as u64;
                                 st.started = true;

@@ -51,7 +51,6 @@ impl PtlStream {
         &mut self,
         peer: u16,
         transport: &mut crate::transport::Transport,
-        buf: &mut Vec<u8>,
     ) -> Option<StreamEnd> {
         loop {
             let remaining = self.src.length - self.sent;
@@ -65,18 +64,18 @@ impl PtlStream {
             .max(1);
             let n = remaining.min(max as u64);
             let last = self.sent + n == self.src.length;
-            buf.clear();
-            if self.src.gather(self.sent, n, buf).is_err() {
-                return Some(StreamEnd::Segv);
-            }
             let op = OpRef::PtlReq {
                 h: self.h,
                 m: self.m,
                 last,
                 operand: &[],
-                data: buf,
+                data: &[],
             };
-            match transport.push_op(peer, &op) {
+            // From the MD's memory straight into the datagram.
+            let (src, at) = (&self.src, self.sent);
+            match transport
+                .push_op_filled(peer, &op, n as usize, &mut |b| src.gather(at, n, b).is_ok())
+            {
                 Ok(()) => {
                     self.sent += n;
                     if last {
@@ -84,6 +83,7 @@ impl PtlStream {
                     }
                 }
                 Err(PushError::Full(_)) => return None,
+                Err(PushError::Source) => return Some(StreamEnd::Segv),
                 Err(_) => return Some(StreamEnd::PeerGone),
             }
         }
