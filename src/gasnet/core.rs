@@ -160,6 +160,8 @@ pub struct Core {
     /// Messages that arrived but were not handled yet (delivered by `poll`): source, what the
     /// conduit needs to answer it, the AM.
     inbox: Vec<(u32, u64, Vec<u8>)>,
+    /// Where a Long handler's view of its payload is copied (reused).
+    long_scratch: Vec<u8>,
     pub(crate) dropped: u64,
     /// Active Messages sent (requests and replies).
     pub(crate) sent: u64,
@@ -173,6 +175,7 @@ impl Core {
             conduit,
             handlers: (0..256).map(|_| None).collect(),
             rma_done: Vec::new(),
+            long_scratch: Vec::new(),
             inbox: Vec::new(),
             dropped: 0,
             sent: 0,
@@ -263,6 +266,7 @@ impl Core {
             // and so is what cannot be read, so that its sender's credit comes back.
             let answer = am::decode(&b).is_none_or(|(h, _)| !h.reply);
             let reply = self.handle(src, &b);
+            self.conduit.recycle(b);
             if answer {
                 if reply.is_some() {
                     self.sent += 1;
@@ -321,10 +325,13 @@ impl Core {
             segment: self.conduit.segment(),
             limits,
         };
-        let msg_payload: Vec<u8>;
+        // A Long's handler sees its payload where it landed; a copy, reused, since the token
+        // lends the handler the whole segment.
+        let mut scratch = std::mem::take(&mut self.long_scratch);
         let payload = if h.category == Category::Long {
-            msg_payload = token.segment[offset as usize..offset as usize + long_len].to_vec();
-            &msg_payload[..]
+            scratch.clear();
+            scratch.extend_from_slice(&token.segment[offset as usize..offset as usize + long_len]);
+            &scratch[..]
         } else {
             payload
         };
@@ -340,6 +347,7 @@ impl Core {
         );
         let reply = token.reply.take();
         self.handlers[h.handler as usize] = Some(handler);
+        self.long_scratch = scratch;
         reply
     }
 }

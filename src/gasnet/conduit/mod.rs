@@ -90,6 +90,9 @@ pub trait Conduit {
         deliver: &mut dyn FnMut(u32, u64, Vec<u8>),
         done: &mut dyn FnMut(RmaDone),
     ) -> Result<bool, GasnetError>;
+    /// Takes back a buffer [`Conduit::poll`] delivered, once handled, for reuse (a conduit
+    /// without a pool drops it).
+    fn recycle(&mut self, _b: Vec<u8>) {}
     /// The conduit's name (`udp`, `portals`, …).
     fn name(&self) -> &'static str;
     /// AM flow-control counters (conduits without credits of their own report zeros).

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use rustix::event::{poll, PollFd, PollFlags};
 
 use super::Conduit;
-use crate::gasnet::GasnetError;
+use crate::gasnet::{am, GasnetError};
 use crate::job::JobInfo;
 use crate::transport::udp::UdpDriver;
 use crate::transport::{PushError, Transport, TransportConfig};
@@ -27,8 +27,9 @@ pub struct UdpConduit {
     t: Transport,
     d: UdpDriver,
     clock: Instant,
-    rx: Vec<u8>,
     segment: Vec<u8>,
+    /// Buffers of delivered AMs, back from the Core for reuse.
+    pool: Vec<Vec<u8>>,
     /// AMs to deliver before the network's: those a node sends itself, and those that arrived
     /// while a send waited for credit. (source, AM)
     local: VecDeque<(u32, Vec<u8>)>,
@@ -71,8 +72,8 @@ impl UdpConduit {
             t,
             d,
             clock: Instant::now(),
-            rx: vec![0; 65_536],
             segment: vec![0; segment_len],
+            pool: Vec::new(),
             local: VecDeque::new(),
         })
     }
@@ -81,13 +82,14 @@ impl UdpConduit {
         self.clock.elapsed().as_nanos() as u64
     }
 
-    /// Queues an AM for `dest`; `Ok(false)` when its window is full.
-    fn push(&mut self, dest: u32, am: &[u8]) -> Result<bool, GasnetError> {
+    /// Queues an AM for `dest` (its encoding and, for a Long, the payload behind it, copied
+    /// once, into the datagram); `Ok(false)` when its window is full.
+    fn push(&mut self, dest: u32, am: &[u8], long: &[u8]) -> Result<bool, GasnetError> {
         if dest >= self.n as u32 {
             return Err(GasnetError::BadNode(dest));
         }
         if dest == self.me as u32 {
-            self.local.push_back((dest, am.to_vec()));
+            self.local.push_back((dest, [am, long].concat()));
             return Ok(true);
         }
         let op = OpRef::Am {
@@ -97,9 +99,16 @@ impl UdpConduit {
                 dst_rank: dest,
                 req: 0,
             },
-            data: am,
+            data: &[],
         };
-        match self.t.push_op(dest as u16, &op) {
+        let pushed = self
+            .t
+            .push_op_filled(dest as u16, &op, am.len() + long.len(), &mut |b| {
+                b.extend_from_slice(am);
+                b.extend_from_slice(long);
+                true
+            });
+        match pushed {
             Ok(()) => {}
             Err(PushError::Full(_)) => {
                 self.transmit();
@@ -122,12 +131,27 @@ impl UdpConduit {
     }
 }
 
-/// An AM whole: a Long's payload rides behind its header.
-fn packed<'a>(am: &'a [u8], long: Option<&[u8]>) -> std::borrow::Cow<'a, [u8]> {
-    match long {
-        Some(p) => [am, p].concat().into(),
-        None => am.into(),
+/// A Long request or reply whose payload `data` carries behind its header: the payload goes
+/// into `segment` now and the AM delivered is the in-place form naming its length (one copy,
+/// from the datagram into the segment). Anything else, or a Long outside the segment (the Core
+/// counts and drops it), is delivered as it came. The AM is built in `out`.
+fn place_long(data: &[u8], segment: &mut [u8], out: &mut Vec<u8>) {
+    out.clear();
+    if let Some((h, payload)) = am::decode(data) {
+        let head = data.len() - payload.len();
+        let end = h.offset.checked_add(payload.len() as u64);
+        if h.category == am::Category::Long
+            && !h.in_place
+            && end.is_some_and(|e| e <= segment.len() as u64)
+        {
+            segment[h.offset as usize..h.offset as usize + payload.len()].copy_from_slice(payload);
+            out.extend_from_slice(&data[..head]);
+            out.resize(head + am::IN_PLACE_LEN, 0);
+            am::mark_in_place(out, payload.len() as u32, 0);
+            return;
+        }
     }
+    out.extend_from_slice(data);
 }
 
 impl Conduit for UdpConduit {
@@ -181,7 +205,13 @@ impl Conduit for UdpConduit {
 
     fn request(&mut self, dest: u32, am: &[u8], long: Option<&[u8]>) -> Result<bool, GasnetError> {
         // A full window: the Core runs handlers (acks come with progress) and tries again.
-        self.push(dest, &packed(am, long))
+        self.push(dest, am, long.unwrap_or_default())
+    }
+
+    fn recycle(&mut self, b: Vec<u8>) {
+        if self.pool.len() < 256 && b.capacity() <= 1 << 16 {
+            self.pool.push(b);
+        }
     }
 
     fn reply(
@@ -194,8 +224,8 @@ impl Conduit for UdpConduit {
         let Some((am, long)) = reply else {
             return Ok(());
         };
-        let am = packed(am, long);
-        while !self.push(dest, &am)? {
+        let long = long.unwrap_or_default();
+        while !self.push(dest, am, long)? {
             // No credit: make progress (acks free the window), keeping what arrives for later.
             let mut stash = Vec::new();
             self.poll(&mut |src, _, b| stash.push((src, b)), &mut |_| {})?;
@@ -215,28 +245,37 @@ impl Conduit for UdpConduit {
             any = true;
         }
         let now = self.now();
-        let mut rx = std::mem::take(&mut self.rx);
-        while let Some(n) = self.d.recv(&mut rx) {
-            any = true;
-            let Ok(r) = self.t.on_datagram(now, &mut rx[..n]) else {
-                continue;
-            };
-            let mut handle = |body: &[u8]| {
-                for op in OpIter::new(body).flatten() {
-                    if let OpRef::Am { h, data } = op {
-                        deliver(h.src_rank, 0, data.to_vec());
-                    }
+        let UdpConduit {
+            t,
+            d,
+            segment,
+            pool,
+            ..
+        } = self;
+        let mut handle = |body: &[u8], deliver: &mut dyn FnMut(u32, u64, Vec<u8>)| {
+            for op in OpIter::new(body).flatten() {
+                if let OpRef::Am { h, data } = op {
+                    let mut b = pool.pop().unwrap_or_default();
+                    place_long(data, segment, &mut b);
+                    deliver(h.src_rank, 0, b);
                 }
+            }
+        };
+        // Opened where the driver received it; a Long's payload goes from there to the segment.
+        while d.recv_with(&mut |dg| {
+            let Ok(r) = t.on_datagram(now, dg) else {
+                return;
             };
             if let Some(body) = r.body {
-                handle(body);
+                handle(body, deliver);
             }
-            while let Some(b) = self.t.take_ready(r.peer) {
-                handle(&b);
-                self.t.give_back(b);
+            while let Some(b) = t.take_ready(r.peer) {
+                handle(&b, deliver);
+                t.give_back(b);
             }
+        }) {
+            any = true;
         }
-        self.rx = rx;
         self.t.handle_timeout(now);
         if let Some(crate::transport::TransportEvent::PeerDead(p)) = self.t.poll_event() {
             return Err(GasnetError::NodeDead(p as u32));
