@@ -72,6 +72,30 @@ pub fn am(
     Ok((ctx.job.rank == 0).then(|| row(ctx, g, "am", op, size).with_latency(&mut samples)))
 }
 
+/// AM Short flood (`op: am_short_flood`): rank 0 sends requests back to back, each answered
+/// by a reply, and waits for all the replies; `Mops` is requests per second (millions), the
+/// message rate a runtime's small AMs get.
+pub fn am_flood(ctx: &Ctx, g: &mut Gasnet, pongs: &Rc<Cell<u64>>) -> anyhow::Result<Option<Row>> {
+    g.barrier()?;
+    let n = (ctx.iters * 20).clamp(1_000, 100_000) as u64;
+    let mut out = None;
+    if ctx.job.rank == 0 {
+        let before = pongs.get();
+        let t = Instant::now();
+        for _ in 0..n {
+            g.am_request_short(1, H_PING, &[1, 2])?;
+        }
+        g.block_until(|| pongs.get() >= before + n)?;
+        let secs = t.elapsed().as_secs_f64();
+        let mut r = row(ctx, g, "am", "am_short_flood", 0);
+        r.iters = n as usize;
+        r.mops = Some(n as f64 / secs / 1e6);
+        out = Some(r);
+    }
+    g.barrier()?;
+    Ok(out)
+}
+
 /// One blocking put or get of `size` bytes on rank 0 (`op: put_blocking | get`).
 pub fn blocking(ctx: &Ctx, g: &mut Gasnet, get: bool, size: usize) -> anyhow::Result<Option<Row>> {
     g.barrier()?;
@@ -108,6 +132,8 @@ pub fn bw(ctx: &Ctx, g: &mut Gasnet, size: usize) -> anyhow::Result<Option<Row>>
         let mut r = row(ctx, g, "bw", "put_nbi", size);
         r.iters = iters;
         r.mb_s = Some((size * iters) as f64 / secs / 1e6);
+        // The message rate: what small sizes are about.
+        r.mops = Some(iters as f64 / secs / 1e6);
         out = Some(r);
     }
     g.barrier()?;

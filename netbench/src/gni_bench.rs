@@ -156,6 +156,8 @@ pub fn put_bw(ctx: &Ctx, nic: &mut Nic, b: &Bufs, size: usize) -> anyhow::Result
         let mut r = ctx.row("bw", "gni", "gni", "put", size);
         r.iters = iters;
         r.mb_s = Some((size * iters) as f64 / secs / 1e6);
+        // The message rate: what small sizes are about.
+        r.mops = Some(iters as f64 / secs / 1e6);
         row = Some(r);
     }
     nic.barrier()?;

@@ -384,6 +384,7 @@ fn run_gasnet(args: &Args, ctx: &Ctx) -> anyhow::Result<()> {
     let mut rows = Vec::new();
     if am {
         rows.extend(gasnet_bench::am(ctx, &mut g, &pongs, "am_short", 0)?);
+        rows.extend(gasnet_bench::am_flood(ctx, &mut g, &pongs)?);
         let (max_medium, max_long) = (g.am_max_medium(), g.am_max_long_request());
         for &s in &lat_sizes {
             if s <= max_medium {

@@ -211,6 +211,8 @@ pub fn put_bw(ctx: &Ctx, p: &mut Portals, s: &Setup, size: usize) -> anyhow::Res
         let mut r = ctx.row("bw", "portals", "portals", "put", size);
         r.iters = iters;
         r.mb_s = Some((size * iters) as f64 / secs / 1e6);
+        // The message rate: what small sizes are about.
+        r.mops = Some(iters as f64 / secs / 1e6);
         row = Some(r);
     }
     p.endpoint().barrier()?;

@@ -134,6 +134,7 @@ pub fn bw(ctx: &Ctx, c: &mut Conn, size: usize) -> anyhow::Result<Option<Row>> {
         let mut row = ctx.row("bw", "raw-tcp", "raw-tcp", "stream", size);
         row.iters = count;
         row.mb_s = Some(total as f64 / secs / 1e6);
+        row.mops = Some(count as f64 / secs / 1e6);
         Ok(Some(row))
     } else {
         c.read_n(total)?;

@@ -337,6 +337,8 @@ pub fn bw(ctx: &Ctx, p: &mut Pair, size: usize, mtu: usize) -> Option<Row> {
         let mut row = ctx.row("bw", "raw-udp", "raw-udp", "stream", size);
         row.iters = count;
         row.mb_s = Some(delivered as f64 / secs / 1e6);
+        // Messages that arrived (whole or not: the floor counts bytes).
+        row.mops = Some(delivered as f64 / size.max(1) as f64 / secs / 1e6);
         Some(row)
     } else {
         let gro = udp_opt(fd, libc::UDP_GRO, 1);
