@@ -148,6 +148,20 @@ fn whole(mem: &softnic::gni::MemRegion) -> Buffer {
     }
 }
 
+/// A portal table entry whose priority list takes every message into the whole of `mem` at
+/// rank 1 (no events); everyone waits until it is there.
+fn catch_all_at_rank_1(s: &mut Setup, me: u32, mem: &softnic::gni::MemRegion) -> u32 {
+    let pt = s.p.pt_alloc(s.ni, 0, Some(s.eq), None).unwrap();
+    if me == 1 {
+        let mut e = Me::new(whole(mem), 0);
+        e.ignore_bits = u64::MAX;
+        e.options |= me_opt::EVENT_COMM_DISABLE | me_opt::EVENT_LINK_DISABLE;
+        s.p.me_append(s.ni, pt, &e, List::Priority, 0).unwrap();
+    }
+    s.p.endpoint().barrier().unwrap();
+    pt
+}
+
 fn md_all(s: &mut Setup, mem: &softnic::gni::MemRegion, options: u32, ct: Option<u32>) -> u32 {
     s.p.md_bind(
         s.ni,
@@ -844,14 +858,7 @@ fn large_puts_stream_from_the_md_in_order_under_faults() {
         s.p.endpoint()
             .mem_register((N * BIG + 4096) as usize, Perms::READ_WRITE)
             .unwrap();
-    let pt = s.p.pt_alloc(s.ni, 0, Some(s.eq), None).unwrap();
-    if me == 1 {
-        let mut e = Me::new(whole(&mem), 0);
-        e.ignore_bits = u64::MAX;
-        e.options |= me_opt::EVENT_COMM_DISABLE | me_opt::EVENT_LINK_DISABLE;
-        s.p.me_append(s.ni, pt, &e, List::Priority, 0).unwrap();
-    }
-    s.p.endpoint().barrier().unwrap();
+    let pt = catch_all_at_rank_1(&mut s, me, &mem);
     if me == 0 {
         let src = pattern(BIG as usize, 42);
         // The MD sees [100_000.., then 0..200_000]: its bytes 0..BIG are src.
@@ -1065,14 +1072,7 @@ fn event_sequences_for_each_ack_request() {
         s.p.endpoint()
             .mem_register(4096, Perms::READ_WRITE)
             .unwrap();
-    let pt = s.p.pt_alloc(s.ni, 0, Some(s.eq), None).unwrap();
-    if me == 1 {
-        let mut e = Me::new(whole(&mem), 0);
-        e.ignore_bits = u64::MAX;
-        e.options |= me_opt::EVENT_COMM_DISABLE | me_opt::EVENT_LINK_DISABLE;
-        s.p.me_append(s.ni, pt, &e, List::Priority, 0).unwrap();
-    }
-    s.p.endpoint().barrier().unwrap();
+    let pt = catch_all_at_rank_1(&mut s, me, &mem);
     if me == 0 {
         for (ack, want, counted) in [
             (AckReq::Ack, vec![EventKind::Send, EventKind::Ack], 1),
