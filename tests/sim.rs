@@ -540,3 +540,33 @@ fn a_wrong_key_on_another_host_reaches_nothing_of_the_job() {
     assert_eq!(victim.to_vec(0, 8), [0; 8]);
     assert_eq!(intruder.to_vec(0, 8), [0; 8]);
 }
+
+/// A process's small put to a host is not held behind another process's bulk transfer to the
+/// same host: rank 0 streams 64 BTE puts of 16 KiB to rank 2, rank 1 (same host) then puts
+/// 8 bytes to rank 2; rank 1's put completes while most of rank 0's are still on their way.
+#[test]
+fn a_small_put_passes_another_process_bulk_to_the_same_host() {
+    let mut c = SimCluster::new(NHOSTS, cfg(), SimConfig::default());
+    let _regions = attach_job(&mut c, JOB);
+    for k in 0..64u64 {
+        let mut b = cmd(CommandKind::PutFrom, k + 1, 2);
+        b.local_off = SRC;
+        b.len = SRC_LEN;
+        b.remote_off = SLOTS_AT;
+        c.submit(HOST_OF[0], session(0), b, &[]);
+    }
+    let mut small = cmd(CommandKind::PutInline, 1, 2);
+    small.remote_off = GET_AT;
+    small.len = 8;
+    c.submit(HOST_OF[1], session(1), small, &[7u8; 8]);
+    c.run_until(10_000_000_000, |c| !c.completions(session(1)).is_empty())
+        .expect("the small put completes");
+    let bulk_done = c.completions(session(0)).len();
+    assert!(
+        bulk_done < 32,
+        "the small put waited for {bulk_done} of the 64 bulk puts"
+    );
+    assert_eq!(c.completions(session(1))[0].status, Status::Ok as u32);
+    c.run_until(10_000_000_000, |c| c.completions(session(0)).len() == 64)
+        .expect("the bulk completes too");
+}

@@ -97,6 +97,8 @@ pub struct HostNic {
     /// The config's host names, and how this host authenticates (for `softnic stat`).
     names: Vec<String>,
     keys_line: String,
+    /// The session whose commands go first this turn (rotates).
+    first_session: usize,
     /// Where this host's transport sends and receives: address, interface, selection.
     link_line: String,
     /// The time of the last turn, and when it was: `now` between turns.
@@ -253,6 +255,7 @@ impl HostNic {
             counters: DriverCounters::default(),
             names: cfg.hosts.iter().map(|h| h.name.clone()).collect(),
             keys_line,
+            first_session: 0,
             link_line,
             last_now: (0, std::time::Instant::now()),
         })
@@ -303,8 +306,12 @@ impl HostNic {
         self.last_now = (now, std::time::Instant::now());
         let mut busy = false;
         self.sent_to.clear();
-        for slot in 0..self.sessions.len() {
-            busy |= self.drain_commands(now, slot);
+        // Sessions take turns at going first: a process that always has commands (a stream
+        // of non-blocking puts) cannot keep the others' commands behind its own.
+        let n = self.sessions.len();
+        self.first_session = (self.first_session + 1) % n.max(1);
+        for k in 0..n {
+            busy |= self.drain_commands(now, (self.first_session + k) % n);
         }
         let counting = matches!(self.driver, Driver::Udp(_));
         // A packet ring is looked at every turn: a look is a read of memory, not a syscall.

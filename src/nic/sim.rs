@@ -172,12 +172,25 @@ impl SimCluster {
         let Some(core) = self.hosts[h as usize].as_mut() else {
             return;
         };
-        while let Some(q) = self.queued[h as usize].front() {
-            match core.handle_command(now, q.session, &q.cmd, &q.inline) {
+        // Each session's commands in order, as from its own ring: one that must wait holds
+        // back only its own session's later commands.
+        let q = &mut self.queued[h as usize];
+        let mut waiting: Vec<u64> = Vec::new();
+        let mut i = 0;
+        while i < q.len() {
+            let c = &q[i];
+            if waiting.contains(&c.session) {
+                i += 1;
+                continue;
+            }
+            match core.handle_command(now, c.session, &c.cmd, &c.inline) {
                 Flow::Done => {
-                    self.queued[h as usize].pop_front();
+                    q.remove(i);
                 }
-                Flow::Backpressure => break,
+                Flow::Backpressure => {
+                    waiting.push(c.session);
+                    i += 1;
+                }
             }
         }
     }

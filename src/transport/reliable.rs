@@ -600,6 +600,11 @@ impl Transport {
             .map_or(0, |p| self.cfg.max_queued.saturating_sub(p.queued.len()))
     }
 
+    /// Sealed datagrams waiting for the window to `peer` (not yet sent).
+    pub fn queued_len(&self, peer: u16) -> usize {
+        self.peers.get(peer as usize).map_or(0, |p| p.queued.len())
+    }
+
     /// Body bytes left in the datagram being filled for `peer` (a full datagram if none is open).
     pub fn open_room(&self, peer: u16) -> usize {
         let cap = self.body_capacity();

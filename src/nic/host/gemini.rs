@@ -33,6 +33,36 @@ pub(super) enum OutItem {
     PtlStream(super::portals::PtlStream),
 }
 
+impl OutItem {
+    /// The process (job, rank) whose request this is; `None` for answers to a peer's requests.
+    /// A process's later ops wait behind its own queued items (order per process); other
+    /// processes' ops pass them.
+    pub(super) fn owner(&self) -> Option<(u32, u32)> {
+        match self {
+            OutItem::Stream(st) => {
+                matches!(st.kind, StreamKind::Put { .. }).then_some((st.h.job, st.h.src_rank))
+            }
+            OutItem::PtlStream(ps) => Some(ps.owner()),
+            OutItem::Encoded(b) => match OpRef::decode(b) {
+                Ok((OpRef::PtlReq { h, .. }, _)) => Some((h.job, h.src_rank)),
+                _ => None,
+            },
+            OutItem::Reply(_) => None,
+        }
+    }
+}
+
+/// Stream data kept waiting in the transport ahead of other traffic, in bytes: enough to keep
+/// the window full between turns, little enough that a small op of another process queued
+/// behind it waits for a few datagrams at most, not for the whole transfer.
+const STREAM_AHEAD_BYTES: usize = 256 << 10;
+
+/// Whether a stream may push another fragment to `peer` now.
+pub(super) fn stream_may_push(t: &crate::transport::Transport, peer: u16) -> bool {
+    let ahead = (STREAM_AHEAD_BYTES / t.body_capacity().max(1)).max(2);
+    t.queued_len(peer) < ahead
+}
+
 /// Bulk data streamed from a region as fragments: a BTE put or a get reply.
 pub(super) struct Stream {
     kind: StreamKind,
@@ -106,7 +136,10 @@ impl HostCore {
             }
             Ok(()) => {}
         }
-        if !self.out[host as usize].is_empty() {
+        if self.out[host as usize]
+            .iter()
+            .any(|it| it.owner() == Some((h.job, h.src_rank)))
+        {
             return Flow::Backpressure;
         }
         let pending = |kind| Pending {
@@ -518,6 +551,9 @@ impl HostCore {
                         continue;
                     }
                     loop {
+                        if !stream_may_push(&self.transport, peer) {
+                            return;
+                        }
                         let kind = match st.kind {
                             StreamKind::Put { .. } => OpKind::Put,
                             StreamKind::GetReply => OpKind::GetReply,

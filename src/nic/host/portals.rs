@@ -34,6 +34,13 @@ pub(super) struct PtlStream {
     sent: u64,
 }
 
+impl PtlStream {
+    /// The process whose put this is.
+    pub(super) fn owner(&self) -> (u32, u32) {
+        (self.job, self.rank)
+    }
+}
+
 /// How a stream ended.
 pub(super) enum StreamEnd {
     /// Its last fragment went into the transport.
@@ -53,6 +60,9 @@ impl PtlStream {
         transport: &mut crate::transport::Transport,
     ) -> Option<StreamEnd> {
         loop {
+            if !super::gemini::stream_may_push(transport, peer) {
+                return None;
+            }
             let remaining = self.src.length - self.sent;
             let room = OpRef::max_data(OpKind::PtlReq, transport.open_room(peer));
             // Fill the open datagram, unless only a sliver is left in it.
@@ -778,7 +788,15 @@ impl HostCore {
     }
 
     fn push_owned(&mut self, peer: u16, op: &OpRef<'_>, lazy: Option<u64>) {
-        if self.out[peer as usize].is_empty() {
+        // A request passes what other processes queued for this peer (order is per process);
+        // answers keep their place.
+        let passes = match op {
+            OpRef::PtlReq { h, .. } => !self.out[peer as usize]
+                .iter()
+                .any(|it| it.owner() == Some((h.job, h.src_rank))),
+            _ => self.out[peer as usize].is_empty(),
+        };
+        if passes {
             let pushed = match lazy {
                 Some(d) => self.transport.push_op_lazy_until(peer, op, d),
                 None => self.transport.push_op(peer, op),
