@@ -264,6 +264,9 @@ fn main() -> anyhow::Result<()> {
         } else {
             None
         };
+        // Both ends set up before the first measurement (a stream of small messages is over
+        // before a late receiver starts reading).
+        nic.barrier()?;
         if lat {
             // One datagram per message: sizes above the MTU have no raw-udp ping-pong.
             for &s in lat_sizes.iter().filter(|&&s| s <= mtu) {

@@ -14,6 +14,10 @@ pub struct Pair {
     buf: Vec<u8>,
     /// Bumped by every bandwidth run, so that round ids never repeat across sizes.
     epoch: u64,
+    /// The stream receiver's `recvmmsg` buffers, made once: 4 MiB of fresh pages at the start
+    /// of a stream would keep the receiver away while a stream of small messages overflows
+    /// its socket.
+    rx: Option<Box<RxBatch>>,
 }
 
 /// The salt of the floor's ports (see `JobInfo::rank_addrs`).
@@ -38,6 +42,7 @@ impl Pair {
             peer,
             buf: vec![0; 65_536],
             epoch: 0,
+            rx: (me == 1).then(|| Box::new(RxBatch::new())),
         };
         // Handshake: rank 1 knocks until rank 0 answers.
         let t = Instant::now();
@@ -67,6 +72,11 @@ impl Pair {
         while p.try_recv().is_some() {}
         // Connected: the stream's sendmmsg names no address.
         p.sock.connect(peer)?;
+        if me == 1 {
+            // The stream's receiver takes joined datagrams (GRO) from the start, so that none
+            // of a stream arrives before it is on; its ping-pong sees one datagram at a time.
+            udp_opt(std::os::fd::AsRawFd::as_raw_fd(&p.sock), libc::UDP_GRO, 1);
+        }
         Ok(p)
     }
 
@@ -131,6 +141,16 @@ const COUNT: u8 = 3;
 const BATCH: usize = 64;
 /// The largest UDP payload a GSO buffer may carry in all.
 const GSO_MAX: usize = 65_000;
+
+/// The datagram size of a `size`-byte message stream: the message itself (at least the
+/// 9-byte header) below the MTU, else MTU-sized pieces.
+fn segment_len(size: usize, mtu: usize) -> usize {
+    if size < mtu {
+        size.max(9)
+    } else {
+        mtu
+    }
+}
 
 /// Pins this rank to a core apart from its peer's for a floor measurement (rank 0 on the first
 /// allowed CPU, the others on the last); the earlier affinity comes back on drop. On separate
@@ -283,30 +303,46 @@ pub fn bw(ctx: &Ctx, p: &mut Pair, size: usize, mtu: usize) -> Option<Row> {
     p.epoch += 1;
     let epoch = p.epoch;
     let fd = std::os::fd::AsRawFd::as_raw_fd(&p.sock);
-    while p.try_recv().is_some() {}
+    // No drain here: the sender may be done before the receiver gets this far (a stream of
+    // small messages takes a millisecond), and stragglers of an earlier size carry another
+    // epoch.
     let mtu = mtu.clamp(17, 65_000);
     if ctx.job.rank == 0 {
-        // GSO pays where datagrams are small: up to 64 of them in one buffer of < 64 KiB.
-        let segs = (GSO_MAX / mtu).min(64);
-        let gso = segs > 1 && size > mtu && udp_opt(fd, libc::UDP_SEGMENT, mtu as i32);
-        let unit = if gso { segs * mtu } else { mtu };
-        // Every datagram starts with DATA and the epoch (with GSO, at every `mtu` boundary).
+        // GSO pays where datagrams are small: up to 64 of them in one buffer of < 64 KiB —
+        // the pieces of a large message, or whole small messages (a message-rate floor).
+        let seg = segment_len(size, mtu);
+        let segs = (GSO_MAX / seg).min(64);
+        let gso = segs > 1 && size != mtu && udp_opt(fd, libc::UDP_SEGMENT, seg as i32);
+        let unit = if gso { segs * seg } else { seg };
+        // Every datagram starts with DATA and the epoch (with GSO, at every segment boundary).
         let mut chunk = vec![0u8; unit];
-        for d in chunk.chunks_mut(mtu) {
+        for d in chunk.chunks_mut(seg) {
             d[0] = DATA;
             d[1..9].copy_from_slice(&epoch.to_le_bytes());
         }
-        // One message's units; the same list for every message.
+        // What to send: a large message's pieces, once per message; small messages `segs` to
+        // a buffer.
         let mut lens = Vec::new();
-        let mut off = 0;
-        while off < size.max(1) {
-            let n = unit.min(size - off.min(size)).max(9);
-            lens.push(n);
-            off += unit;
-        }
+        let repeat = if size < mtu {
+            let per = if gso { segs } else { 1 };
+            let mut left = count;
+            while left > 0 {
+                let k = left.min(per);
+                lens.push(k * seg);
+                left -= k;
+            }
+            1
+        } else {
+            let mut off = 0;
+            while off < size.max(1) {
+                lens.push(unit.min(size - off.min(size)).max(9));
+                off += unit;
+            }
+            count
+        };
         let t = Instant::now();
         let mut batch: Vec<&[u8]> = Vec::with_capacity(BATCH);
-        for _ in 0..count {
+        for _ in 0..repeat {
             for &n in &lens {
                 batch.push(&chunk[..n]);
                 if batch.len() == BATCH {
@@ -341,8 +377,8 @@ pub fn bw(ctx: &Ctx, p: &mut Pair, size: usize, mtu: usize) -> Option<Row> {
         row.mops = Some(delivered as f64 / size.max(1) as f64 / secs / 1e6);
         Some(row)
     } else {
-        let gro = udp_opt(fd, libc::UDP_GRO, 1);
-        let mut rx = RxBatch::new();
+        let seg = segment_len(size, mtu);
+        let mut rx = p.rx.take().unwrap_or_else(|| Box::new(RxBatch::new()));
         let mut got = 0u64;
         let mut answer = [COUNT; 17];
         answer[1..9].copy_from_slice(&epoch.to_le_bytes());
@@ -354,26 +390,24 @@ pub fn bw(ctx: &Ctx, p: &mut Pair, size: usize, mtu: usize) -> Option<Row> {
                 last = Instant::now();
             }
             for i in 0..n {
-                let d = rx.get(i);
-                if d.len() < 9 || d[1..9] != epoch.to_le_bytes() {
-                    continue;
-                }
-                match d[0] {
-                    // Messages under 9 bytes travel as 9-byte datagrams (GRO may join
-                    // several): count the message bytes.
-                    DATA if size < 9 => got += (d.len() / 9 * size) as u64,
-                    DATA => got += d.len() as u64,
-                    DONE => {
-                        answer[9..17].copy_from_slice(&got.to_le_bytes());
-                        p.sock.send_to(&answer, p.peer).ok();
-                        done = true;
+                // GRO joins datagrams of one size (the last may be shorter, the DONE too):
+                // each segment is a datagram of its own.
+                for d in rx.get(i).chunks(seg) {
+                    if d.len() < 9 || d[1..9] != epoch.to_le_bytes() {
+                        continue;
                     }
-                    _ => {}
+                    match d[0] {
+                        // Messages under 9 bytes travel as 9-byte datagrams.
+                        DATA => got += d.len().min(size.max(1)) as u64,
+                        DONE => {
+                            answer[9..17].copy_from_slice(&got.to_le_bytes());
+                            p.sock.send_to(&answer, p.peer).ok();
+                            done = true;
+                        }
+                        _ => {}
+                    }
                 }
             }
-        }
-        if gro {
-            udp_opt(fd, libc::UDP_GRO, 0);
         }
         // Linger to repeat the answer if it was lost (only to a request for it).
         let t = Instant::now();
@@ -384,6 +418,7 @@ pub fn bw(ctx: &Ctx, p: &mut Pair, size: usize, mtu: usize) -> Option<Row> {
                 }
             }
         }
+        p.rx = Some(rx);
         None
     }
 }
