@@ -47,7 +47,6 @@ fn main() -> anyhow::Result<()> {
     let mut cfg = Config::load(&args.config)?;
     if let Some(i) = &args.iface {
         cfg.cluster.iface = Some(i.clone());
-        cfg.validate()?;
         cfg.select_network()?;
     }
     if let Some(f) = args.faults.fault() {

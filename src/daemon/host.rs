@@ -721,7 +721,7 @@ impl HostNic {
             ),
             ("transport", self.driver.kind().name().to_string()),
             ("link", self.link_line.clone()),
-            ("mtu", c.transport.mtu().to_string()),
+            ("mtu", c.transport.config().mtu.to_string()),
             ("clients", clients.to_string()),
         ];
         lines.extend([

@@ -44,9 +44,7 @@ pub fn pin(index: i64) -> std::io::Result<Option<u32>> {
             format!("nic_cpu {index}: only {} CPUs are allowed", cpus.len()),
         ));
     };
-    let mut set = rustix::process::CpuSet::new();
-    set.set(cpu as usize);
-    rustix::process::sched_setaffinity(None, &set)?;
+    set_allowed(&[cpu])?;
     Ok(Some(cpu))
 }
 
@@ -54,17 +52,12 @@ pub fn pin(index: i64) -> std::io::Result<Option<u32>> {
 /// none (or the kernel refuses), the thread then stays where it is.
 pub fn leave(cpu: u32) -> bool {
     let Ok(cpus) = allowed() else { return false };
-    let mut set = rustix::process::CpuSet::new();
-    let mut any = false;
-    for c in cpus.into_iter().filter(|&c| c != cpu) {
-        set.set(c as usize);
-        any = true;
-    }
-    any && rustix::process::sched_setaffinity(None, &set).is_ok()
+    let rest: Vec<u32> = cpus.into_iter().filter(|&c| c != cpu).collect();
+    !rest.is_empty() && set_allowed(&rest).is_ok()
 }
 
-/// Lets the calling thread run on exactly `cpus` (a benchmark pins its floor, then restores
-/// what [`allowed`] said before).
+/// Lets the calling thread run on exactly `cpus` (also how a benchmark pins its floor, then
+/// restores what [`allowed`] said before).
 pub fn set_allowed(cpus: &[u32]) -> std::io::Result<()> {
     let mut set = rustix::process::CpuSet::new();
     for &c in cpus {

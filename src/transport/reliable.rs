@@ -504,11 +504,6 @@ impl Transport {
         self.body_cap
     }
 
-    /// The largest datagram this transport sends (bytes).
-    pub fn mtu(&self) -> usize {
-        self.cfg.mtu
-    }
-
     /// Whether a session with `peer` is open (it answered a greeting in our current life).
     pub fn is_open(&self, peer: u16) -> bool {
         self.peers.get(peer as usize).is_some_and(Peer::is_open)
@@ -1256,28 +1251,25 @@ impl Transport {
 
     /// Writes a body-less datagram with header `h` into `scratch`; returns its length.
     fn seal_scratch(&mut self, h: &DatagramHeader) -> usize {
-        let mut h = *h;
-        h.nonce = self.next_nonce();
-        self.scratch.clear();
-        self.scratch.resize(HEADER_LEN + TAG_LEN, 0);
-        h.write(&mut self.scratch);
-        DatagramHeader::seal(
-            &self.tx_keys[h.dst_host as usize],
-            &mut self.scratch,
-            HEADER_LEN,
-        )
+        self.seal_scratch_with(h, &[], HEADER_LEN + TAG_LEN)
     }
 
     /// A padded probe `len` bytes long in all: the wall clock `wall` (u64, Unix ns) after the
     /// header, then zeros.
     fn seal_scratch_padded(&mut self, h: &DatagramHeader, len: usize, wall: u64) -> usize {
+        self.seal_scratch_with(h, &wall.to_le_bytes(), len)
+    }
+
+    /// A pure datagram in `scratch` under a fresh nonce: header, `body`, zeros up to `len`
+    /// bytes in all (at least what header, body and tag take), tag.
+    fn seal_scratch_with(&mut self, h: &DatagramHeader, body: &[u8], len: usize) -> usize {
         let mut h = *h;
         h.nonce = self.next_nonce();
-        let len = len.max(HEADER_LEN + 8 + TAG_LEN);
+        let len = len.max(HEADER_LEN + body.len() + TAG_LEN);
         self.scratch.clear();
         self.scratch.resize(len, 0);
         h.write(&mut self.scratch);
-        self.scratch[HEADER_LEN..HEADER_LEN + 8].copy_from_slice(&wall.to_le_bytes());
+        self.scratch[HEADER_LEN..HEADER_LEN + body.len()].copy_from_slice(body);
         DatagramHeader::seal(
             &self.tx_keys[h.dst_host as usize],
             &mut self.scratch,
@@ -1410,7 +1402,7 @@ mod tests {
     #[test]
     fn a_probe_pads_to_the_mtu_and_carries_the_wall_clock() {
         let mut t = pair();
-        let mtu = t[0].mtu();
+        let mtu = t[0].config().mtu;
         assert!(t[1].peer_view(0, 0).unwrap().largest < mtu);
         t[0].probe(1_000, 5_000_000_000);
         let mut sizes = Vec::new();

@@ -27,8 +27,12 @@ const PREFETCH_AHEAD: usize = 8;
 pub(super) enum OutItem {
     Reply(Reply),
     Stream(Stream),
-    /// An op owned in encoded form (Portals requests and responses that found no room).
-    Encoded(Vec<u8>),
+    /// An op owned in encoded form (Portals requests and responses that found no room), and
+    /// the process whose request it is (none for a response).
+    Encoded {
+        bytes: Vec<u8>,
+        owner: Option<(u32, u32)>,
+    },
     /// A large Portals put, read from its MD a fragment at a time as room appears.
     PtlStream(super::portals::PtlStream),
 }
@@ -43,10 +47,7 @@ impl OutItem {
                 matches!(st.kind, StreamKind::Put { .. }).then_some((st.h.job, st.h.src_rank))
             }
             OutItem::PtlStream(ps) => Some(ps.owner()),
-            OutItem::Encoded(b) => match OpRef::decode(b) {
-                Ok((OpRef::PtlReq { h, .. }, _)) => Some((h.job, h.src_rank)),
-                _ => None,
-            },
+            OutItem::Encoded { owner, .. } => *owner,
             OutItem::Reply(_) => None,
         }
     }
@@ -61,6 +62,23 @@ const STREAM_AHEAD_BYTES: usize = 256 << 10;
 pub(super) fn stream_may_push(t: &crate::transport::Transport, peer: u16) -> bool {
     let ahead = (STREAM_AHEAD_BYTES / t.body_capacity().max(1)).max(2);
     t.queued_len(peer) < ahead
+}
+
+/// Data bytes of a stream's next fragment of `kind` to `peer`, `remaining` left: what the open
+/// datagram holds, unless only a sliver is left in it (then a datagram of its own).
+pub(super) fn fragment_len(
+    t: &crate::transport::Transport,
+    peer: u16,
+    kind: OpKind,
+    remaining: u64,
+) -> u64 {
+    let room = OpRef::max_data(kind, t.open_room(peer));
+    let max = if room as u64 >= remaining || room >= 1024 {
+        room
+    } else {
+        OpRef::max_data(kind, t.body_capacity())
+    };
+    remaining.min(max.max(1) as u64)
 }
 
 /// Bulk data streamed from a region as fragments: a BTE put or a get reply.
@@ -514,16 +532,16 @@ impl HostCore {
         let p = peer as usize;
         while let Some(item) = self.out[p].front_mut() {
             match item {
-                OutItem::Encoded(b) => {
-                    let pushed = match OpRef::decode(b) {
+                OutItem::Encoded { bytes, .. } => {
+                    let pushed = match OpRef::decode(bytes) {
                         Ok((op, _)) => self.transport.push_op(peer, &op),
                         Err(_) => Ok(()), // our own encoding: cannot happen; drop it
                     };
                     match pushed {
                         Err(PushError::Full(_)) => return,
                         _ => {
-                            if let Some(OutItem::Encoded(b)) = self.out[p].pop_front() {
-                                self.recycle_encoded(b);
+                            if let Some(OutItem::Encoded { bytes, .. }) = self.out[p].pop_front() {
+                                self.recycle_encoded(bytes);
                             }
                         }
                     }
@@ -558,15 +576,8 @@ impl HostCore {
                             StreamKind::Put { .. } => OpKind::Put,
                             StreamKind::GetReply => OpKind::GetReply,
                         };
-                        let remaining = st.len - st.sent;
-                        let room = OpRef::max_data(kind, self.transport.open_room(peer));
-                        // Fill the open datagram, unless only a sliver is left in it.
-                        let max = if room >= remaining as usize || room >= 1024 {
-                            room
-                        } else {
-                            OpRef::max_data(kind, self.transport.body_capacity())
-                        };
-                        let n = (remaining as usize).min(max);
+                        let n =
+                            fragment_len(&self.transport, peer, kind, st.len - st.sent) as usize;
                         let last = st.sent + n as u64 == st.len;
                         let data: &[u8] = &[];
                         let op = match st.kind {

@@ -24,21 +24,11 @@ use super::{Flow, HostCore};
 /// A large put on its way out: fragments are read from the MD's memory as the transport has
 /// room, and its SEND event waits for the last of them.
 pub(super) struct PtlStream {
+    /// The put's header: its job, initiator rank and request (interface and operation id).
     h: OpHeader,
     m: PtlHeader,
-    job: u32,
-    rank: u32,
-    ni: u8,
-    id: u32,
     src: PayloadSource,
     sent: u64,
-}
-
-impl PtlStream {
-    /// The process whose put this is.
-    pub(super) fn owner(&self) -> (u32, u32) {
-        (self.job, self.rank)
-    }
 }
 
 /// How a stream ended.
@@ -52,6 +42,16 @@ pub(super) enum StreamEnd {
 }
 
 impl PtlStream {
+    /// The process whose put this is.
+    pub(super) fn owner(&self) -> (u32, u32) {
+        (self.h.job, self.h.src_rank)
+    }
+
+    /// The initiator's interface and operation id.
+    fn op(&self) -> (u8, u32) {
+        ((self.h.req >> 32) as u8, self.h.req as u32)
+    }
+
     /// Pushes fragments while the transport takes them; `None` when it is full (call again
     /// later), else how the stream ended.
     pub(super) fn emit(
@@ -63,16 +63,12 @@ impl PtlStream {
             if !super::gemini::stream_may_push(transport, peer) {
                 return None;
             }
-            let remaining = self.src.length - self.sent;
-            let room = OpRef::max_data(OpKind::PtlReq, transport.open_room(peer));
-            // Fill the open datagram, unless only a sliver is left in it.
-            let max = if room as u64 >= remaining || room >= 1024 {
-                room
-            } else {
-                OpRef::max_data(OpKind::PtlReq, transport.body_capacity())
-            }
-            .max(1);
-            let n = remaining.min(max as u64);
+            let n = super::gemini::fragment_len(
+                transport,
+                peer,
+                OpKind::PtlReq,
+                self.src.length - self.sent,
+            );
             let last = self.sent + n == self.src.length;
             let op = OpRef::PtlReq {
                 h: self.h,
@@ -482,28 +478,24 @@ impl HostCore {
             hdr_data: spec.hdr_data,
             uid: 0,
         };
+        let header = |id: u32| OpHeader {
+            job,
+            src_rank: rank,
+            dst_rank: target_rank,
+            req: ((ni as u64) << 32) | id as u64,
+        };
         // A remote put longer than one datagram streams from its MD; a shorter one is copied
         // here, into its only fragment.
         let one_fragment = OpRef::max_data(OpKind::PtlReq, self.transport.body_capacity());
         if host != self.index && spec.kind == ReqKind::Put && spec.length > one_fragment as u64 {
             let (id, src) = self.ni_state(job, rank, ni)?.ni.start_streamed(spec)?;
-            let h = OpHeader {
-                job,
-                src_rank: rank,
-                dst_rank: target_rank,
-                req: ((ni as u64) << 32) | id as u64,
-            };
             // In order behind everything already waiting for this peer, acknowledgements too.
             if self.ptl_acks.peer == host {
                 self.ptl_flush_acks();
             }
             self.out[host as usize].push_back(OutItem::PtlStream(PtlStream {
-                h,
+                h: header(id),
                 m,
-                job,
-                rank,
-                ni,
-                id,
                 src,
                 sent: 0,
             }));
@@ -522,12 +514,7 @@ impl HostCore {
                 return Err(e);
             }
         };
-        let h = OpHeader {
-            job,
-            src_rank: rank,
-            dst_rank: target_rank,
-            req: ((ni as u64) << 32) | id as u64,
-        };
+        let h = header(id);
         if host == self.index {
             let whole = Whole::Borrowed {
                 h,
@@ -602,10 +589,11 @@ impl HostCore {
 
     /// A stream left the queue: its SEND event, or its failure.
     pub(super) fn ptl_stream_ended(&mut self, ps: &PtlStream, end: StreamEnd) {
+        let ((job, rank), (ni, id)) = (ps.owner(), ps.op());
         match end {
             StreamEnd::Sent => {
-                if let Ok(s) = self.ni_state(ps.job, ps.rank, ps.ni) {
-                    s.ni.sent(ps.id);
+                if let Ok(s) = self.ni_state(job, rank, ni) {
+                    s.ni.sent(id);
                 }
             }
             StreamEnd::Segv => {
@@ -616,7 +604,7 @@ impl HostCore {
                     ack: true,
                     ..Default::default()
                 };
-                self.ptl_complete(ps.job, ps.rank, ps.ni, ps.id, &resp);
+                self.ptl_complete(job, rank, ni, id, &resp);
             }
             StreamEnd::PeerGone => {}
         }
@@ -790,11 +778,14 @@ impl HostCore {
     fn push_owned(&mut self, peer: u16, op: &OpRef<'_>, lazy: Option<u64>) {
         // A request passes what other processes queued for this peer (order is per process);
         // answers keep their place.
-        let passes = match op {
-            OpRef::PtlReq { h, .. } => !self.out[peer as usize]
-                .iter()
-                .any(|it| it.owner() == Some((h.job, h.src_rank))),
-            _ => self.out[peer as usize].is_empty(),
+        let owner = match op {
+            OpRef::PtlReq { h, .. } => Some((h.job, h.src_rank)),
+            _ => None,
+        };
+        let out = &self.out[peer as usize];
+        let passes = match owner {
+            Some(o) => !out.iter().any(|it| it.owner() == Some(o)),
+            None => out.is_empty(),
         };
         if passes {
             let pushed = match lazy {
@@ -807,11 +798,10 @@ impl HostCore {
                 Err(_) => return, // dead peer: its operations fail through ptl_peer_dead
             }
         }
-        let mut b = self.encoded_spare.pop().unwrap_or_default();
-        b.clear();
-        b.resize(op.encoded_len(), 0);
-        op.encode(&mut b);
-        self.out[peer as usize].push_back(OutItem::Encoded(b));
+        let mut bytes = self.encoded_spare.pop().unwrap_or_default();
+        bytes.clear();
+        op.encode_append(&mut bytes);
+        self.out[peer as usize].push_back(OutItem::Encoded { bytes, owner });
     }
 
     /// Takes back the buffer of an encoded op that went into the transport.
