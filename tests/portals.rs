@@ -1368,12 +1368,20 @@ fn an_md_over_private_process_memory_is_reached_by_copy() {
         let r_src =
             s.p.endpoint()
                 .client()
-                .register_process(src.as_ptr() as u64, n as u64)
+                .register_process(
+                    src.as_ptr() as u64,
+                    n as u64,
+                    softnic::nic::memory::Perms(0),
+                )
                 .unwrap();
         let r_back =
             s.p.endpoint()
                 .client()
-                .register_process(back.as_mut_ptr() as u64, n as u64)
+                .register_process(
+                    back.as_mut_ptr() as u64,
+                    n as u64,
+                    softnic::nic::memory::Perms(0),
+                )
                 .unwrap();
         let md = |s: &mut Setup, r: u32| {
             s.p.md_bind(
@@ -1418,7 +1426,7 @@ fn an_md_over_private_process_memory_is_reached_by_copy() {
         let err =
             s.p.endpoint()
                 .client()
-                .register_process(8, 4096)
+                .register_process(8, 4096, softnic::nic::memory::Perms(0))
                 .unwrap_err();
         assert!(err.to_string().contains("cannot reach"), "{err}");
     }

@@ -141,10 +141,16 @@ impl Client {
     }
 
     /// Registers `[addr, addr+len)` of this process's own memory, which the daemon reaches by
-    /// copy: usable as the local side of operations (a put's source, a get's destination),
-    /// never by remote peers (the daemon was named this process's ptrace tracer at attach).
-    pub fn register_process(&self, addr: u64, len: u64) -> Result<u32, ClientError> {
-        match attach::call(&self.sock, &Request::RegisterProcess { addr, len }, &[])?.0 {
+    /// copy (it was named this process's ptrace tracer at attach): the local side of
+    /// operations (a put's source, a get's destination), and with `perms` the target of remote
+    /// puts, gets and AMOs too (AMOs there are atomic among NIC AMOs, not with the owner's).
+    pub fn register_process(&self, addr: u64, len: u64, perms: Perms) -> Result<u32, ClientError> {
+        let req = Request::RegisterProcess {
+            addr,
+            len,
+            perms: perms.0,
+        };
+        match attach::call(&self.sock, &req, &[])?.0 {
             Response::Registered { region } => Ok(region),
             Response::Error(e) => Err(ClientError::Refused(e)),
             other => Err(ClientError::Protocol(format!(

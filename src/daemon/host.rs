@@ -630,7 +630,7 @@ impl HostNic {
                     Err(st) => err(format!("register failed: {st:?}")),
                 }
             }
-            Request::RegisterProcess { addr, len } => {
+            Request::RegisterProcess { addr, len, perms } => {
                 let Some(a) = s.attached.as_ref() else {
                     return err("register before hello".into());
                 };
@@ -651,10 +651,12 @@ impl HostNic {
                         ))
                     }
                 };
-                // Local side only: no remote peer may name it.
                 let _ = a;
                 let id = s.id;
-                match self.core.register(id, Region::new(Arc::new(mem), Perms(0))) {
+                match self
+                    .core
+                    .register(id, Region::new(Arc::new(mem), Perms(perms)))
+                {
                     Ok(region) => (Response::Registered { region }, Vec::new()),
                     Err(st) => err(format!("register failed: {st:?}")),
                 }

@@ -43,10 +43,12 @@ pub enum Request {
     /// Make every peer answer soon (`softnic doctor`); answered `Pong`.
     Probe,
     /// Register `[addr, addr+len)` of the client's own address space, reached by the daemon by
-    /// copy (process_vm_readv/writev), as memory for the local side of operations only.
+    /// copy (process_vm_readv/writev), with remote permissions `perms` (0: the local side of
+    /// operations only).
     RegisterProcess {
         addr: u64,
         len: u64,
+        perms: u8,
     },
 }
 
@@ -116,7 +118,9 @@ impl Request {
             Request::Stat => pack(4, [0; FIELDS], ""),
             Request::Ping => pack(5, [0; FIELDS], ""),
             Request::Probe => pack(7, [0; FIELDS], ""),
-            Request::RegisterProcess { addr, len } => pack(6, [addr, len, 0, 0, 0, 0], ""),
+            Request::RegisterProcess { addr, len, perms } => {
+                pack(6, [addr, len, perms as u64, 0, 0, 0], "")
+            }
         }
     }
 
@@ -147,6 +151,10 @@ impl Request {
             6 => Request::RegisterProcess {
                 addr: f[0],
                 len: f[1],
+                perms: u8::try_from(f[2])
+                    .ok()
+                    .filter(|p| *p <= 3)
+                    .ok_or_else(|| bad("permissions out of range"))?,
             },
             _ => return Err(bad("unknown attach request")),
         })
@@ -276,6 +284,7 @@ mod tests {
             Request::RegisterProcess {
                 addr: 0x7f00_0000_1000,
                 len: 1 << 20,
+                perms: 3,
             },
             Request::Stat,
             Request::Probe,

@@ -17,7 +17,7 @@ use super::Mapping;
 use crate::wire::{get_u16, get_u32, get_u64, AmoOp};
 
 const MAGIC: u64 = 0x3143_494e_5446_4f53; // "SOFTNIC1"
-const VERSION: u32 = 2;
+const VERSION: u32 = 3;
 const HEADER: usize = 4096;
 const CMD_HEAD: usize = 64;
 const CMD_TAIL: usize = 128;
@@ -45,6 +45,8 @@ pub enum ControlError {
     BadCommand(u8),
     #[error("command carries {0} inline bytes, more than its record holds or the limit")]
     BadInline(u64),
+    #[error("vector command with a bad element size, mode or count, or a length its shape disagrees with")]
+    BadVector,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -64,6 +66,14 @@ pub enum CommandKind {
     AmoScatter = 5,
     /// A Portals call (`shm::ptl_call`), `len` inline bytes. `client_req` 0: no completion.
     Portals = 6,
+    /// A strided or indexed put of `nelems` elements of `elem` bytes (always FMA): `len`
+    /// inline bytes, the `u64` byte offsets first when `indexed`, then the elements packed.
+    /// Strided: element k goes to `remote_off + k·operand` (`operand` a signed byte stride).
+    PutV = 7,
+    /// A strided or indexed get of `nelems` elements: element k comes from `remote_off +
+    /// k·operand` (or the k-th inline `u64` offset when `indexed`) and lands at `local_off +
+    /// k·operand2` of `local_region` (signed byte strides).
+    GetV = 8,
 }
 
 /// Which operation a peer failure cut short.
@@ -135,23 +145,30 @@ pub struct Command {
     pub local_off: u64,
     pub operand: u64,
     pub operand2: u64,
+    /// Vector commands: element size (1, 4, 8, 16), offsets listed inline, element count.
+    pub elem: u8,
+    pub indexed: bool,
+    pub nelems: u32,
 }
+
+/// Most elements one vector command may name.
+pub const MAX_VECTOR_ELEMS: u32 = 1 << 24;
 
 impl Command {
     pub fn encode(&self, b: &mut [u8]) {
         b[0] = self.kind as u8;
         b[1] = self.amo.map_or(0, |a| a as u8);
         b[2] = self.flags;
-        b[3] = 0;
+        b[3] = self.elem;
         b[4..6].copy_from_slice(&self.host.to_le_bytes());
-        b[6..8].copy_from_slice(&[0, 0]);
+        b[6..8].copy_from_slice(&[self.indexed as u8, 0]);
         b[8..12].copy_from_slice(&self.rank.to_le_bytes());
         b[12..16].copy_from_slice(&self.remote_region.to_le_bytes());
         b[16..24].copy_from_slice(&self.client_req.to_le_bytes());
         b[24..32].copy_from_slice(&self.remote_off.to_le_bytes());
         b[32..40].copy_from_slice(&self.len.to_le_bytes());
         b[40..44].copy_from_slice(&self.local_region.to_le_bytes());
-        b[44..48].copy_from_slice(&[0; 4]);
+        b[44..48].copy_from_slice(&self.nelems.to_le_bytes());
         b[48..56].copy_from_slice(&self.local_off.to_le_bytes());
         b[56..64].copy_from_slice(&self.operand.to_le_bytes());
         b[64..72].copy_from_slice(&self.operand2.to_le_bytes());
@@ -169,6 +186,8 @@ impl Command {
             4 => CommandKind::Amo,
             5 => CommandKind::AmoScatter,
             6 => CommandKind::Portals,
+            7 => CommandKind::PutV,
+            8 => CommandKind::GetV,
             k => return Err(ControlError::BadCommand(k)),
         };
         let mut c = Command {
@@ -185,6 +204,9 @@ impl Command {
             local_off: get_u64(b, 48),
             operand: get_u64(b, 56),
             operand2: get_u64(b, 64),
+            elem: b[3],
+            indexed: b[6] == 1,
+            nelems: get_u32(b, 44),
         };
         if kind == CommandKind::Amo || kind == CommandKind::AmoScatter {
             let op = AmoOp::from_u8(b[1]).ok_or(ControlError::BadCommand(b[1]))?;
@@ -193,10 +215,31 @@ impl Command {
             }
             c.amo = Some(op);
         }
+        if matches!(kind, CommandKind::PutV | CommandKind::GetV) {
+            let (e, n) = (c.elem as u64, c.nelems as u64);
+            let idx = if c.indexed { n * 8 } else { 0 };
+            let want = if kind == CommandKind::PutV {
+                idx + n * e
+            } else {
+                idx
+            };
+            if !crate::wire::VShape::valid_elem(c.elem)
+                || b[6] > 1
+                || c.nelems == 0
+                || c.nelems > MAX_VECTOR_ELEMS
+                || c.len != want
+            {
+                return Err(ControlError::BadVector);
+            }
+        }
         let rest = &b[COMMAND_LEN..];
         let inline = if matches!(
             kind,
-            CommandKind::PutInline | CommandKind::AmoScatter | CommandKind::Portals
+            CommandKind::PutInline
+                | CommandKind::AmoScatter
+                | CommandKind::Portals
+                | CommandKind::PutV
+                | CommandKind::GetV
         ) {
             if c.len > rest.len() as u64 {
                 return Err(ControlError::BadInline(c.len));

@@ -11,7 +11,7 @@ pub use datagram::{
     MAGIC, TAG_LEN, VERSION,
 };
 pub use op::{
-    ptl_acks, push_ptl_ack, AmoOp, OpHeader, OpIter, OpKind, OpRef, PtlHeader, Status,
+    ptl_acks, push_ptl_ack, AmoOp, OpHeader, OpIter, OpKind, OpRef, PtlHeader, Status, VShape,
     OP_HEADER_LEN, PTL_ACK_LEN,
 };
 

@@ -28,6 +28,11 @@ pub enum OpKind {
     /// An Active Message of the GASNet layer (opaque here: it encodes its own header).
     Am = 10,
     PtlAcks = 11,
+    /// A strided or indexed put (DMAPP iput/ixput): one op per fragment of elements.
+    PutV = 12,
+    /// A strided or indexed get (DMAPP iget/ixget), answered by `GetReply` fragments of the
+    /// elements packed in order.
+    GetV = 13,
 }
 
 impl OpKind {
@@ -44,6 +49,8 @@ impl OpKind {
             9 => Self::PtlResp,
             10 => Self::Am,
             11 => Self::PtlAcks,
+            12 => Self::PutV,
+            13 => Self::GetV,
             _ => return Err(WireError::UnknownOp(v)),
         })
     }
@@ -61,6 +68,7 @@ impl OpKind {
             Self::PtlResp => 32,
             Self::Am => 0,
             Self::PtlAcks => 0,
+            Self::PutV | Self::GetV => VShape::LEN,
         }
     }
 }
@@ -151,6 +159,93 @@ pub struct OpHeader {
     pub src_rank: u32,
     pub dst_rank: u32,
     pub req: u64,
+}
+
+/// Where the elements of a strided or indexed op lie in the target region.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct VShape {
+    /// Element size in bytes: 1, 4, 8 or 16 (DMAPP's Byte, DW, QW, DQW).
+    pub elem: u8,
+    /// Offsets come from a list of `u64` byte offsets carried in the op (ixput, ixget), not
+    /// from `base + i·stride`.
+    pub indexed: bool,
+    /// Index in the whole operation of this op's first element, and how many this op carries.
+    pub first: u32,
+    pub n: u32,
+    /// Byte offset of element 0 and the stride in bytes (strided shapes).
+    pub base: u64,
+    pub stride: i64,
+    /// The whole operation's extent `[lo, hi)`, checked on every op of it so that an
+    /// operation partly outside the region changes nothing; every element must lie inside.
+    pub lo: u64,
+    pub hi: u64,
+}
+
+impl VShape {
+    /// Bytes of the encoded shape (with the region handle in front).
+    const LEN: usize = 48;
+
+    /// Byte offset of this op's element `i`, from the shape or the op's offset list; `None` when
+    /// it overflows or lies outside `[lo, hi)` (a malformed op).
+    pub fn offset(&self, i: u32, idx: &[u8]) -> Option<u64> {
+        let off = if self.indexed {
+            let at = i as usize * 8;
+            get_u64(idx.get(at..at + 8)?, 0)
+        } else {
+            let o = self.base as i128 + (self.first as i128 + i as i128) * self.stride as i128;
+            u64::try_from(o).ok()?
+        };
+        let end = off.checked_add(self.elem as u64)?;
+        (off >= self.lo && end <= self.hi).then_some(off)
+    }
+
+    /// Bytes of the offset list an op of this shape carries.
+    pub fn idx_len(&self) -> usize {
+        if self.indexed {
+            self.n as usize * 8
+        } else {
+            0
+        }
+    }
+
+    /// Bytes of this op's elements.
+    pub fn data_len(&self) -> usize {
+        self.n as usize * self.elem as usize
+    }
+
+    pub fn valid_elem(elem: u8) -> bool {
+        matches!(elem, 1 | 4 | 8 | 16)
+    }
+
+    fn encode(&self, region: u32, f: &mut [u8]) {
+        f[0..4].copy_from_slice(&region.to_le_bytes());
+        f[4..8].copy_from_slice(&[self.elem, self.indexed as u8, 0, 0]);
+        f[8..12].copy_from_slice(&self.first.to_le_bytes());
+        f[12..16].copy_from_slice(&self.n.to_le_bytes());
+        f[16..24].copy_from_slice(&self.base.to_le_bytes());
+        f[24..32].copy_from_slice(&self.stride.to_le_bytes());
+        f[32..40].copy_from_slice(&self.lo.to_le_bytes());
+        f[40..48].copy_from_slice(&self.hi.to_le_bytes());
+    }
+
+    fn decode(f: &[u8]) -> Result<(u32, VShape), WireError> {
+        let s = VShape {
+            elem: f[4],
+            indexed: f[5] == 1,
+            first: get_u32(f, 8),
+            n: get_u32(f, 12),
+            base: get_u64(f, 16),
+            stride: get_u64(f, 24) as i64,
+            lo: get_u64(f, 32),
+            hi: get_u64(f, 40),
+        };
+        if !Self::valid_elem(s.elem) || f[5] > 1 || s.n == 0 {
+            return Err(WireError::BadField(
+                "vector op: bad element size, mode or count",
+            ));
+        }
+        Ok((get_u32(f, 0), s))
+    }
 }
 
 /// A decoded op borrowing its data from the datagram.
@@ -246,6 +341,25 @@ pub enum OpRef<'a> {
         h: OpHeader,
         acks: &'a [u8],
     },
+    /// One fragment of a strided or indexed put: `data` is the offset list (indexed shapes),
+    /// then the elements. Acknowledged by a `PutAck` after the last fragment.
+    PutV {
+        h: OpHeader,
+        region: u32,
+        s: VShape,
+        last: bool,
+        lazy_ack: bool,
+        data: &'a [u8],
+    },
+    /// A strided or indexed get of `s.n` elements from `s.first` on; `idx` is the offset list
+    /// of an indexed shape. Answered by `GetReply` fragments at packed byte offsets from
+    /// `first · elem`, the last one flagged.
+    GetV {
+        h: OpHeader,
+        region: u32,
+        s: VShape,
+        idx: &'a [u8],
+    },
 }
 
 /// Bytes of one record of [`OpRef::PtlAcks`].
@@ -295,6 +409,8 @@ impl<'a> OpRef<'a> {
             | OpRef::PtlReq { h, .. }
             | OpRef::PtlResp { h, .. }
             | OpRef::PtlAcks { h, .. }
+            | OpRef::PutV { h, .. }
+            | OpRef::GetV { h, .. }
             | OpRef::Am { h, .. } => h,
         }
     }
@@ -312,6 +428,8 @@ impl<'a> OpRef<'a> {
             OpRef::PtlResp { .. } => OpKind::PtlResp,
             OpRef::Am { .. } => OpKind::Am,
             OpRef::PtlAcks { .. } => OpKind::PtlAcks,
+            OpRef::PutV { .. } => OpKind::PutV,
+            OpRef::GetV { .. } => OpKind::GetV,
         }
     }
 
@@ -329,6 +447,8 @@ impl<'a> OpRef<'a> {
             OpRef::PtlAcks { acks, .. } => acks,
             OpRef::Put { data, .. } | OpRef::GetReply { data, .. } => data,
             OpRef::AmoScatter { pairs, .. } => pairs,
+            OpRef::PutV { data, .. } => data,
+            OpRef::GetV { idx, .. } => idx,
             _ => &[],
         }
     }
@@ -360,6 +480,8 @@ impl<'a> OpRef<'a> {
             | OpRef::GetReply { data, .. } => std::mem::take(data),
             OpRef::PtlAcks { acks, .. } => std::mem::take(acks),
             OpRef::AmoScatter { pairs, .. } => std::mem::take(pairs),
+            OpRef::PutV { data, .. } => std::mem::take(data),
+            OpRef::GetV { idx, .. } => std::mem::take(idx),
             _ => &[],
         };
         (data, head)
@@ -405,13 +527,17 @@ impl<'a> OpRef<'a> {
         let last = matches!(
             self,
             OpRef::Put { last: true, .. }
+                | OpRef::PutV { last: true, .. }
                 | OpRef::GetReply { last: true, .. }
                 | OpRef::AmoScatter { last: true, .. }
                 | OpRef::PtlReq { last: true, .. }
                 | OpRef::PtlResp { last: true, .. }
         );
         buf[0] = self.kind() as u8;
-        let lazy = matches!(self, OpRef::Put { lazy_ack: true, .. });
+        let lazy = matches!(
+            self,
+            OpRef::Put { lazy_ack: true, .. } | OpRef::PutV { lazy_ack: true, .. }
+        );
         buf[1] = if last { FLAG_LAST } else { 0 } | if lazy { FLAG_LAZY_ACK } else { 0 };
         buf[2..4].copy_from_slice(&(len as u16).to_le_bytes());
         buf[4..8].copy_from_slice(&h.job.to_le_bytes());
@@ -507,6 +633,18 @@ impl<'a> OpRef<'a> {
                 f[48 + operand.len()..].copy_from_slice(data);
             }
             OpRef::Am { data, .. } => f.copy_from_slice(data),
+            OpRef::PutV {
+                region, s, data, ..
+            }
+            | OpRef::GetV {
+                region,
+                s,
+                idx: data,
+                ..
+            } => {
+                s.encode(region, f);
+                f[VShape::LEN..].copy_from_slice(data);
+            }
             OpRef::PtlAcks { acks, .. } => f.copy_from_slice(acks),
             OpRef::PtlResp {
                 ni_fail,
@@ -557,6 +695,8 @@ impl<'a> OpRef<'a> {
                 | OpKind::PtlResp
                 | OpKind::PtlAcks
                 | OpKind::Am
+                | OpKind::PutV
+                | OpKind::GetV
         );
         if !has_data && !data.is_empty() {
             return Err(WireError::BadField("trailing bytes after a fixed-size op"));
@@ -645,6 +785,36 @@ impl<'a> OpRef<'a> {
                 }
             }
             OpKind::Am => OpRef::Am { h, data },
+            OpKind::PutV => {
+                let (region, s) = VShape::decode(f)?;
+                if data.len() != s.idx_len() + s.data_len() {
+                    return Err(WireError::BadField(
+                        "vector put: length disagrees with its shape",
+                    ));
+                }
+                OpRef::PutV {
+                    h,
+                    region,
+                    s,
+                    last,
+                    lazy_ack,
+                    data,
+                }
+            }
+            OpKind::GetV => {
+                let (region, s) = VShape::decode(f)?;
+                if data.len() != s.idx_len() {
+                    return Err(WireError::BadField(
+                        "vector get: offset list disagrees with its shape",
+                    ));
+                }
+                OpRef::GetV {
+                    h,
+                    region,
+                    s,
+                    idx: data,
+                }
+            }
             OpKind::PtlAcks => {
                 if !data.len().is_multiple_of(PTL_ACK_LEN) {
                     return Err(WireError::BadField("Portals acks: partial record"));
@@ -793,7 +963,79 @@ mod tests {
                 h,
                 acks: &[3; 2 * PTL_ACK_LEN],
             },
+            OpRef::PutV {
+                h,
+                region: 3,
+                s: VShape {
+                    elem: 8,
+                    indexed: true,
+                    first: 4,
+                    n: 2,
+                    lo: 8,
+                    hi: 64,
+                    ..Default::default()
+                },
+                last: true,
+                lazy_ack: true,
+                data: &[5; 32],
+            },
+            OpRef::GetV {
+                h,
+                region: 1,
+                s: VShape {
+                    elem: 16,
+                    indexed: false,
+                    first: 0,
+                    n: 3,
+                    base: 32,
+                    stride: -16,
+                    lo: 0,
+                    hi: 48,
+                },
+                idx: &[],
+            },
         ]
+    }
+
+    #[test]
+    fn vector_shapes_place_elements_inside_their_extent_only() {
+        let s = VShape {
+            elem: 8,
+            first: 2,
+            n: 3,
+            base: 100,
+            stride: -24,
+            lo: 4,
+            hi: 108,
+            ..Default::default()
+        };
+        // Elements 2, 3, 4 of the whole: 100 - 48, -72, -96.
+        assert_eq!(s.offset(0, &[]), Some(52));
+        assert_eq!(s.offset(2, &[]), Some(4));
+        assert_eq!(s.offset(3, &[]), None, "below lo");
+        let s = VShape { first: 5, ..s };
+        assert_eq!(s.offset(0, &[]), None, "negative offset");
+        let mut idx = Vec::new();
+        for o in [8u64, 100, 101] {
+            idx.extend_from_slice(&o.to_le_bytes());
+        }
+        let s = VShape { indexed: true, ..s };
+        assert_eq!(s.offset(0, &idx), Some(8));
+        assert_eq!(s.offset(1, &idx), Some(100));
+        assert_eq!(s.offset(2, &idx), None, "ends past hi");
+        assert_eq!(s.offset(3, &idx), None, "past the list");
+        // A shape whose lengths disagree with its data is refused.
+        let op = OpRef::PutV {
+            h: OpHeader::default(),
+            region: 0,
+            s: VShape { n: 2, ..s },
+            last: true,
+            lazy_ack: false,
+            data: &[0; 16],
+        };
+        let mut buf = vec![0u8; op.encoded_len()];
+        op.encode(&mut buf);
+        assert!(matches!(OpRef::decode(&buf), Err(WireError::BadField(_))));
     }
 
     #[test]

@@ -15,6 +15,17 @@ pub enum PendingKind {
         len: u64,
     },
     Amo,
+    /// A strided or indexed get: reply fragments carry the elements packed in order, and
+    /// element k lands at `offset + k·stride` of `region`. Each of the `parts` requests it
+    /// was sent as ends with a last fragment.
+    GetV {
+        region: Region,
+        offset: u64,
+        stride: i64,
+        elem: u8,
+        nelems: u32,
+        parts: u32,
+    },
 }
 
 pub struct Pending {
@@ -113,6 +124,40 @@ impl Initiator {
                 frag_off,
                 last,
                 data,
+            } if matches!(self.get(h.req)?.kind, PendingKind::GetV { .. }) => {
+                let p = self.slot(h.req)?.op.as_mut()?;
+                let PendingKind::GetV {
+                    region,
+                    offset,
+                    stride,
+                    elem,
+                    nelems,
+                    parts,
+                } = &mut p.kind
+                else {
+                    return None;
+                };
+                let mut st = status;
+                if st.is_ok() {
+                    st = place_packed(region, *offset, *stride, *elem, *nelems, frag_off, data)
+                        .err()
+                        .unwrap_or(Status::Ok);
+                }
+                if last {
+                    *parts = parts.saturating_sub(1);
+                }
+                if *parts == 0 || !st.is_ok() {
+                    self.complete(h.req, st, 0)
+                } else {
+                    None
+                }
+            }
+            OpRef::GetReply {
+                h,
+                status,
+                frag_off,
+                last,
+                data,
             } => {
                 let p = self.get(h.req)?;
                 let PendingKind::Get {
@@ -154,7 +199,7 @@ impl Initiator {
                 host,
                 op: Some(match p.kind {
                     PendingKind::Put => FailedOp::Put,
-                    PendingKind::Get { .. } => FailedOp::Get,
+                    PendingKind::Get { .. } | PendingKind::GetV { .. } => FailedOp::Get,
                     PendingKind::Amo => FailedOp::Amo,
                 }),
                 waited_ms: now.saturating_sub(p.started) / 1_000_000,
@@ -191,6 +236,39 @@ impl Initiator {
             }
         }
     }
+}
+
+/// Writes packed element bytes `data`, at packed byte offset `at`, to their strided places:
+/// element k at `offset + k·stride`. Fragments need not end on element boundaries.
+pub fn place_packed(
+    region: &Region,
+    offset: u64,
+    stride: i64,
+    elem: u8,
+    nelems: u32,
+    at: u64,
+    data: &[u8],
+) -> Result<(), Status> {
+    let e = elem as u64;
+    let end = at
+        .checked_add(data.len() as u64)
+        .ok_or(Status::BadRequest)?;
+    if end > nelems as u64 * e {
+        return Err(Status::BadRequest);
+    }
+    let mut pos = at;
+    let mut rest = data;
+    while !rest.is_empty() {
+        let (k, within) = (pos / e, pos % e);
+        let n = ((e - within) as usize).min(rest.len());
+        let base = offset as i128 + k as i128 * stride as i128 + within as i128;
+        let dst = u64::try_from(base).map_err(|_| Status::BadRequest)?;
+        region.check_local(dst, n as u64)?;
+        region.write(dst, &rest[..n])?;
+        rest = &rest[n..];
+        pos += n as u64;
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -9,5 +9,5 @@
 pub mod initiator;
 pub mod target;
 
-pub use initiator::{Completion, Initiator, Pending, PendingKind};
-pub use target::{apply_amo, serve, Reply, TargetAction};
+pub use initiator::{place_packed, Completion, Initiator, Pending, PendingKind};
+pub use target::{amo_at, apply_amo, serve, Reply, TargetAction};

@@ -2,8 +2,8 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use crate::nic::memory::{Endpoints, Perms, Region};
-use crate::wire::{AmoOp, OpHeader, OpRef, Status};
+use crate::nic::memory::{Endpoints, HeapBacking, Perms, Region};
+use crate::wire::{AmoOp, OpHeader, OpRef, Status, VShape};
 
 /// A small reply op owned by the engine (no borrowed data).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -44,12 +44,14 @@ pub enum TargetAction {
     /// Nothing to send (a non-final put fragment, or a reply op, which is the initiator's).
     None,
     Reply(Reply),
-    /// Stream `len` bytes of `region` from `offset` back as get-reply fragments.
+    /// Stream `len` bytes of `region` from `offset` back as get-reply fragments, numbered
+    /// from `frag_base` (non-zero for the later parts of a vector get).
     StreamGet {
         h: OpHeader,
         region: Region,
         offset: u64,
         len: u64,
+        frag_base: u64,
     },
 }
 
@@ -78,6 +80,91 @@ pub fn apply_amo(word: &AtomicU64, op: AmoOp, operand: u64, operand2: u64) -> u6
             Ok(v) | Err(v) => v,
         },
     }
+}
+
+/// The value an AMO leaves in a word that held `old`.
+fn amo_new(op: AmoOp, old: u64, operand: u64, operand2: u64) -> u64 {
+    match op {
+        AmoOp::Aadd | AmoOp::Afadd => old.wrapping_add(operand),
+        AmoOp::Aand | AmoOp::Afand => old & operand,
+        AmoOp::Aor | AmoOp::Afor => old | operand,
+        AmoOp::Axor | AmoOp::Afxor => old ^ operand,
+        AmoOp::Afax => (old & operand) ^ operand2,
+        AmoOp::Acswap if old == operand2 => operand,
+        AmoOp::Acswap => old,
+    }
+}
+
+/// Applies an AMO to the word at `off` of `r`; returns the previous value. In mapped memory
+/// with a CPU atomic (coherent with the owner's atomics); in memory reached by copy (a
+/// process's registered private pages) by read, compute, write, which is atomic among NIC
+/// AMOs because one engine thread serves every op of a host.
+pub fn amo_at(
+    r: &Region,
+    off: u64,
+    need: Perms,
+    op: AmoOp,
+    operand: u64,
+    operand2: u64,
+) -> Result<u64, Status> {
+    if r.is_mapped() {
+        return r
+            .atomic(off, need)
+            .map(|w| apply_amo(w, op, operand, operand2));
+    }
+    r.check(off, 8, need)?;
+    if !off.is_multiple_of(8) {
+        return Err(Status::BadRequest);
+    }
+    let mut b = Vec::with_capacity(8);
+    r.append_to(off, 8, &mut b)?;
+    let old = u64::from_le_bytes(b[..8].try_into().expect("8 bytes read"));
+    r.write(off, &amo_new(op, old, operand, operand2).to_le_bytes())?;
+    Ok(old)
+}
+
+/// A strided or indexed put fragment: the whole operation's extent is checked, then every
+/// element of the fragment, before anything is written.
+fn put_vector(
+    eps: &Endpoints,
+    h: &OpHeader,
+    region: u32,
+    s: &VShape,
+    data: &[u8],
+) -> Result<(), Status> {
+    let r = eps.region(h.job, h.dst_rank, region)?;
+    r.check(s.lo, s.hi.saturating_sub(s.lo), Perms::WRITE)?;
+    let (idx, elems) = data.split_at(s.idx_len());
+    for i in 0..s.n {
+        s.offset(i, idx).ok_or(Status::BadRequest)?;
+    }
+    let e = s.elem as usize;
+    for (i, el) in elems.chunks_exact(e).enumerate() {
+        let off = s.offset(i as u32, idx).ok_or(Status::BadRequest)?;
+        r.write(off, el)?;
+    }
+    Ok(())
+}
+
+/// A strided or indexed get: the elements gathered, packed in order, into a buffer the reply
+/// streams from.
+fn get_vector(
+    eps: &Endpoints,
+    h: &OpHeader,
+    region: u32,
+    s: &VShape,
+    idx: &[u8],
+) -> Result<Region, Status> {
+    let r = eps.region(h.job, h.dst_rank, region)?;
+    r.check(s.lo, s.hi.saturating_sub(s.lo), Perms::READ)?;
+    let mut packed = Vec::with_capacity(s.data_len());
+    for i in 0..s.n {
+        let off = s.offset(i, idx).ok_or(Status::BadRequest)?;
+        r.append_to(off, s.elem as usize, &mut packed)?;
+    }
+    let out = Region::new(HeapBacking::new(packed.len()), Perms::READ);
+    out.write(0, &packed)?;
+    Ok(out)
 }
 
 /// Serves one op addressed to this host. Checks every access against the target region's
@@ -124,6 +211,7 @@ pub fn serve(eps: &Endpoints, op: &OpRef<'_>) -> TargetAction {
                     region: r.clone(),
                     offset,
                     len,
+                    frag_base: 0,
                 },
                 Err(status) => TargetAction::Reply(Reply::GetError { h: rh, status }),
             }
@@ -143,9 +231,9 @@ pub fn serve(eps: &Endpoints, op: &OpRef<'_>) -> TargetAction {
             };
             let (status, value) = match eps
                 .region(h.job, h.dst_rank, region)
-                .and_then(|r| r.atomic(offset, need))
+                .and_then(|r| amo_at(r, offset, need, op, operand, operand2))
             {
-                Ok(w) => (Status::Ok, apply_amo(w, op, operand, operand2)),
+                Ok(old) => (Status::Ok, old),
                 Err(s) => (s, 0),
             };
             TargetAction::Reply(Reply::AmoReply {
@@ -168,11 +256,8 @@ pub fn serve(eps: &Endpoints, op: &OpRef<'_>) -> TargetAction {
                     for p in pairs.chunks_exact(16) {
                         let off = u64::from_le_bytes(p[..8].try_into().expect("16-byte chunk"));
                         let v = u64::from_le_bytes(p[8..].try_into().expect("16-byte chunk"));
-                        match r.atomic(off, Perms::WRITE) {
-                            Ok(w) => {
-                                apply_amo(w, op, v, 0);
-                                applied += 1;
-                            }
+                        match amo_at(r, off, Perms::WRITE, op, v, 0) {
+                            Ok(_) => applied += 1,
                             Err(s) => status = s,
                         }
                     }
@@ -187,6 +272,40 @@ pub fn serve(eps: &Endpoints, op: &OpRef<'_>) -> TargetAction {
                 })
             } else {
                 TargetAction::None
+            }
+        }
+        OpRef::PutV {
+            h,
+            region,
+            s,
+            last,
+            lazy_ack,
+            data,
+        } => {
+            let status = put_vector(eps, &h, region, &s, data)
+                .err()
+                .unwrap_or(Status::Ok);
+            if last {
+                TargetAction::Reply(Reply::PutAck {
+                    h: reply_header(&h),
+                    status,
+                    lazy: lazy_ack,
+                })
+            } else {
+                TargetAction::None
+            }
+        }
+        OpRef::GetV { h, region, s, idx } => {
+            let rh = reply_header(&h);
+            match get_vector(eps, &h, region, &s, idx) {
+                Ok(packed) => TargetAction::StreamGet {
+                    h: rh,
+                    len: packed.len() as u64,
+                    region: packed,
+                    offset: 0,
+                    frag_base: s.first as u64 * s.elem as u64,
+                },
+                Err(status) => TargetAction::Reply(Reply::GetError { h: rh, status }),
             }
         }
         // Replies belong to the initiator; Portals ops to the Portals engine.

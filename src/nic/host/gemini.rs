@@ -2,11 +2,13 @@
 //! wire ops, ops from peers are served against registered memory, replies and bulk streams
 //! wait in per-peer queues for room in the transport.
 
-use crate::nic::gemini::{serve, Completion, Pending, PendingKind, Reply, TargetAction};
+use crate::nic::gemini::{
+    place_packed, serve, Completion, Pending, PendingKind, Reply, TargetAction,
+};
 use crate::nic::memory::{Endpoints, Region};
 use crate::shm::{Command, CommandKind, PeerFailure, CMD_IMPLICIT};
 use crate::transport::PushError;
-use crate::wire::{OpHeader, OpIter, OpKind, OpRef, Status};
+use crate::wire::{get_u64, OpHeader, OpIter, OpKind, OpRef, Status, VShape};
 
 use super::{Flow, HostCore};
 
@@ -18,6 +20,42 @@ fn lost(host: u16) -> u64 {
         waited_ms: 0,
     }
     .pack()
+}
+
+/// The target-side shape of a whole vector command (first element 0, all of them): its
+/// extent from the stride or the listed offsets; `None` when an offset overflows.
+fn vector_shape(c: &Command, inline: &[u8]) -> Option<VShape> {
+    let (e, n) = (c.elem as u64, c.nelems);
+    let mut s = VShape {
+        elem: c.elem,
+        indexed: c.indexed,
+        first: 0,
+        n,
+        base: c.remote_off,
+        stride: c.operand as i64,
+        lo: 0,
+        hi: 0,
+    };
+    let (lo, hi) = if c.indexed {
+        let idx = inline.get(..n as usize * 8)?;
+        let offs = idx.chunks_exact(8).map(|b| get_u64(b, 0));
+        (offs.clone().min()?, offs.max()?)
+    } else {
+        let last = c.remote_off as i128 + (n as i128 - 1) * s.stride as i128;
+        let last = u64::try_from(last).ok()?;
+        (c.remote_off.min(last), c.remote_off.max(last))
+    };
+    s.lo = lo;
+    s.hi = hi.checked_add(e)?;
+    Some(s)
+}
+
+/// Whether the elements `local_off + k·stride` (k < n) of `elem` bytes lie in `r`.
+fn local_strided_fits(r: &Region, local_off: u64, stride: i64, elem: u8, n: u32) -> bool {
+    let last = local_off as i128 + (n as i128 - 1) * stride as i128;
+    let (a, b) = (local_off as i128, last);
+    let (lo, hi) = (a.min(b), a.max(b) + elem as i128);
+    lo >= 0 && hi <= r.len() as i128
 }
 
 /// How many ops ahead of the one being served an atomic's target is prefetched.
@@ -90,6 +128,8 @@ pub(super) struct Stream {
     len: u64,
     sent: u64,
     started: bool,
+    /// Get replies: the packed byte offset this stream's data starts at (vector gets).
+    frag_base: u64,
 }
 
 pub(super) enum StreamKind {
@@ -121,8 +161,10 @@ impl HostCore {
         inline: &[u8],
     ) -> Flow {
         match c.kind {
-            CommandKind::PutInline | CommandKind::PutFrom => self.stats.cmd_put += 1,
-            CommandKind::Get => self.stats.cmd_get += 1,
+            CommandKind::PutInline | CommandKind::PutFrom | CommandKind::PutV => {
+                self.stats.cmd_put += 1
+            }
+            CommandKind::Get | CommandKind::GetV => self.stats.cmd_get += 1,
             CommandKind::Amo | CommandKind::AmoScatter => self.stats.cmd_amo += 1,
             CommandKind::Portals => {
                 self.stats.cmd_portals += 1;
@@ -223,6 +265,7 @@ impl HostCore {
                     len: c.len,
                     sent: 0,
                     started: false,
+                    frag_base: 0,
                 }));
             }
             CommandKind::Get => {
@@ -241,6 +284,112 @@ impl HostCore {
                     len: c.len,
                 };
                 self.push_or_fail(host, req, &op);
+            }
+            CommandKind::PutV => {
+                let Some(shape) = vector_shape(c, inline) else {
+                    self.complete(session, c.client_req, Status::BadRequest, 0);
+                    return Flow::Done;
+                };
+                let per = shape.elem as usize + if shape.indexed { 8 } else { 0 };
+                let m = (OpRef::max_data(OpKind::PutV, self.transport.body_capacity()) / per).max(1)
+                    as u32;
+                let frags = shape.n.div_ceil(m) as usize;
+                if self.transport.queued_space(host) < frags + 1 {
+                    return Flow::Backpressure;
+                }
+                let req = self.initiator.start(pending(PendingKind::Put));
+                let h = OpHeader { req, ..h };
+                let (idx, elems) = inline.split_at(shape.idx_len());
+                let e = shape.elem as usize;
+                let mut first = 0u32;
+                while first < shape.n {
+                    let n = m.min(shape.n - first);
+                    let s = VShape { first, n, ..shape };
+                    let op = OpRef::PutV {
+                        h,
+                        region: c.remote_region,
+                        s,
+                        last: first + n == shape.n,
+                        lazy_ack: c.flags & CMD_IMPLICIT != 0,
+                        data: &[],
+                    };
+                    let (f, t) = (first as usize, (first + n) as usize);
+                    let idx_part = if shape.indexed {
+                        &idx[f * 8..t * 8]
+                    } else {
+                        &[][..]
+                    };
+                    let el_part = &elems[f * e..t * e];
+                    let pushed = self.transport.push_op_filled(
+                        host,
+                        &op,
+                        idx_part.len() + el_part.len(),
+                        &mut |b| {
+                            b.extend_from_slice(idx_part);
+                            b.extend_from_slice(el_part);
+                            true
+                        },
+                    );
+                    if let Err(e) = pushed {
+                        tracing::error!("push after reserving room failed: {e}");
+                        if let Some(done) =
+                            self.initiator.complete(req, Status::PeerDead, lost(host))
+                        {
+                            self.completions.push(done);
+                        }
+                        break;
+                    }
+                    first += n;
+                }
+            }
+            CommandKind::GetV => {
+                let Some(shape) = vector_shape(c, inline) else {
+                    self.complete(session, c.client_req, Status::BadRequest, 0);
+                    return Flow::Done;
+                };
+                let Some(region) = self.own_vector_dst(session, job, rank, c) else {
+                    return Flow::Done;
+                };
+                // Strided: one request, the target streams every element back. Indexed: the
+                // offset list split into requests of a datagram each.
+                let m = if shape.indexed {
+                    (OpRef::max_data(OpKind::GetV, self.transport.body_capacity()) / 8).max(1)
+                        as u32
+                } else {
+                    shape.n
+                };
+                let parts = shape.n.div_ceil(m);
+                if self.transport.queued_space(host) < parts as usize + 1 {
+                    return Flow::Backpressure;
+                }
+                let req = self.initiator.start(pending(PendingKind::GetV {
+                    region,
+                    offset: c.local_off,
+                    stride: c.operand2 as i64,
+                    elem: c.elem,
+                    nelems: c.nelems,
+                    parts,
+                }));
+                let mut first = 0u32;
+                while first < shape.n {
+                    let n = m.min(shape.n - first);
+                    let (f, t) = (first as usize * 8, (first + n) as usize * 8);
+                    let op = OpRef::GetV {
+                        h: OpHeader { req, ..h },
+                        region: c.remote_region,
+                        s: VShape { first, n, ..shape },
+                        idx: if shape.indexed { &inline[f..t] } else { &[] },
+                    };
+                    if self.transport.push_op(host, &op).is_err() {
+                        if let Some(done) =
+                            self.initiator.complete(req, Status::PeerDead, lost(host))
+                        {
+                            self.completions.push(done);
+                        }
+                        break;
+                    }
+                    first += n;
+                }
             }
             CommandKind::AmoScatter => {
                 let Some(amo) = c.amo else {
@@ -308,6 +457,26 @@ impl HostCore {
             .region(job, rank, c.local_region)
             .and_then(|r| r.check_local(c.local_off, c.len).map(|_| r.clone()))
             .and_then(|r| r.is_mapped().then_some(r).ok_or(Status::Permission));
+        match r {
+            Ok(r) => Some(r),
+            Err(s) => {
+                self.complete(session, c.client_req, s, 0);
+                None
+            }
+        }
+    }
+
+    /// The landing place of a vector get: this client's own region (mapped or reached by
+    /// copy) holding every strided element; else the command completes with the reason.
+    fn own_vector_dst(&mut self, session: u64, job: u32, rank: u32, c: &Command) -> Option<Region> {
+        let r = self
+            .endpoints
+            .region(job, rank, c.local_region)
+            .and_then(|r| {
+                local_strided_fits(r, c.local_off, c.operand2 as i64, c.elem, c.nelems)
+                    .then(|| r.clone())
+                    .ok_or(Status::OutOfBounds)
+            });
         match r {
             Ok(r) => Some(r),
             Err(s) => {
@@ -404,6 +573,65 @@ impl HostCore {
                     other => other,
                 }
             }
+            CommandKind::PutV => match vector_shape(c, inline) {
+                Some(s) => serve(
+                    &self.endpoints,
+                    &OpRef::PutV {
+                        h,
+                        region: c.remote_region,
+                        s,
+                        last: true,
+                        lazy_ack: false,
+                        data: inline,
+                    },
+                ),
+                None => return (Status::BadRequest, 0),
+            },
+            CommandKind::GetV => {
+                let Some(s) = vector_shape(c, inline) else {
+                    return (Status::BadRequest, 0);
+                };
+                let dst = match self.endpoints.region(h.job, h.src_rank, c.local_region) {
+                    Ok(r)
+                        if local_strided_fits(
+                            r,
+                            c.local_off,
+                            c.operand2 as i64,
+                            c.elem,
+                            c.nelems,
+                        ) =>
+                    {
+                        r.clone()
+                    }
+                    Ok(_) => return (Status::OutOfBounds, 0),
+                    Err(s) => return (s, 0),
+                };
+                let op = OpRef::GetV {
+                    h,
+                    region: c.remote_region,
+                    s,
+                    idx: &inline[..s.idx_len()],
+                };
+                match serve(&self.endpoints, &op) {
+                    TargetAction::StreamGet { region, len, .. } => {
+                        let moved = self
+                            .with_copy(&region, 0, len as usize, |_, data| {
+                                place_packed(
+                                    &dst,
+                                    c.local_off,
+                                    c.operand2 as i64,
+                                    c.elem,
+                                    c.nelems,
+                                    0,
+                                    data,
+                                )
+                            })
+                            .and_then(|r| r);
+                        return (moved.err().unwrap_or(Status::Ok), 0);
+                    }
+                    other => other,
+                }
+            }
             CommandKind::AmoScatter => {
                 let Some(op) = c.amo else {
                     return (Status::BadRequest, 0);
@@ -471,11 +699,13 @@ impl HostCore {
             OpRef::Am { .. } => self.stats.malformed_ops += 1,
             OpRef::Put { .. }
             | OpRef::Get { .. }
+            | OpRef::PutV { .. }
+            | OpRef::GetV { .. }
             | OpRef::Amo { .. }
             | OpRef::AmoScatter { .. } => {
                 match op {
-                    OpRef::Put { .. } => self.stats.served_put += 1,
-                    OpRef::Get { .. } => self.stats.served_get += 1,
+                    OpRef::Put { .. } | OpRef::PutV { .. } => self.stats.served_put += 1,
+                    OpRef::Get { .. } | OpRef::GetV { .. } => self.stats.served_get += 1,
                     _ => self.stats.served_amo += 1,
                 }
                 match serve(&self.endpoints, op) {
@@ -486,6 +716,7 @@ impl HostCore {
                         region,
                         offset,
                         len,
+                        frag_base,
                     } => {
                         self.out[peer as usize].push_back(OutItem::Stream(Stream {
                             kind: StreamKind::GetReply,
@@ -495,6 +726,7 @@ impl HostCore {
                             len,
                             sent: 0,
                             started: false,
+                            frag_base,
                         }));
                     }
                 }
@@ -598,7 +830,7 @@ impl HostCore {
                             StreamKind::GetReply => OpRef::GetReply {
                                 h: st.h,
                                 status: Status::Ok,
-                                frag_off: st.sent,
+                                frag_off: st.frag_base + st.sent,
                                 last,
                                 data,
                             },

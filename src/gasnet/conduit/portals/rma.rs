@@ -145,7 +145,7 @@ impl PortalsConduit {
             .p
             .endpoint()
             .client()
-            .register_process(start, end - start)
+            .register_process(start, end - start, crate::nic::memory::Perms(0))
             .map_err(err)?;
         // SEND events on: a non-bulk put from here completes locally on its SEND.
         let md = Md {
