@@ -5,6 +5,7 @@
 pub mod client;
 pub mod config;
 pub mod daemon;
+pub mod dmapp;
 pub mod gasnet;
 pub mod gni;
 pub mod job;

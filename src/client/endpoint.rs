@@ -288,6 +288,12 @@ impl Endpoint {
         }
     }
 
+    /// Whether explicit request `req` has completed (successfully or not), from the
+    /// completions already processed.
+    pub fn is_done(&self, req: u64) -> bool {
+        matches!(self.explicit.get(&req), Some(Slot::Done(..)))
+    }
+
     /// `Some(value)` once `req` completed (successfully), `None` while pending.
     pub fn test(&mut self, req: u64) -> Result<Option<u64>, NicError> {
         self.progress();

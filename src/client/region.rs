@@ -57,7 +57,8 @@ impl MemRegion {
         crate::nic::memory::Region::new(self.map.clone(), Perms::READ_WRITE)
     }
 
-    pub(super) fn contains(&self, p: *const u8, len: usize) -> Option<u64> {
+    /// The offset of `[p, p+len)` in this region, if it lies inside.
+    pub fn contains(&self, p: *const u8, len: usize) -> Option<u64> {
         let base = self.map.as_ptr() as usize;
         let a = p as usize;
         (a >= base && a + len <= base + self.len).then(|| (a - base) as u64)

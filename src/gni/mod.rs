@@ -12,11 +12,17 @@
 use crate::client::{Endpoint, BOUNCE_LEN};
 use crate::job::JobInfo;
 use crate::nic::memory::Perms;
-use crate::shm::{Command, CommandKind};
+pub use crate::shm::{Command, CommandKind};
 use crate::wire::{AmoOp, Status};
 
 pub use crate::client::{wait_until, MemHandle, MemRegion, NicError as GniError};
 pub use crate::wire::AmoOp as Amo;
+
+/// `base + k·stride`, or an error when it leaves the 64-bit offset space.
+fn offset_of(base: u64, k: usize, stride: i64) -> Result<u64, GniError> {
+    u64::try_from(base as i128 + k as i128 * stride as i128)
+        .map_err(|_| GniError::Remote(Status::OutOfBounds))
+}
 
 /// A remote address: rank, region handle, byte offset.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -29,6 +35,24 @@ pub struct Remote {
 /// A non-blocking operation's sync id.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct SyncId(u64);
+
+/// Where the elements of a vector (strided or indexed) operation lie in a region.
+#[derive(Debug, Clone, Copy)]
+pub enum Layout<'a> {
+    /// Element k at `offset + k·stride` (bytes; may be negative, never 0).
+    Strided(i64),
+    /// Element k at byte offset `idx[k]` of the region (the `offset` is not used).
+    Indexed(&'a [u64]),
+}
+
+/// The local side of a vector get: a region of this rank (registered memory, or a process
+/// region reached by copy) with element k landing at `offset + k·stride`.
+#[derive(Debug, Clone, Copy)]
+pub struct LocalStrided {
+    pub handle: MemHandle,
+    pub offset: u64,
+    pub stride: i64,
+}
 
 /// The NIC as one rank uses it through the Gemini-level API.
 pub struct Nic {
@@ -277,6 +301,165 @@ impl Nic {
         len: usize,
     ) -> Result<(), GniError> {
         self.post_get(local, local_off, src, len, true).map(|_| ())
+    }
+
+    // ------------------------------------------------------------ vector put/get
+
+    /// Elements per vector command: what the command ring takes inline.
+    fn vector_chunk(&self, per_elem: usize) -> usize {
+        (self.ep.client().max_inline() / per_elem).max(1)
+    }
+
+    /// Posts a strided or indexed put of `data`, `data.len() / elem` packed elements of `elem`
+    /// bytes (1, 4, 8 or 16): one command and one wire op per datagram of elements, each
+    /// element checked by the target NIC. Returns the request to wait for; when the put needs
+    /// more than one command, all but the last are completed before it returns.
+    pub fn post_put_vector(
+        &mut self,
+        dst: Remote,
+        elem: u8,
+        layout: Layout<'_>,
+        data: &[u8],
+        implicit: bool,
+    ) -> Result<u64, GniError> {
+        let e = elem as usize;
+        let n = data.len() / e.max(1);
+        if !crate::wire::VShape::valid_elem(elem) || n == 0 || !data.len().is_multiple_of(e) {
+            return Err(GniError::Remote(Status::BadRequest));
+        }
+        if let Layout::Indexed(idx) = layout {
+            if idx.len() < n {
+                return Err(GniError::Remote(Status::BadRequest));
+            }
+        }
+        let per = e + matches!(layout, Layout::Indexed(_)) as usize * 8;
+        let chunk = self.vector_chunk(per);
+        let mut buf = std::mem::take(&mut self.scatter_buf);
+        let mut first = 0;
+        let mut last_req = None;
+        while first < n {
+            let k = chunk.min(n - first);
+            if let Some(r) = last_req.take() {
+                if !implicit {
+                    self.ep.finish(r)?;
+                }
+            }
+            let mut c = self.cmd(CommandKind::PutV, dst, 0)?;
+            c.elem = elem;
+            c.nelems = k as u32;
+            buf.clear();
+            match layout {
+                Layout::Strided(stride) => {
+                    c.remote_off = offset_of(dst.offset, first, stride)?;
+                    c.operand = stride as u64;
+                }
+                Layout::Indexed(idx) => {
+                    c.indexed = true;
+                    for o in &idx[first..first + k] {
+                        buf.extend_from_slice(&o.to_le_bytes());
+                    }
+                }
+            }
+            buf.extend_from_slice(&data[first * e..(first + k) * e]);
+            c.len = buf.len() as u64;
+            let r = self.ep.post(c, &buf, implicit);
+            match r {
+                Ok(r) => last_req = Some(r),
+                Err(err) => {
+                    self.scatter_buf = buf;
+                    return Err(err);
+                }
+            }
+            first += k;
+        }
+        self.scatter_buf = buf;
+        Ok(last_req.expect("at least one element"))
+    }
+
+    /// Posts a strided or indexed get of `n` elements of `elem` bytes from `src` into this
+    /// rank's region `local`. Like [`Nic::post_put_vector`], one request to wait for.
+    pub fn post_get_vector(
+        &mut self,
+        local: LocalStrided,
+        src: Remote,
+        elem: u8,
+        layout: Layout<'_>,
+        n: usize,
+        implicit: bool,
+    ) -> Result<u64, GniError> {
+        if !crate::wire::VShape::valid_elem(elem) || n == 0 || local.stride == 0 {
+            return Err(GniError::Remote(Status::BadRequest));
+        }
+        if let Layout::Indexed(idx) = layout {
+            if idx.len() < n {
+                return Err(GniError::Remote(Status::BadRequest));
+            }
+        }
+        let chunk = match layout {
+            Layout::Indexed(_) => self.vector_chunk(8),
+            Layout::Strided(_) => crate::shm::control::MAX_VECTOR_ELEMS as usize,
+        };
+        let mut buf = std::mem::take(&mut self.scatter_buf);
+        let mut first = 0;
+        let mut last_req = None;
+        while first < n {
+            let k = chunk.min(n - first);
+            if let Some(r) = last_req.take() {
+                if !implicit {
+                    self.ep.finish(r)?;
+                }
+            }
+            let mut c = self.cmd(CommandKind::GetV, src, 0)?;
+            c.elem = elem;
+            c.nelems = k as u32;
+            c.local_region = local.handle.0;
+            c.local_off = offset_of(local.offset, first, local.stride)?;
+            c.operand2 = local.stride as u64;
+            buf.clear();
+            match layout {
+                Layout::Strided(stride) => {
+                    c.remote_off = offset_of(src.offset, first, stride)?;
+                    c.operand = stride as u64;
+                }
+                Layout::Indexed(idx) => {
+                    c.indexed = true;
+                    for o in &idx[first..first + k] {
+                        buf.extend_from_slice(&o.to_le_bytes());
+                    }
+                }
+            }
+            c.len = buf.len() as u64;
+            match self.ep.post(c, &buf, implicit) {
+                Ok(r) => last_req = Some(r),
+                Err(err) => {
+                    self.scatter_buf = buf;
+                    return Err(err);
+                }
+            }
+            first += k;
+        }
+        self.scatter_buf = buf;
+        Ok(last_req.expect("at least one element"))
+    }
+
+    /// Posts a command built by a layer above (DMAPP) and returns its request id.
+    pub fn post_raw(&mut self, c: Command, inline: &[u8], implicit: bool) -> Result<u64, GniError> {
+        self.ep.post(c, inline, implicit)
+    }
+
+    /// A command of `kind` aimed at `dst`, for a layer above to complete and post.
+    pub fn command(&self, kind: CommandKind, dst: Remote, len: usize) -> Result<Command, GniError> {
+        self.cmd(kind, dst, len)
+    }
+
+    /// Waits for a request posted with [`Nic::post_raw`] or a `post_*_vector`.
+    pub fn wait_req(&mut self, req: u64) -> Result<u64, GniError> {
+        self.ep.finish(req)
+    }
+
+    /// A sync id for a request (to hand out from an `_nb` call).
+    pub fn sync_id(req: u64) -> SyncId {
+        SyncId(req)
     }
 
     // ------------------------------------------------------------ AMOs

@@ -254,6 +254,9 @@ impl Command {
 
 /// Command flag: an implicit (nbi) operation, completed in bulk; its remote ack may be lazy.
 pub const CMD_IMPLICIT: u8 = 1;
+/// Command flag on an `Amo`: the NIC stores the fetched value in the client's `local_region`
+/// at `local_off` (8 bytes) before completing it.
+pub const CMD_LAND: u8 = 2;
 
 /// A completion-queue entry.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

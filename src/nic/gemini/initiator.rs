@@ -15,6 +15,12 @@ pub enum PendingKind {
         len: u64,
     },
     Amo,
+    /// A fetching AMO whose fetched value the NIC also stores in `region` at `offset` (an
+    /// implicit fetching AMO: its value has no completion entry to travel in).
+    AmoLand {
+        region: Region,
+        offset: u64,
+    },
     /// A strided or indexed get: reply fragments carry the elements packed in order, and
     /// element k lands at `offset + k·stride` of `region`. Each of the `parts` requests it
     /// was sent as ends with a last fragment.
@@ -114,10 +120,18 @@ impl Initiator {
                 matches!(self.get(h.req)?.kind, PendingKind::Put).then_some(())?;
                 self.complete(h.req, status, 0)
             }
-            OpRef::AmoReply { h, status, value } => {
-                matches!(self.get(h.req)?.kind, PendingKind::Amo).then_some(())?;
-                self.complete(h.req, status, value)
-            }
+            OpRef::AmoReply { h, status, value } => match &self.get(h.req)?.kind {
+                PendingKind::Amo => self.complete(h.req, status, value),
+                PendingKind::AmoLand { region, offset } => {
+                    let landed = if status.is_ok() {
+                        region.write(*offset, &value.to_le_bytes()).err()
+                    } else {
+                        None
+                    };
+                    self.complete(h.req, landed.unwrap_or(status), value)
+                }
+                _ => None,
+            },
             OpRef::GetReply {
                 h,
                 status,
@@ -200,7 +214,7 @@ impl Initiator {
                 op: Some(match p.kind {
                     PendingKind::Put => FailedOp::Put,
                     PendingKind::Get { .. } | PendingKind::GetV { .. } => FailedOp::Get,
-                    PendingKind::Amo => FailedOp::Amo,
+                    PendingKind::Amo | PendingKind::AmoLand { .. } => FailedOp::Amo,
                 }),
                 waited_ms: now.saturating_sub(p.started) / 1_000_000,
             }

@@ -6,7 +6,7 @@ use crate::nic::gemini::{
     place_packed, serve, Completion, Pending, PendingKind, Reply, TargetAction,
 };
 use crate::nic::memory::{Endpoints, Region};
-use crate::shm::{Command, CommandKind, PeerFailure, CMD_IMPLICIT};
+use crate::shm::{Command, CommandKind, PeerFailure, CMD_IMPLICIT, CMD_LAND};
 use crate::transport::PushError;
 use crate::wire::{get_u64, OpHeader, OpIter, OpKind, OpRef, Status, VShape};
 
@@ -183,7 +183,18 @@ impl HostCore {
         };
         if c.host == self.index {
             self.stats.local_ops += 1;
-            let (status, value) = self.local(h, c, inline);
+            let land = (c.kind == CommandKind::Amo && c.flags & CMD_LAND != 0)
+                .then(|| self.own_local(job, rank, c.local_region, c.local_off, 8));
+            if let Some(Err(s)) = land {
+                self.complete(session, c.client_req, s, 0);
+                return Flow::Done;
+            }
+            let (mut status, value) = self.local(h, c, inline);
+            if let (Some(Ok(r)), true) = (land, status.is_ok()) {
+                if let Err(s) = r.write(c.local_off, &value.to_le_bytes()) {
+                    status = s;
+                }
+            }
             self.complete(session, c.client_req, status, value);
             return Flow::Done;
         }
@@ -249,7 +260,7 @@ impl HostCore {
                 }
             }
             CommandKind::PutFrom => {
-                let Some(src) = self.own_mapped(session, job, rank, c) else {
+                let Some(src) = self.own_side(session, job, rank, c) else {
                     return Flow::Done;
                 };
                 let req = self.initiator.start(pending(PendingKind::Put));
@@ -269,7 +280,7 @@ impl HostCore {
                 }));
             }
             CommandKind::Get => {
-                let Some(region) = self.own_mapped(session, job, rank, c) else {
+                let Some(region) = self.own_side(session, job, rank, c) else {
                     return Flow::Done;
                 };
                 let req = self.initiator.start(pending(PendingKind::Get {
@@ -433,7 +444,21 @@ impl HostCore {
                     self.complete(session, c.client_req, Status::BadRequest, 0);
                     return Flow::Done;
                 };
-                let req = self.initiator.start(pending(PendingKind::Amo));
+                let kind = if c.flags & CMD_LAND != 0 {
+                    match self.own_local(job, rank, c.local_region, c.local_off, 8) {
+                        Ok(region) => PendingKind::AmoLand {
+                            region,
+                            offset: c.local_off,
+                        },
+                        Err(s) => {
+                            self.complete(session, c.client_req, s, 0);
+                            return Flow::Done;
+                        }
+                    }
+                } else {
+                    PendingKind::Amo
+                };
+                let req = self.initiator.start(pending(kind));
                 let op = OpRef::Amo {
                     h: OpHeader { req, ..h },
                     region: c.remote_region,
@@ -448,15 +473,25 @@ impl HostCore {
         Flow::Done
     }
 
-    /// The local side of a BTE put or get: this client's own registered memory, mapped (BTE
-    /// streams straight from and into it). On anything else the command completes with the
-    /// reason and `None` comes back.
-    fn own_mapped(&mut self, session: u64, job: u32, rank: u32, c: &Command) -> Option<Region> {
-        let r = self
-            .endpoints
-            .region(job, rank, c.local_region)
-            .and_then(|r| r.check_local(c.local_off, c.len).map(|_| r.clone()))
-            .and_then(|r| r.is_mapped().then_some(r).ok_or(Status::Permission));
+    /// `[off, off+len)` of this client's own region `handle` (mapped, or reached by copy).
+    fn own_local(
+        &self,
+        job: u32,
+        rank: u32,
+        handle: u32,
+        off: u64,
+        len: u64,
+    ) -> Result<Region, Status> {
+        self.endpoints
+            .region(job, rank, handle)
+            .and_then(|r| r.check_local(off, len).map(|_| r.clone()))
+    }
+
+    /// The local side of a BTE put or get: this client's own registered memory, mapped or
+    /// reached by copy (a process region: streams read and replies write it through the
+    /// kernel). On anything else the command completes with the reason and `None` comes back.
+    fn own_side(&mut self, session: u64, job: u32, rank: u32, c: &Command) -> Option<Region> {
+        let r = self.own_local(job, rank, c.local_region, c.local_off, c.len);
         match r {
             Ok(r) => Some(r),
             Err(s) => {
@@ -844,9 +879,25 @@ impl HostCore {
                                 .is_ok()
                         });
                         if let (Err(PushError::Source), Some(s)) = (&pushed, unreadable) {
-                            // Streams are mapped (checked at the command); never expected.
-                            if let Some(c) = self.initiator.complete(st.h.req, s, 0) {
-                                self.completions.push(c);
+                            // Memory reached by copy that is gone (its process unmapped it or
+                            // exited): the operation fails with the reason.
+                            match st.kind {
+                                StreamKind::Put { .. } => {
+                                    if let Some(c) = self.initiator.complete(st.h.req, s, 0) {
+                                        self.completions.push(c);
+                                    }
+                                }
+                                StreamKind::GetReply => {
+                                    let r = Reply::GetError { h: st.h, status: s };
+                                    if let Err(PushError::Full(_)) =
+                                        self.transport.push_op(peer, &r.as_op())
+                                    {
+                                        // Retried from the queue like any reply.
+                                        self.out[p].pop_front();
+                                        self.out[p].push_front(OutItem::Reply(r));
+                                        return;
+                                    }
+                                }
                             }
                             break;
                         }

@@ -1,0 +1,197 @@
+//! PE-strided RMA (seed 001 §2.2.3): one call to a list of PEs at a symmetric address —
+//! `put_ixpe` (the same data to each), `scatter_ixpe` (slice i to list entry i) and
+//! `gather_ixpe` (slice i from list entry i, in list order). Always FMA; one sync id (or one
+//! blocking wait) for the whole list.
+
+use crate::shm::CommandKind;
+
+use super::error::err;
+use super::{Dmapp, DmappError, Mode, Rc, SegDesc, SyncId, Type};
+
+impl Dmapp {
+    fn check_ixpe(&self, seg: &SegDesc, pes: &[u32]) -> Result<(), DmappError> {
+        if !self.is_symmetric(seg) {
+            return err(
+                Rc::InvalidParam,
+                "PE-strided calls need a symmetric address (the heap or the data segment)",
+            );
+        }
+        for &pe in pes {
+            self.check_pe(pe)?;
+        }
+        Ok(())
+    }
+
+    /// Puts `per` bytes for each PE of the list: `slice(i)` is PE i's data.
+    #[allow(clippy::too_many_arguments)]
+    fn fan_out_put(
+        &mut self,
+        mode: Mode,
+        target_addr: u64,
+        seg: &SegDesc,
+        pes: &[u32],
+        src: &[u8],
+        per: usize,
+        scatter: bool,
+        ty: Type,
+    ) -> Result<Option<SyncId>, DmappError> {
+        if mode == Mode::Nb {
+            self.nb_room()?;
+        }
+        self.check_ixpe(seg, pes)?;
+        Self::check_align(ty, "target address", target_addr)?;
+        Self::check_align(ty, "source address", src.as_ptr() as u64)?;
+        if per == 0 || pes.is_empty() {
+            return self.done(mode);
+        }
+        let mut reqs = Vec::with_capacity(pes.len());
+        self.counters.fma_ops += 1;
+        for (i, &pe) in pes.iter().enumerate() {
+            let dst = self.remote(target_addr, seg, pe, per as u64)?;
+            let data = if scatter {
+                &src[i * per..(i + 1) * per]
+            } else {
+                &src[..per]
+            };
+            reqs.extend(self.post_inline(dst, data, mode == Mode::Nbi)?);
+        }
+        self.finish(mode, reqs)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn put_ixpe_any(
+        &mut self,
+        mode: Mode,
+        target_addr: u64,
+        target_seg: &SegDesc,
+        target_pes: &[u32],
+        src: &[u8],
+        nelems: u64,
+        ty: Type,
+    ) -> Result<Option<SyncId>, DmappError> {
+        let per = Self::bytes_of(nelems, ty, src.len(), "source")?;
+        self.fan_out_put(
+            mode,
+            target_addr,
+            target_seg,
+            target_pes,
+            src,
+            per,
+            false,
+            ty,
+        )
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn scatter_ixpe_any(
+        &mut self,
+        mode: Mode,
+        target_addr: u64,
+        target_seg: &SegDesc,
+        target_pes: &[u32],
+        src: &[u8],
+        nelems: u64,
+        ty: Type,
+    ) -> Result<Option<SyncId>, DmappError> {
+        let total = nelems
+            .checked_mul(target_pes.len() as u64)
+            .ok_or_else(|| super::DmappError::new(Rc::InvalidParam, "element count overflows"))?;
+        Self::bytes_of(total, ty, src.len(), "source")?;
+        let per = nelems as usize * ty.size();
+        self.fan_out_put(
+            mode,
+            target_addr,
+            target_seg,
+            target_pes,
+            src,
+            per,
+            true,
+            ty,
+        )
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn gather_ixpe_any(
+        &mut self,
+        mode: Mode,
+        target: &mut [u8],
+        source_addr: u64,
+        source_seg: &SegDesc,
+        source_pes: &[u32],
+        nelems: u64,
+        ty: Type,
+    ) -> Result<Option<SyncId>, DmappError> {
+        if mode == Mode::Nb {
+            self.nb_room()?;
+        }
+        self.check_ixpe(source_seg, source_pes)?;
+        let total = nelems
+            .checked_mul(source_pes.len() as u64)
+            .ok_or_else(|| super::DmappError::new(Rc::InvalidParam, "element count overflows"))?;
+        let all = Self::bytes_of(total, ty, target.len(), "target buffer")?;
+        if all == 0 {
+            return err(Rc::InvalidParam, "zero-length get");
+        }
+        Self::check_align(ty, "source address", source_addr)?;
+        Self::check_align(ty, "target address", target.as_ptr() as u64)?;
+        let per = nelems as usize * ty.size();
+        let l = self.local(target.as_ptr(), all)?;
+        self.counters.fma_ops += 1;
+        let mut reqs = Vec::with_capacity(source_pes.len());
+        for (i, &pe) in source_pes.iter().enumerate() {
+            let src = self.remote(source_addr, source_seg, pe, per as u64)?;
+            let mut c = self.nic.command(CommandKind::Get, src, per)?;
+            c.local_region = l.handle.0;
+            c.local_off = l.off + (i * per) as u64;
+            let req = self.nic.post_raw(c, &[], mode == Mode::Nbi)?;
+            self.track(mode, req, l, all);
+            reqs.push(req);
+        }
+        self.finish(mode, reqs)
+    }
+}
+
+macro_rules! forms {
+    ($(#[$doc:meta])* $any:ident => $b:ident, $nb:ident, $nbi:ident
+        ($($arg:ident: $t:ty),*)) => {
+        impl Dmapp {
+            $(#[$doc])*
+            /// Blocking: globally visible on every listed PE on return.
+            #[allow(clippy::too_many_arguments)]
+            pub fn $b(&mut self, $($arg: $t),*) -> Result<(), DmappError> {
+                self.$any(Mode::Blocking, $($arg),*).map(|_| ())
+            }
+            $(#[$doc])*
+            /// Non-blocking explicit: one sync id for the whole list.
+            #[allow(clippy::too_many_arguments)]
+            pub fn $nb(&mut self, $($arg: $t),*) -> Result<SyncId, DmappError> {
+                self.$any(Mode::Nb, $($arg),*).map(|id| id.expect("nb gives a sync id"))
+            }
+            $(#[$doc])*
+            /// Non-blocking implicit: complete at the next gsync.
+            #[allow(clippy::too_many_arguments)]
+            pub fn $nbi(&mut self, $($arg: $t),*) -> Result<(), DmappError> {
+                self.$any(Mode::Nbi, $($arg),*).map(|_| ())
+            }
+        }
+    };
+}
+
+forms!(
+    /// `dmapp_put_ixpe`: `nelems` elements of `src` to `target_addr` of every listed PE.
+    put_ixpe_any => put_ixpe, put_ixpe_nb, put_ixpe_nbi
+    (target_addr: u64, target_seg: &SegDesc, target_pes: &[u32], src: &[u8], nelems: u64,
+     ty: Type)
+);
+forms!(
+    /// `dmapp_scatter_ixpe`: list entry i gets elements `i·nelems..(i+1)·nelems` of `src`.
+    scatter_ixpe_any => scatter_ixpe, scatter_ixpe_nb, scatter_ixpe_nbi
+    (target_addr: u64, target_seg: &SegDesc, target_pes: &[u32], src: &[u8], nelems: u64,
+     ty: Type)
+);
+forms!(
+    /// `dmapp_gather_ixpe`: `nelems` elements from each listed PE, concatenated in list order.
+    gather_ixpe_any => gather_ixpe, gather_ixpe_nb, gather_ixpe_nbi
+    (target: &mut [u8], source_addr: u64, source_seg: &SegDesc, source_pes: &[u32],
+     nelems: u64, ty: Type)
+);
