@@ -255,6 +255,7 @@ impl Dmapp {
     /// symmetric heap (`XT_SYMMETRIC_HEAP_SIZE`, rounded up to 2 MiB granules), and returns
     /// the attributes in force. Collective: every PE calls it.
     pub fn init(requested: Option<RmaAttrs>) -> Result<(Dmapp, RmaAttrs), DmappError> {
+        Self::check_attrs(&requested.unwrap_or_default())?;
         let nic = Nic::init()
             .map_err(|e| DmappError::new(Rc::ResourceError, format!("no soft NIC: {e}")))?;
         Self::with_nic(nic, requested)
@@ -387,6 +388,17 @@ impl Dmapp {
     /// The gni NIC underneath (for layers that mix both, and benchmarks).
     pub fn nic(&mut self) -> &mut Nic {
         &mut self.nic
+    }
+
+    /// This PE's symmetric heap as registered memory (its bytes outlive borrows of `self`, so
+    /// they can be the source of this PE's own puts).
+    pub fn sheap_region(&self) -> MemRegion {
+        self.heap_mem.clone()
+    }
+
+    /// This PE's data segment stand-in as registered memory.
+    pub fn data_region(&self) -> MemRegion {
+        self.data.clone()
     }
 
     /// The local bytes of this PE's symmetric memory (data segment or heap) at `addr`.

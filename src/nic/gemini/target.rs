@@ -154,7 +154,7 @@ fn get_vector(
     region: u32,
     s: &VShape,
     idx: &[u8],
-) -> Result<Region, Status> {
+) -> Result<(Region, u64), Status> {
     let r = eps.region(h.job, h.dst_rank, region)?;
     r.check(s.lo, s.hi.saturating_sub(s.lo), Perms::READ)?;
     let mut packed = Vec::with_capacity(s.data_len());
@@ -164,7 +164,7 @@ fn get_vector(
     }
     let out = Region::new(HeapBacking::new(packed.len()), Perms::READ);
     out.write(0, &packed)?;
-    Ok(out)
+    Ok((out, packed.len() as u64))
 }
 
 /// Serves one op addressed to this host. Checks every access against the target region's
@@ -298,9 +298,9 @@ pub fn serve(eps: &Endpoints, op: &OpRef<'_>) -> TargetAction {
         OpRef::GetV { h, region, s, idx } => {
             let rh = reply_header(&h);
             match get_vector(eps, &h, region, &s, idx) {
-                Ok(packed) => TargetAction::StreamGet {
+                Ok((packed, len)) => TargetAction::StreamGet {
                     h: rh,
-                    len: packed.len() as u64,
+                    len,
                     region: packed,
                     offset: 0,
                     frag_base: s.first as u64 * s.elem as u64,
