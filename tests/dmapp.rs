@@ -5,6 +5,8 @@
 
 mod common;
 
+use std::time::{Duration, Instant};
+
 use common::*;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
@@ -709,4 +711,382 @@ fn s224_amos_with_eight_pes() {
         return amo_body();
     }
     launch_ok("s224_amos_with_eight_pes", 8, 2, &[]);
+}
+
+// ---------------------------------------------------------------- §2.2.5
+
+fn sync_body() {
+    let attrs = RmaAttrs {
+        max_outstanding_nb: 5,
+        ..Default::default()
+    };
+    let (mut d, _) = Dmapp::init(Some(attrs)).unwrap();
+    let ji = d.get_jobinfo();
+    let (me, np) = (ji.pe, ji.npes);
+    let peer = (me + 1) % np;
+    let heap = ji.sheap_seg;
+    let big = 4 << 20;
+    let slot = d.sheap_malloc(big).unwrap();
+    d.barrier().unwrap();
+    // NO_SPACE once max_outstanding_nb sync ids are unretired; retiring one makes room.
+    let ids: Vec<SyncId> = (0..5)
+        .map(|i| {
+            d.put_nb(slot + i * 8, &heap, peer, &[1; 8], 1, Type::Qw)
+                .unwrap()
+        })
+        .collect();
+    let e = d
+        .put_nb(slot, &heap, peer, &[1; 8], 1, Type::Qw)
+        .unwrap_err();
+    assert_eq!(e.rc, Rc::NoSpace, "{e}");
+    assert_eq!(
+        d.afadd_qw_nb(slot, &heap, peer, 1).unwrap_err().rc,
+        Rc::NoSpace,
+        "AMOs count too"
+    );
+    // gsync retires no sync id: each is still waited on, exactly once.
+    d.gsync_wait().unwrap();
+    assert_eq!(
+        d.put_nb(slot, &heap, peer, &[1; 8], 1, Type::Qw)
+            .unwrap_err()
+            .rc,
+        Rc::NoSpace
+    );
+    for id in &ids {
+        d.syncid_wait(*id).unwrap();
+    }
+    assert_eq!(
+        d.syncid_wait(ids[0]).unwrap_err().rc,
+        Rc::InvalidParam,
+        "retired"
+    );
+    // A pending test is NOT_DONE: a 4 MiB get from another host cannot have finished yet.
+    let mut landing = vec![0u8; big];
+    let id = d
+        .get_nb(&mut landing, slot, &heap, peer, big as u64, Type::Byte)
+        .unwrap();
+    let first = d.syncid_test(id).unwrap_err();
+    assert_eq!(first.rc, Rc::NotDone);
+    // BUSY: the landing buffer's registration is in use; so is a heap block being read into.
+    let desc = d.mem_register(landing.as_ptr() as u64, big as u64).unwrap();
+    let busy = d.mem_unregister(&desc);
+    let t = Instant::now();
+    loop {
+        match d.syncid_test(id) {
+            Ok(_) => break,
+            Err(e) if e.is_not_done() => assert!(t.elapsed() < Duration::from_secs(30)),
+            Err(e) => panic!("{e}"),
+        }
+    }
+    // (The get used a local registration of the same pages, not `desc`: both may hold them.)
+    drop(busy);
+    d.mem_unregister(&desc).ok();
+    let block = d.sheap_malloc(big).unwrap();
+    let hm = d.sheap_region();
+    let at = (block - hm.as_ptr() as u64) as usize;
+    let id = d
+        .get_nb(
+            &mut hm.bytes()[at..at + big],
+            slot,
+            &heap,
+            peer,
+            big as u64,
+            Type::Byte,
+        )
+        .unwrap();
+    assert_eq!(d.sheap_free(block).unwrap_err().rc, Rc::Busy);
+    assert_eq!(d.sheap_realloc(block, 64).unwrap_err().rc, Rc::Busy);
+    d.syncid_wait(id).unwrap();
+    d.sheap_free(block).unwrap();
+    d.gsync_test().unwrap();
+    // A failed implicit operation is reported once, at the next gsync.
+    let bogus = SegDesc {
+        handle: 4000,
+        ..heap
+    };
+    d.put_nbi(slot, &bogus, peer, &[1; 8], 1, Type::Qw).unwrap();
+    d.put_nbi(slot, &heap, peer, &[1; 8], 1, Type::Qw).unwrap();
+    assert_eq!(d.gsync_wait().unwrap_err().rc, Rc::PermissionError);
+    d.gsync_wait().unwrap();
+    // §3.2: contiguous transfers below the offload threshold go FMA, from it BTE.
+    let (f0, b0) = (d.counters().fma_ops, d.counters().bte_ops);
+    let src = vec![3u8; 8192];
+    d.put(slot, &heap, peer, &src[..4095], 4095, Type::Byte)
+        .unwrap();
+    assert_eq!((d.counters().fma_ops, d.counters().bte_ops), (f0 + 1, b0));
+    d.put(slot, &heap, peer, &src[..4096], 4096, Type::Byte)
+        .unwrap();
+    assert_eq!(
+        (d.counters().fma_ops, d.counters().bte_ops),
+        (f0 + 1, b0 + 1)
+    );
+    let a = RmaAttrs {
+        offload_threshold: 8192,
+        ..d.get_rma_attrs()
+    };
+    d.set_rma_attrs(a).unwrap();
+    d.put(slot, &heap, peer, &src[..4096], 4096, Type::Byte)
+        .unwrap();
+    let mut back = vec![0u8; 4096];
+    d.get(&mut back, slot, &heap, peer, 4096, Type::Byte)
+        .unwrap();
+    assert_eq!(back, src[..4096]);
+    assert_eq!(
+        d.counters().fma_ops,
+        f0 + 3,
+        "the flipped threshold applies to later requests"
+    );
+    d.finalize().unwrap();
+}
+
+#[test]
+fn s225_sync_rules_busy_and_the_offload_threshold() {
+    if in_job() {
+        return sync_body();
+    }
+    launch_ok("s225_sync_rules_busy_and_the_offload_threshold", 2, 2, &[]);
+}
+
+// ---------------------------------------------------------------- §2.2.6, §2.2.7
+
+fn memory_body() {
+    let mut d = dm();
+    let ji = d.get_jobinfo();
+    let (me, np) = (ji.pe, ji.npes);
+    let peer = (me + 1) % np;
+    let from = (me + np - 1) % np;
+    let heap = ji.sheap_seg;
+    let base = heap.addr;
+    // The same calls give the same offsets on every PE: each sends its offsets to PE 0.
+    let table = d.sheap_malloc(64 * np as usize).unwrap();
+    let a = d.sheap_malloc(100).unwrap();
+    let b = d.sheap_malloc(5000).unwrap();
+    d.sheap_free(a).unwrap();
+    let c = d.sheap_malloc(64).unwrap();
+    let offs: Vec<u8> = [a, b, c]
+        .iter()
+        .flat_map(|x| (x - base).to_le_bytes())
+        .collect();
+    d.put(table + me as u64 * 24, &heap, 0, &offs, 3, Type::Qw)
+        .unwrap();
+    d.barrier().unwrap();
+    if me == 0 {
+        let t = d.local_slice(table, 24 * np as usize).unwrap().to_vec();
+        for pe in 1..np as usize {
+            assert_eq!(t[pe * 24..pe * 24 + 24], t[..24], "PE {pe}'s heap offsets");
+        }
+    }
+    // realloc keeps the contents, and the moved block is symmetric too.
+    let data = pattern(5000, me as u64);
+    d.local_slice(b, 5000).unwrap().copy_from_slice(&data);
+    let b2 = d.sheap_realloc(b, 1 << 20).unwrap();
+    assert_eq!(d.local_slice(b2, 5000).unwrap(), &data[..]);
+    d.barrier().unwrap();
+    d.put(b2 + 8192, &heap, peer, &data, 5000, Type::Byte)
+        .unwrap();
+    d.barrier().unwrap();
+    assert_eq!(
+        d.local_slice(b2 + 8192, 5000).unwrap(),
+        &pattern(5000, from as u64)[..]
+    );
+    // Heap exhausted: RESOURCE_ERROR; freeing what is no block: INVALID_PARAM.
+    assert_eq!(d.sheap_malloc(1 << 40).unwrap_err().rc, Rc::ResourceError);
+    assert_eq!(d.sheap_free(b2 + 8).unwrap_err().rc, Rc::InvalidParam);
+    // §2.2.7: a plain vector registered and its descriptor sent out of band (here through
+    // the peer's heap); the peer puts, gets and adds into it.
+    let mut v = vec![0u64; 2048];
+    let desc = d
+        .mem_register(v.as_mut_ptr() as u64, (v.len() * 8) as u64)
+        .unwrap();
+    assert_eq!(desc.addr % 4096, 0, "page-rounded");
+    let again = d.mem_register(v.as_mut_ptr() as u64, 64).unwrap();
+    assert_eq!(again, desc);
+    assert!(d.counters().reg_cache.hits >= 1);
+    let mailbox = d.sheap_malloc(SEG_DESC_LEN).unwrap();
+    d.barrier().unwrap();
+    d.put(
+        mailbox,
+        &heap,
+        peer,
+        &desc.to_bytes(),
+        SEG_DESC_LEN as u64,
+        Type::Byte,
+    )
+    .unwrap();
+    d.barrier().unwrap();
+    let theirs = SegDesc::from_bytes(d.local_slice(mailbox, SEG_DESC_LEN).unwrap()).unwrap();
+    // The descriptor names the registration (page-rounded); the owner sends the vector's own
+    // address as well, as a SHMEM layer would send its object's address.
+    let vaddr = v.as_ptr() as u64;
+    let abox = d.sheap_malloc(8).unwrap();
+    d.barrier().unwrap();
+    d.put(abox, &heap, peer, &vaddr.to_le_bytes(), 1, Type::Qw)
+        .unwrap();
+    d.barrier().unwrap();
+    let their_v = u64::from_le_bytes(d.local_slice(abox, 8).unwrap().try_into().unwrap());
+    let words: Vec<u8> = (0..16u64).flat_map(|i| (1000 + i).to_le_bytes()).collect();
+    d.put(their_v + 80, &theirs, peer, &words, 16, Type::Qw)
+        .unwrap();
+    d.aadd_qw(their_v, &theirs, peer, 7).unwrap();
+    assert_eq!(d.afadd_qw(their_v, &theirs, peer, 1).unwrap(), 7);
+    let mut back = [0u8; 128];
+    d.get(&mut back, their_v + 80, &theirs, peer, 16, Type::Qw)
+        .unwrap();
+    assert_eq!(&back[..], &words[..]);
+    // Outside the registration: TRANSACTION_ERROR; garbage bytes: INVALID_PARAM.
+    assert_eq!(
+        d.put(theirs.addr + theirs.len, &theirs, peer, &words, 1, Type::Qw)
+            .unwrap_err()
+            .rc,
+        Rc::TransactionError
+    );
+    assert_eq!(
+        SegDesc::from_bytes(&[7u8; SEG_DESC_LEN]).unwrap_err().rc,
+        Rc::InvalidParam
+    );
+    assert_eq!(
+        SegDesc::from_bytes(&desc.to_bytes()[..20]).unwrap_err().rc,
+        Rc::InvalidParam
+    );
+    d.barrier().unwrap();
+    assert_eq!(v[0], 8, "the peer's AMOs landed in the plain vector");
+    assert_eq!(v[10..26], (1000..1016).collect::<Vec<u64>>()[..]);
+    // Unregister (twice: it was registered twice), then the peer's access is refused.
+    d.mem_unregister(&desc).unwrap();
+    d.mem_unregister(&desc).unwrap();
+    assert_eq!(d.mem_unregister(&desc).unwrap_err().rc, Rc::NotFound);
+    d.barrier().unwrap();
+    assert_eq!(
+        d.aadd_qw(their_v, &theirs, peer, 1).unwrap_err().rc,
+        Rc::PermissionError
+    );
+    // A forged descriptor naming no registration: PERMISSION_ERROR; a PE beyond the job:
+    // INVALID_PARAM; misaligned QW: ALIGNMENT_ERROR. None of it disturbs the next barrier.
+    let forged = SegDesc {
+        handle: 9999,
+        ..theirs
+    };
+    assert_eq!(
+        d.get(&mut back, theirs.addr, &forged, peer, 1, Type::Qw)
+            .unwrap_err()
+            .rc,
+        Rc::PermissionError
+    );
+    assert_eq!(
+        d.put(b2, &heap, np, &words, 1, Type::Qw).unwrap_err().rc,
+        Rc::InvalidParam
+    );
+    assert_eq!(
+        d.put(b2 + 2, &heap, peer, &words, 1, Type::Qw)
+            .unwrap_err()
+            .rc,
+        Rc::AlignmentError
+    );
+    assert_eq!(
+        d.get(&mut back, b2, &heap, peer, 0, Type::Qw)
+            .unwrap_err()
+            .rc,
+        Rc::InvalidParam,
+        "zero-length get"
+    );
+    assert_eq!(
+        d.put(b2, &heap, peer, &words[..8], 2, Type::Qw)
+            .unwrap_err()
+            .rc,
+        Rc::InvalidParam,
+        "nelems beyond the slice"
+    );
+    d.barrier().unwrap();
+    d.finalize().unwrap();
+}
+
+#[test]
+fn s226_s227_symmetric_heap_registration_and_descriptors() {
+    if in_job() {
+        return memory_body();
+    }
+    launch_ok(
+        "s226_s227_symmetric_heap_registration_and_descriptors",
+        2,
+        2,
+        &[],
+    );
+}
+
+// ---------------------------------------------------------------- faults
+
+const LOSS: &[&str] = &["--fault-drop", "0.1", "--fault-seed", "11"];
+
+#[test]
+fn contiguous_at_ten_percent_loss() {
+    if in_job() {
+        return contiguous_body();
+    }
+    launch_ok("contiguous_at_ten_percent_loss", 2, 2, LOSS);
+}
+
+#[test]
+fn strided_at_ten_percent_loss() {
+    if in_job() {
+        return strided_body();
+    }
+    launch_ok("strided_at_ten_percent_loss", 2, 2, LOSS);
+}
+
+#[test]
+fn amos_at_ten_percent_loss() {
+    if in_job() {
+        return amo_body();
+    }
+    launch_ok("amos_at_ten_percent_loss", 4, 2, LOSS);
+}
+
+#[test]
+fn a_killed_pe_is_a_transaction_error() {
+    if in_job() {
+        let mut d = dm();
+        let heap = d.get_jobinfo().sheap_seg;
+        let w = d.sheap_malloc(64).unwrap();
+        d.barrier().unwrap();
+        if d.get_jobinfo().pe == 1 {
+            // The victim waits to be SIGKILLed.
+            loop {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        }
+        let t = Instant::now();
+        loop {
+            match d.afadd_qw(w, &heap, 1, 1) {
+                Ok(_) => assert!(
+                    t.elapsed() < Duration::from_secs(60),
+                    "PE 1 never went away"
+                ),
+                Err(e) => {
+                    assert_eq!(e.rc, Rc::TransactionError, "{e}");
+                    break;
+                }
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        // The survivor goes on with its own memory.
+        d.aadd_qw(w, &heap, 0, 1).unwrap();
+        return;
+    }
+    let daemons = Daemons::start(2);
+    let (job, key) = (5151, 77);
+    let mut ranks: Vec<_> = (0..2)
+        .map(|r| daemons.spawn_rank("a_killed_pe_is_a_transaction_error", r, 2, job, key))
+        .collect();
+    std::thread::sleep(Duration::from_millis(1000));
+    let mut victim = ranks.pop().unwrap();
+    rustix::process::kill_process(
+        rustix::process::Pid::from_child(&victim),
+        rustix::process::Signal::Kill,
+    )
+    .unwrap();
+    victim.wait().unwrap();
+    assert!(
+        ranks[0].wait().unwrap().success(),
+        "the surviving PE failed"
+    );
 }
