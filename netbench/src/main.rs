@@ -3,6 +3,7 @@
 //! Outside a job it launches itself on the local default (`softnic run` semantics); inside,
 //! every rank runs the benchmark and rank 0 reports.
 
+mod dmapp_bench;
 mod gasnet_bench;
 mod gasnet_ra;
 mod gni_bench;
@@ -30,8 +31,15 @@ enum Bench {
     Randomaccess,
     /// Active Message round trips (Short, Medium, Long); needs `--api gasnet`.
     Am,
-    /// Everything above over raw-udp, gni, portals and both GASNet conduits (one job each),
-    /// plus RandomAccess at every `--ra-ranks`; one table, JSON lines and figures in `--out`.
+    /// AMO rate at rank 0 from every other rank, one word or 8192 (DMAPP Fig. 6).
+    Amo,
+    /// Strided put rate vs target stride (DMAPP Fig. 5): `--strides`, `--nelems`.
+    Strided,
+    /// Non-blocking put rate vs operations outstanding (DMAPP Fig. 4): `--outstanding`.
+    Nbrate,
+    /// Everything above over raw-udp, gni, dmapp, portals and both GASNet conduits (one job
+    /// each), plus RandomAccess at every `--ra-ranks` and the DMAPP figures at their rank
+    /// counts; one table, JSON lines and figures in `--out`.
     Compare,
 }
 
@@ -43,11 +51,12 @@ enum Bench {
 struct Args {
     #[arg(value_enum)]
     bench: Bench,
-    /// raw-udp, gni, portals, or all (default: all); with `--api gasnet`: udp, portals or all.
+    /// raw-udp, gni, dmapp, portals, or all (default: all); with `--api gasnet`: udp, portals
+    /// or all.
     #[arg(long)]
     conduit: Option<String>,
-    /// gni, raw-udp, portals, gasnet, or all (default). A rank attaches to one GASNet conduit,
-    /// so each GASNet conduit runs as its own job.
+    /// gni, dmapp, raw-udp, portals, gasnet, or all (default). A rank attaches to one GASNet
+    /// conduit, so each GASNet conduit runs as its own job.
     #[arg(long)]
     api: Option<String>,
     #[arg(long, default_value_t = 2)]
@@ -88,6 +97,22 @@ struct Args {
     /// of rank 0 (the config's first) or with a shared temp dir.
     #[arg(long)]
     config: Option<std::path::PathBuf>,
+    /// `bw --api dmapp`: sending processes per node, one job each (ranks = ppn × hosts).
+    #[arg(long, value_delimiter = ',')]
+    ppn: Option<Vec<u32>>,
+    /// `nbrate`: operations outstanding before each sync.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "1,2,4,8,16,32,64,128,256"
+    )]
+    outstanding: Vec<u32>,
+    /// `strided`: target strides in elements.
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4,8,16,32,64")]
+    strides: Vec<u64>,
+    /// `strided`: elements per call.
+    #[arg(long, value_delimiter = ',', default_value = "8,64,512,1024")]
+    nelems: Vec<u64>,
     /// With --config: local, ssh or slurm (as `softnic run --spawner`; default the same choice).
     #[arg(long, value_enum, requires = "config")]
     spawner: Option<softnic::job::Spawner>,
@@ -235,8 +260,12 @@ fn main() -> anyhow::Result<()> {
         .unwrap_or_else(|| "all".into());
     let want = |name: &str| sel == "all" || sel == name;
     anyhow::ensure!(
-        want("raw-udp") || want("raw-tcp") || want("gni") || want("portals"),
-        "unknown --conduit/--api {sel:?}: use raw-udp, raw-tcp, gni, portals or all"
+        want("raw-udp") || want("raw-tcp") || want("gni") || want("dmapp") || want("portals"),
+        "unknown --conduit/--api {sel:?}: use raw-udp, raw-tcp, gni, dmapp, portals or all"
+    );
+    anyhow::ensure!(
+        !matches!(args.bench, Bench::Amo | Bench::Strided | Bench::Nbrate) || want("dmapp"),
+        "the amo, strided and nbrate benchmarks are DMAPP's: add --api dmapp"
     );
     let mut rows: Vec<Row> = Vec::new();
     // One attachment serves every API: gni first, then Portals on the same endpoint, then gni
@@ -255,7 +284,7 @@ fn main() -> anyhow::Result<()> {
         Bench::Bw => (false, true, false),
         Bench::Randomaccess => (false, false, true),
         Bench::Compare => (true, true, true),
-        Bench::Am => (false, false, false),
+        Bench::Am | Bench::Amo | Bench::Strided | Bench::Nbrate => (false, false, false),
     };
     if (lat || bw) && want("raw-udp") && ctx.job.size >= 2 {
         // Ranks 0 and 1 run it; every rank joins the barriers that keep sizes apart.
@@ -328,6 +357,9 @@ fn main() -> anyhow::Result<()> {
             }
         }
     }
+    if want("dmapp") && ctx.job.size >= 2 {
+        nic = run_dmapp(&args, &ctx, nic, max, &mut rows)?;
+    }
     if (lat || bw) && want("portals") && ctx.job.size >= 2 {
         let mut portals = softnic::portals::Portals::from_endpoint(nic.into_endpoint());
         let s = portals_bench::setup(&mut portals, max)?;
@@ -371,6 +403,63 @@ fn main() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The DMAPP rows (seed 001's figures) on the job's NIC, which comes back for what follows.
+fn run_dmapp(
+    args: &Args,
+    ctx: &Ctx,
+    nic: Nic,
+    max: usize,
+    rows: &mut Vec<Row>,
+) -> anyhow::Result<Nic> {
+    let (mut d, _) = softnic::dmapp::Dmapp::with_nic(nic, None)?;
+    let (lat_sizes, bw_sizes) = args.sizes();
+    let b = dmapp_bench::Bufs::new(&mut d, max.max(64 * 1024 * 8))?;
+    let compare = args.bench == Bench::Compare;
+    if matches!(args.bench, Bench::Pingpong | Bench::Compare) {
+        for &s in &lat_sizes {
+            rows.extend(dmapp_bench::put_pingpong(ctx, &mut d, &b, s)?);
+        }
+        rows.extend(dmapp_bench::latencies(ctx, &mut d, &b, &lat_sizes)?);
+    }
+    if matches!(args.bench, Bench::Bw | Bench::Compare) {
+        for &s in &bw_sizes {
+            rows.extend(dmapp_bench::put_nb_bw(ctx, &mut d, &b, s)?);
+        }
+    }
+    if matches!(args.bench, Bench::Nbrate | Bench::Compare) {
+        let small: Vec<usize> = match &args.sizes {
+            Some(s) => s.iter().copied().filter(|&s| s <= 1024).collect(),
+            None => vec![8, 64, 512, 1024],
+        };
+        for s in small {
+            rows.extend(dmapp_bench::nbrate(ctx, &mut d, &b, s, &args.outstanding)?);
+        }
+    }
+    if matches!(args.bench, Bench::Strided | Bench::Compare) {
+        for &n in &args.nelems {
+            for &st in &args.strides {
+                if compare && !(st == 1 || st == 2 || st == 64) {
+                    continue;
+                }
+                rows.extend(dmapp_bench::strided(ctx, &mut d, &b, st, n)?);
+            }
+        }
+    }
+    if matches!(args.bench, Bench::Amo | Bench::Compare) {
+        rows.extend(dmapp_bench::amo(ctx, &mut d, &b)?);
+    }
+    if matches!(args.bench, Bench::Randomaccess | Bench::Compare) && args.ra_variant("axor-nbi") {
+        rows.extend(randomaccess::run_dmapp(
+            ctx,
+            &mut d,
+            args.table_log2,
+            !args.no_verify,
+        )?);
+    }
+    d.barrier()?;
+    Ok(d.into_nic()?)
+}
+
 /// The GASNet rows: AM round trips, blocking put/get latency, put_nbi bandwidth.
 fn run_gasnet(args: &Args, ctx: &Ctx) -> anyhow::Result<()> {
     let ra_acks = std::rc::Rc::new(std::cell::Cell::new(0u64));
@@ -382,6 +471,9 @@ fn run_gasnet(args: &Args, ctx: &Ctx) -> anyhow::Result<()> {
         Bench::Bw => (false, false, true, false),
         Bench::Randomaccess => (false, false, false, true),
         Bench::Compare => (true, true, true, true),
+        Bench::Amo | Bench::Strided | Bench::Nbrate => {
+            anyhow::bail!("the amo, strided and nbrate benchmarks are DMAPP's: use --api dmapp")
+        }
     };
     let (lat_sizes, bw_sizes) = args.sizes();
     let mut rows = Vec::new();

@@ -202,6 +202,70 @@ pub fn run(
     }))
 }
 
+/// RandomAccess over DMAPP: the table in the symmetric heap, each remote update one
+/// `axor_qw_nbi` (HPCC rules: the same stream, verification by replaying it).
+pub fn run_dmapp(
+    ctx: &Ctx,
+    d: &mut softnic::dmapp::Dmapp,
+    log_local: u32,
+    verify: bool,
+) -> anyhow::Result<Option<Row>> {
+    check_ranks(ctx)?;
+    let local = 1usize << log_local;
+    let heap = d.get_jobinfo().sheap_seg;
+    let table = d.sheap_malloc(local * 8)?;
+    let errs = d.sheap_malloc(8)?;
+    let mem = d.sheap_region();
+    let at = |addr: u64| (addr - mem.as_ptr() as u64) as usize;
+    let base = local as u64 * ctx.job.rank as u64;
+    for i in 0..local {
+        mem.word(at(table) + i * 8)
+            .store(base + i as u64, std::sync::atomic::Ordering::Relaxed);
+    }
+    mem.word(at(errs))
+        .store(0, std::sync::atomic::Ordering::Relaxed);
+    d.barrier()?;
+    let pass = |d: &mut softnic::dmapp::Dmapp| -> anyhow::Result<()> {
+        for (owner, off, ran) in stream(ctx.job.rank, ctx.job.size, log_local) {
+            if owner == ctx.job.rank {
+                mem.word(at(table) + off as usize)
+                    .fetch_xor(ran, std::sync::atomic::Ordering::Relaxed);
+            } else {
+                d.axor_qw_nbi(table + off, &heap, owner, ran)?;
+            }
+        }
+        d.gsync_wait()?;
+        Ok(())
+    };
+    let t = Instant::now();
+    pass(d)?;
+    d.barrier()?;
+    let secs = t.elapsed().as_secs_f64();
+    let mut errors = None;
+    if verify {
+        pass(d)?;
+        d.barrier()?;
+        let bad = (0..local)
+            .filter(|&i| mem.read_u64(at(table) + i * 8) != base + i as u64)
+            .count() as u64;
+        d.aadd_qw(errs, &heap, 0, bad)?;
+        d.barrier()?;
+        errors = Some(mem.read_u64(at(errs)));
+    }
+    d.sheap_free(errs)?;
+    d.sheap_free(table)?;
+    let total = 4 * local as u64 * ctx.job.size as u64;
+    Ok((ctx.job.rank == 0).then(|| {
+        let mut r = ctx.row("randomaccess", "dmapp", "dmapp", "axor", local * 8);
+        r.iters = total as usize;
+        r.gups = Some(total as f64 / secs / 1e9);
+        r.mops = Some(total as f64 / secs / 1e6);
+        r.errors = errors;
+        r.variant = Some("axor-nbi".into());
+        r
+    }))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

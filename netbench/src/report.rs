@@ -32,6 +32,18 @@ pub struct Row {
     /// The daemons' transport (udp, tcp, packet) for rows whose traffic goes through them.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub transport: Option<String>,
+    /// Strided transfers: the target stride in elements.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stride: Option<u64>,
+    /// Strided transfers: elements per call.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nelems: Option<u64>,
+    /// Message-rate runs: operations in flight before each sync.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub outstanding: Option<u32>,
+    /// Bandwidth runs: sending processes per node.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ppn: Option<u32>,
 }
 
 impl Row {
@@ -84,6 +96,8 @@ pub fn merge_rounds(rows: Vec<Row>) -> Vec<Row> {
             &b.variant,
             &b.transport,
         ) && (a.size, a.ranks, a.hosts) == (b.size, b.ranks, b.hosts)
+            && (a.stride, a.nelems, a.outstanding, a.ppn)
+                == (b.stride, b.nelems, b.outstanding, b.ppn)
     };
     let mut groups: Vec<Vec<Row>> = Vec::new();
     for r in rows {
@@ -162,10 +176,20 @@ pub fn print(rows: &[Row], json: bool) {
         "errors"
     );
     for r in rows {
-        let op = match &r.variant {
+        let mut op = match &r.variant {
             Some(v) => format!("{}:{v}", r.op),
             None => r.op.clone(),
         };
+        for (tag, v) in [
+            ("st", r.stride),
+            ("n", r.nelems),
+            ("o", r.outstanding.map(u64::from)),
+            ("ppn", r.ppn.map(u64::from)),
+        ] {
+            if let Some(v) = v {
+                op += &format!(" {tag}={v}");
+            }
+        }
         t += &format!(
             "{:<13} {:<8} {:<8} {:<7} {:<29} {:>9} {:>5} {:>10} {:>10} {:>10} {:>9} {:>9} {:>6}\n",
             r.bench,

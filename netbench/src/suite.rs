@@ -100,6 +100,30 @@ fn plan_for(args: &Args, packet: bool) -> anyhow::Result<Vec<Step>> {
                     steps.push(step(Bench::Randomaccess, "gasnet", Some(c), r));
                 }
             }
+            // DMAPP's figures at their other rank counts: Fig. 3 at 2 and 4 processes per
+            // node, Fig. 6 at 4 and 8 ranks (the compare job itself is the first point).
+            if conduit
+                .as_deref()
+                .is_none_or(|c| c == "all" || c == "dmapp")
+            {
+                for ppn in [2u32, 4] {
+                    let r = ppn * args.hosts as u32;
+                    if r != args.ranks {
+                        steps.push(step(Bench::Bw, "dmapp", None, r));
+                    }
+                }
+                for r in [4u32, 8] {
+                    if r != args.ranks {
+                        steps.push(step(Bench::Amo, "dmapp", None, r));
+                    }
+                }
+            }
+        }
+        (Bench::Bw, "dmapp") if args.ppn.is_some() => {
+            for &ppn in args.ppn.as_deref().unwrap_or_default() {
+                anyhow::ensure!(ppn >= 1, "--ppn 0: at least one process per node");
+                steps.push(step(Bench::Bw, "dmapp", None, ppn * args.hosts as u32));
+            }
         }
         (b, "gasnet") => {
             for c in &gasnet_conduits {
@@ -117,6 +141,9 @@ fn bench_name(b: Bench) -> &'static str {
         Bench::Bw => "bw",
         Bench::Randomaccess => "randomaccess",
         Bench::Am => "am",
+        Bench::Amo => "amo",
+        Bench::Strided => "strided",
+        Bench::Nbrate => "nbrate",
         Bench::Compare => "compare",
     }
 }
@@ -148,6 +175,21 @@ fn step_args(args: &Args, s: &Step) -> Vec<OsString> {
     if let Some(ra) = &args.ra_variants {
         v.extend(["--ra-variants".into(), ra.join(",")]);
     }
+    let list = |xs: &[u64]| {
+        xs.iter()
+            .map(|x| x.to_string())
+            .collect::<Vec<_>>()
+            .join(",")
+    };
+    let outstanding: Vec<u64> = args.outstanding.iter().map(|&o| o as u64).collect();
+    v.extend([
+        "--outstanding".into(),
+        list(&outstanding),
+        "--strides".into(),
+        list(&args.strides),
+        "--nelems".into(),
+        list(&args.nelems),
+    ]);
     v.into_iter().map(Into::into).collect()
 }
 
@@ -298,6 +340,10 @@ mod tests {
             "randomaccess all ×4",
             "randomaccess gasnet/udp ×4",
             "randomaccess gasnet/portals ×4",
+            "bw dmapp ×4",
+            "bw dmapp ×8",
+            "amo dmapp ×4",
+            "amo dmapp ×8",
         ];
         assert_eq!(labels("netbench compare --ranks 2 --ra-ranks 2,4"), udp);
         let packet = labels_for("netbench compare --ranks 2 --ra-ranks 2,4", true);
@@ -323,6 +369,18 @@ mod tests {
         assert_eq!(rounds("netbench compare --rounds 1"), 1);
         assert_eq!(rounds("netbench pingpong"), 1);
         assert!(Args::try_parse_from(["netbench", "compare", "--rounds", "0"]).is_err());
+    }
+
+    #[test]
+    fn dmapp_bandwidth_runs_one_job_per_processes_per_node() {
+        assert_eq!(
+            labels("netbench bw --api dmapp --ppn 1,2,4 --hosts 2"),
+            ["bw dmapp ×2", "bw dmapp ×4", "bw dmapp ×8"]
+        );
+        assert_eq!(
+            labels("netbench amo --api dmapp --ranks 4"),
+            ["amo dmapp ×4"]
+        );
     }
 
     #[test]

@@ -47,7 +47,14 @@ fn randomaccess_verifies_with_zero_errors() {
         "--table-log2",
         "14",
     ]);
-    assert_eq!(rows.len(), 2, "one row per variant");
+    assert_eq!(
+        rows.len(),
+        3,
+        "one row per variant: gni's two, dmapp's AXOR nbi"
+    );
+    assert!(rows
+        .iter()
+        .any(|r| r["api"] == "dmapp" && r["variant"] == "axor-nbi"));
     for r in rows {
         assert_eq!(r["bench"], "randomaccess");
         assert_eq!(
@@ -57,6 +64,90 @@ fn randomaccess_verifies_with_zero_errors() {
         assert_eq!(r["errors"].as_u64(), Some(0), "{r}");
         assert!(r["gups"].as_f64().unwrap() > 0.0);
     }
+}
+
+#[test]
+fn dmapp_figures_carry_their_parameters() {
+    let strided = rows(&[
+        "strided",
+        "--api",
+        "dmapp",
+        "--strides",
+        "1,2",
+        "--nelems",
+        "8,64",
+        "--iters",
+        "20",
+    ]);
+    assert_eq!(
+        strided.len(),
+        8,
+        "2 strides × 2 lengths × (iput, put_nbi_loop)"
+    );
+    for r in &strided {
+        assert!(
+            r["stride"].as_u64().is_some() && r["nelems"].as_u64().is_some(),
+            "{r}"
+        );
+        assert!(r["mops"].as_f64().unwrap() > 0.0, "{r}");
+    }
+    let nb = rows(&[
+        "nbrate",
+        "--api",
+        "dmapp",
+        "--sizes",
+        "8",
+        "--outstanding",
+        "1,4",
+        "--iters",
+        "20",
+    ]);
+    let ops: Vec<(String, u64)> = nb
+        .iter()
+        .map(|r| {
+            (
+                r["op"].as_str().unwrap().to_string(),
+                r["outstanding"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        ops,
+        [
+            ("put_nbi".into(), 1),
+            ("put_nbi".into(), 4),
+            ("put_nb".into(), 1),
+            ("put_nb".into(), 4),
+            ("put_blocking".into(), 1)
+        ]
+    );
+    let amo = rows(&["amo", "--api", "dmapp", "--ranks", "3", "--iters", "50"]);
+    let mut got: Vec<String> = amo
+        .iter()
+        .map(|r| {
+            format!(
+                "{}:{}",
+                r["op"].as_str().unwrap(),
+                r["variant"].as_str().unwrap()
+            )
+        })
+        .collect();
+    got.sort();
+    assert_eq!(
+        got,
+        [
+            "aadd_nbi:random8k",
+            "aadd_nbi:single",
+            "afadd:random8k",
+            "afadd:single"
+        ]
+    );
+    let bw = rows(&[
+        "bw", "--api", "dmapp", "--ppn", "1,2", "--sizes", "4096", "--iters", "20",
+    ]);
+    let ppn: Vec<u64> = bw.iter().map(|r| r["ppn"].as_u64().unwrap()).collect();
+    assert_eq!(ppn, [1, 2]);
+    assert!(bw.iter().all(|r| r["mb_s"].as_f64().unwrap() > 0.0));
 }
 
 #[test]

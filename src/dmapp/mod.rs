@@ -336,6 +336,13 @@ impl Dmapp {
         first.map_or(Ok(()), Err)
     }
 
+    /// Hands the NIC back (after completing this PE's implicit operations) to a layer that
+    /// goes on without DMAPP; the segments stay registered. Sync ids not retired are lost.
+    pub fn into_nic(mut self) -> Result<Nic, DmappError> {
+        self.gsync_wait()?;
+        Ok(self.nic)
+    }
+
     /// `dmapp_get_jobinfo`.
     pub fn get_jobinfo(&self) -> JobInfo {
         JobInfo {
