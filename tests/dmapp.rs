@@ -524,7 +524,7 @@ fn amo_body() {
     d.barrier().unwrap();
     // Every AMO × form on PE 0, each PE on words of its own: the results are exact.
     let w = |i: usize| words + (me as u64 * 64 + i as u64) * 8;
-    let mut plain = vec![0u64; 4];
+    let mut plain = [0u64; 4];
     for (f, form) in FORMS.into_iter().enumerate() {
         let base = f * 20;
         // Seed: put known values.
