@@ -93,6 +93,9 @@ pub struct Endpoint {
     sys: MemRegion,
     bounce: MemRegion,
     barrier_epoch: u64,
+    /// Hosts that implicit puts went to since the last gsync: their targets acknowledge
+    /// lazily, so a gsync asks them to hurry (see [`Endpoint::gsync_wait`]).
+    lazy_hosts: Vec<u16>,
 }
 
 impl Endpoint {
@@ -119,6 +122,7 @@ impl Endpoint {
             sys,
             bounce,
             barrier_epoch: 0,
+            lazy_hosts: Vec::new(),
         };
         ep.barrier_inner(true)?;
         Ok(ep)
@@ -236,6 +240,13 @@ impl Endpoint {
         cmd.client_req = req;
         if implicit {
             cmd.flags |= CMD_IMPLICIT;
+            let put = matches!(
+                cmd.kind,
+                CommandKind::PutInline | CommandKind::PutFrom | CommandKind::PutV
+            );
+            if put && !self.lazy_hosts.contains(&cmd.host) {
+                self.lazy_hosts.push(cmd.host);
+            }
         }
         self.outstanding += 1;
         self.client.submit(&cmd, inline)?;
@@ -319,7 +330,18 @@ impl Endpoint {
     }
 
     /// Waits for every implicit (nbi) operation; reports the first failure among them.
+    ///
+    /// Implicit puts are acknowledged lazily (the target waits a little to piggyback the ack
+    /// on other traffic); a waiting gsync sends each host it put to an eager empty put, whose
+    /// prompt acknowledgement carries the lazy ones along (one transport, in order).
     pub fn gsync_wait(&mut self) -> Result<(), NicError> {
+        if self.implicit > 0 {
+            self.progress();
+        }
+        if self.implicit > 0 {
+            self.hurry_lazy_acks()?;
+        }
+        self.lazy_hosts.clear();
         while self.implicit > 0 {
             self.wait_one()?;
         }
@@ -327,6 +349,29 @@ impl Endpoint {
             Some((s, v)) => Err(self.error_of(s, v)),
             None => Ok(()),
         }
+    }
+
+    /// Posts an empty eager put to the system region of a rank on every host implicit puts
+    /// went to, not waiting for them (their completions are simply consumed).
+    fn hurry_lazy_acks(&mut self) -> Result<(), NicError> {
+        let hosts = std::mem::take(&mut self.lazy_hosts);
+        for host in hosts {
+            let Some(rank) = self.job.rank_hosts.iter().position(|h| *h == host) else {
+                continue;
+            };
+            let cmd = Command {
+                kind: CommandKind::PutInline,
+                host,
+                rank: rank as u32,
+                remote_region: self.sys.handle.0,
+                remote_off: 0,
+                len: 0,
+                ..Default::default()
+            };
+            // One-way: no completion entry, no credit held.
+            self.post_oneway(cmd, &[])?;
+        }
+        Ok(())
     }
 
     pub fn gsync_test(&mut self) -> Result<bool, NicError> {

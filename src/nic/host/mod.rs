@@ -202,16 +202,21 @@ impl HostCore {
     /// The next completion for a session: (session, entry).
     pub fn poll_completion(&mut self) -> Option<(u64, CqEntry)> {
         if !self.completions.is_empty() || !self.raw_completions.is_empty() {
-            let typed = self.completions.drain(..).map(|c| {
-                (
-                    c.session,
-                    CqEntry {
-                        client_req: c.client_req,
-                        status: c.status as u32,
-                        value: c.value,
-                    },
-                )
-            });
+            // Request id 0 asks for no completion (a one-way command).
+            let typed = self
+                .completions
+                .drain(..)
+                .filter(|c| c.client_req != 0)
+                .map(|c| {
+                    (
+                        c.session,
+                        CqEntry {
+                            client_req: c.client_req,
+                            status: c.status as u32,
+                            value: c.value,
+                        },
+                    )
+                });
             self.ready
                 .extend(typed.chain(self.raw_completions.drain(..)));
         }
