@@ -49,10 +49,20 @@ fn group(
         if let (Some(t), true) = (&r.transport, transports.len() > 1) {
             who += &format!(" ({t})");
         }
-        let name = match &r.variant {
+        let mut name = match &r.variant {
             Some(v) => format!("{who} {} {v}", r.op),
             None => format!("{who} {}", r.op),
         };
+        // Parameters that are not the figure's x make lines of their own.
+        if let Some(p) = r.ppn {
+            name += &format!(" ppn={p}");
+        }
+        if let Some(n) = r.nelems {
+            name += &format!(" n={n}");
+        }
+        if r.outstanding.is_some() {
+            name += &format!(" {} B", r.size);
+        }
         match out.iter_mut().find(|s| s.name == name) {
             Some(s) => s.points.push(p),
             None => out.push(Series {
@@ -94,12 +104,51 @@ pub fn figures(rows: &[Row]) -> Vec<Figure> {
         },
         Figure {
             stem: "bandwidth",
-            title: "Non-blocking put bandwidth",
+            title: "Non-blocking put bandwidth (DMAPP: FMA below 4 KiB, BTE from it)",
             x_desc: "message size (bytes)",
             y_desc: "MB/s",
             x_size: true,
             log_y: false,
             series: group(rows, |r| r.bench == "bw", |r| r.mb_s.map(|b| (log2(r), b))),
+        },
+        Figure {
+            stem: "dmapp_nbrate",
+            title: "DMAPP non-blocking put rate vs operations outstanding (seed 001 Fig. 4)",
+            x_desc: "operations outstanding before each sync",
+            y_desc: "Mops",
+            x_size: false,
+            log_y: true,
+            series: group(
+                rows,
+                |r| r.bench == "nbrate",
+                |r| Some((r.outstanding? as f64, r.mops?)),
+            ),
+        },
+        Figure {
+            stem: "dmapp_strided",
+            title: "DMAPP 64-bit strided put rate vs target stride (seed 001 Fig. 5)",
+            x_desc: "target stride (elements)",
+            y_desc: "million elements/s",
+            x_size: false,
+            log_y: true,
+            series: group(
+                rows,
+                |r| r.bench == "strided",
+                |r| Some((r.stride? as f64, r.mops?)),
+            ),
+        },
+        Figure {
+            stem: "dmapp_amo",
+            title: "DMAPP AMO rate at PE 0 vs job size (seed 001 Fig. 6)",
+            x_desc: "ranks",
+            y_desc: "Mops (all issuers)",
+            x_size: false,
+            log_y: true,
+            series: group(
+                rows,
+                |r| r.bench == "amo",
+                |r| Some((r.ranks as f64, r.mops?)),
+            ),
         },
         Figure {
             stem: "am_roundtrip",

@@ -235,6 +235,7 @@ fn compare_covers_every_api_and_conduit_and_draws_the_figures() {
         ("raw-udp", "raw-udp"),
         ("raw-tcp", "raw-tcp"),
         ("gni", "gni"),
+        ("dmapp", "dmapp"),
         ("portals", "portals"),
         ("gasnet", "udp"),
         ("gasnet", "portals"),
@@ -256,6 +257,16 @@ fn compare_covers_every_api_and_conduit_and_draws_the_figures() {
             );
         }
     }
+    for bench in ["nbrate", "strided", "amo"] {
+        assert!(has("dmapp", "dmapp", bench), "no DMAPP {bench} row");
+    }
+    for ranks in [2, 4, 8] {
+        assert!(
+            rows.iter()
+                .any(|r| r["bench"] == "amo" && r["ranks"] == ranks),
+            "no DMAPP AMO row at {ranks} ranks"
+        );
+    }
     let saved = std::fs::read_to_string(dir.join("compare.jsonl")).unwrap();
     assert_eq!(
         saved.lines().count(),
@@ -268,6 +279,9 @@ fn compare_covers_every_api_and_conduit_and_draws_the_figures() {
         "bandwidth",
         "am_roundtrip",
         "gups",
+        "dmapp_nbrate",
+        "dmapp_strided",
+        "dmapp_amo",
     ] {
         for ext in ["svg", "png"] {
             let p = dir.join(format!("{stem}.{ext}"));

@@ -6,7 +6,7 @@ use crate::shm::{CommandKind, CMD_LAND};
 use crate::wire::AmoOp;
 
 use super::error::err;
-use super::{Dmapp, DmappError, Mode, Rc, SegDesc, SyncId};
+use super::{Dmapp, DmappError, Mode, Rc, Reqs, SegDesc, SyncId};
 
 impl Dmapp {
     /// Posts one AMO; the fetched value of a blocking one, or the sync id of an nb one.
@@ -56,7 +56,7 @@ impl Dmapp {
         if mode == Mode::Blocking {
             return Ok((self.nic.wait_req(req)?, None));
         }
-        Ok((0, self.finish(mode, vec![req])?))
+        Ok((0, self.finish(mode, Reqs::One(req))?))
     }
 }
 

@@ -212,10 +212,25 @@ pub struct Dmapp {
     heap: heap::Heap,
     regs: regcache::RegCache,
     /// Sync ids handed out and not retired; a group id stands for several requests.
-    nb: HashMap<u64, Vec<u64>>,
+    nb: HashMap<u64, Reqs>,
     next_group: u64,
     inflight: Vec<Inflight>,
     counters: Counters,
+}
+
+/// The requests one call posted: almost always one (no allocation on the hot path).
+enum Reqs {
+    One(u64),
+    Many(Vec<u64>),
+}
+
+impl Reqs {
+    fn as_slice(&self) -> &[u64] {
+        match self {
+            Reqs::One(r) => std::slice::from_ref(r),
+            Reqs::Many(v) => v,
+        }
+    }
 }
 
 /// Bit of a [`SyncId`] that marks a group (one id for the requests of a PE-strided call).
@@ -678,11 +693,11 @@ impl Dmapp {
 
     /// Finishes a posted request the way `mode` asks: waits (blocking), hands out a sync id
     /// (nb), or leaves it to gsync (nbi, already posted implicit).
-    fn finish(&mut self, mode: Mode, reqs: Vec<u64>) -> Result<Option<SyncId>, DmappError> {
+    fn finish(&mut self, mode: Mode, reqs: Reqs) -> Result<Option<SyncId>, DmappError> {
         match mode {
             Mode::Blocking => {
                 let mut first = None;
-                for r in reqs {
+                for &r in reqs.as_slice() {
                     if let Err(e) = self.nic.wait_req(r) {
                         first.get_or_insert(DmappError::from(e));
                     }
@@ -690,11 +705,12 @@ impl Dmapp {
                 first.map_or(Ok(None), Err)
             }
             Mode::Nb => {
-                let id = if reqs.len() == 1 {
-                    reqs[0]
-                } else {
-                    self.next_group += 1;
-                    self.next_group | GROUP
+                let id = match &reqs {
+                    Reqs::One(r) => *r,
+                    Reqs::Many(_) => {
+                        self.next_group += 1;
+                        self.next_group | GROUP
+                    }
                 };
                 self.nb.insert(id, reqs);
                 Ok(Some(SyncId(id)))
@@ -735,11 +751,14 @@ impl Dmapp {
         let Some(reqs) = self.nb.remove(&id.0) else {
             return err(Rc::InvalidParam, "unknown or already retired sync id");
         };
-        self.inflight
-            .retain(|f| f.req.is_none_or(|r| !reqs.contains(&r)));
+        let reqs = reqs.as_slice();
+        if !self.inflight.is_empty() {
+            self.inflight
+                .retain(|f| f.req.is_none_or(|r| !reqs.contains(&r)));
+        }
         let mut value = 0;
         let mut first = None;
-        for r in reqs {
+        for &r in reqs {
             match self.nic.sync_wait(Nic::sync_id(r)) {
                 Ok(v) => value = v,
                 Err(e) => {
@@ -755,7 +774,7 @@ impl Dmapp {
         let Some(reqs) = self.nb.get(&id.0) else {
             return err(Rc::InvalidParam, "unknown or already retired sync id");
         };
-        let reqs = reqs.clone();
+        let reqs = reqs.as_slice().to_vec();
         self.nic.progress();
         for r in &reqs {
             if !self.nic.endpoint().is_done(*r) {

@@ -6,7 +6,7 @@
 use crate::shm::CommandKind;
 
 use super::error::err;
-use super::{Dmapp, DmappError, Mode, Rc, SegDesc, SyncId, Type};
+use super::{Dmapp, DmappError, Mode, Rc, Reqs, SegDesc, SyncId, Type};
 
 impl Dmapp {
     fn check_ixpe(&self, seg: &SegDesc, pes: &[u32]) -> Result<(), DmappError> {
@@ -53,9 +53,10 @@ impl Dmapp {
             } else {
                 &src[..per]
             };
-            reqs.extend(self.post_inline(dst, data, mode == Mode::Nbi)?);
+            let posted = self.post_inline(dst, data, mode == Mode::Nbi)?;
+            reqs.extend_from_slice(posted.as_slice());
         }
-        self.finish(mode, reqs)
+        self.finish(mode, Reqs::Many(reqs))
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -147,7 +148,7 @@ impl Dmapp {
             self.track(mode, req, l, all);
             reqs.push(req);
         }
-        self.finish(mode, reqs)
+        self.finish(mode, Reqs::Many(reqs))
     }
 }
 

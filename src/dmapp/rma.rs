@@ -10,7 +10,7 @@ use crate::gni::{Layout, LocalStrided, Remote};
 use crate::shm::CommandKind;
 
 use super::error::err;
-use super::{Dmapp, DmappError, Local, Mode, Rc, SegDesc, SyncId, Type};
+use super::{Dmapp, DmappError, Local, Mode, Rc, Reqs, SegDesc, SyncId, Type};
 
 impl Dmapp {
     /// Whether a contiguous transfer of `bytes` goes FMA (below the offload threshold, and
@@ -28,7 +28,7 @@ impl Dmapp {
     pub(super) fn done(&mut self, mode: Mode) -> Result<Option<SyncId>, DmappError> {
         let req = self.nic.endpoint().done_req();
         if mode == Mode::Nb {
-            return self.finish(mode, vec![req]);
+            return self.finish(mode, Reqs::One(req));
         }
         self.nic.wait_req(req)?;
         Ok(None)
@@ -40,9 +40,9 @@ impl Dmapp {
         dst: Remote,
         data: &[u8],
         implicit: bool,
-    ) -> Result<Vec<u64>, DmappError> {
+    ) -> Result<Reqs, DmappError> {
         let room = self.nic.client().max_inline();
-        let mut reqs = Vec::new();
+        let mut more = Vec::new();
         let mut at = 0;
         loop {
             let n = (data.len() - at).min(room);
@@ -54,10 +54,14 @@ impl Dmapp {
                 },
                 n,
             )?;
-            reqs.push(self.nic.post_raw(c, &data[at..at + n], implicit)?);
+            let req = self.nic.post_raw(c, &data[at..at + n], implicit)?;
             at += n;
+            if at >= data.len() && more.is_empty() {
+                return Ok(Reqs::One(req));
+            }
+            more.push(req);
             if at >= data.len() {
-                return Ok(reqs);
+                return Ok(Reqs::Many(more));
             }
         }
     }
@@ -111,7 +115,7 @@ impl Dmapp {
             c.local_off = l.off;
             let req = self.nic.post_raw(c, &[], implicit)?;
             self.track(mode, req, l, n);
-            vec![req]
+            Reqs::One(req)
         };
         self.finish(mode, reqs)
     }
@@ -145,7 +149,7 @@ impl Dmapp {
         let l = self.local(target.as_ptr(), n)?;
         let req = self.post_get(l, src, n, mode == Mode::Nbi)?;
         self.track(mode, req, l, n);
-        self.finish(mode, vec![req])
+        self.finish(mode, Reqs::One(req))
     }
 
     /// `dmapp_put`: stores `nelems` elements of `ty` from `src` at `target_addr` of `pe`
@@ -362,7 +366,7 @@ impl Dmapp {
         let req = self
             .nic
             .post_put_vector(dst, size as u8, layout, &packed, mode == Mode::Nbi)?;
-        self.finish(mode, vec![req])
+        self.finish(mode, Reqs::One(req))
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -418,7 +422,7 @@ impl Dmapp {
             mode == Mode::Nbi,
         )?;
         self.track(mode, req, l, span);
-        self.finish(mode, vec![req])
+        self.finish(mode, Reqs::One(req))
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -453,7 +457,7 @@ impl Dmapp {
             &src[..n * size],
             mode == Mode::Nbi,
         )?;
-        self.finish(mode, vec![req])
+        self.finish(mode, Reqs::One(req))
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -498,7 +502,7 @@ impl Dmapp {
             mode == Mode::Nbi,
         )?;
         self.track(mode, req, l, n * size);
-        self.finish(mode, vec![req])
+        self.finish(mode, Reqs::One(req))
     }
 }
 
