@@ -570,3 +570,151 @@ fn a_small_put_passes_another_process_bulk_to_the_same_host() {
     c.run_until(10_000_000_000, |c| c.completions(session(0)).len() == 64)
         .expect("the bulk completes too");
 }
+
+/// Strided and indexed puts and gets, and a PE-strided scatter and gather fanned out by the
+/// initiator's NIC, over a lossy, duplicating, reordering network: every element lands once,
+/// in its place, and each command completes exactly once.
+#[test]
+fn vector_and_pe_strided_operations_survive_loss() {
+    let mut c = SimCluster::new(NHOSTS, cfg(), lossy(41));
+    let regions = attach_job(&mut c, JOB);
+    // Rank 0: 3000 QWs of pattern to rank 3 at stride 3 (several datagrams of elements).
+    let n = 3000u32;
+    let data: Vec<u8> = (0..n as u64 * 8).map(|i| pattern(0, i)).collect();
+    let mut v = cmd(CommandKind::PutV, 1, 3);
+    v.elem = 8;
+    v.nelems = n;
+    v.remote_off = SLOTS_AT;
+    v.operand = 24u64; // stride 3 QWs, in bytes
+    v.len = data.len() as u64;
+    c.submit(HOST_OF[0], session(0), v, &data);
+    // Rank 2: an indexed put of 100 DWs to rank 0, offsets reversed.
+    let idx: Vec<u64> = (0..100u64).map(|k| GET_AT + (99 - k) * 4).collect();
+    let mut inline: Vec<u8> = idx.iter().flat_map(|o| o.to_le_bytes()).collect();
+    inline.extend((0..400u64).map(|i| pattern(2, i)));
+    let mut x = cmd(CommandKind::PutV, 1, 0);
+    x.elem = 4;
+    x.nelems = 100;
+    x.indexed = true;
+    x.len = inline.len() as u64;
+    c.submit(HOST_OF[2], session(2), x, &inline);
+    c.run_until(60_000_000_000, |c| {
+        !c.completions(session(0)).is_empty() && !c.completions(session(2)).is_empty()
+    })
+    .expect("both vector puts complete");
+    assert_eq!(c.take_completions(session(0))[0].status, Status::Ok as u32);
+    assert_eq!(c.take_completions(session(2))[0].status, Status::Ok as u32);
+    for k in 0..n as u64 {
+        let at = SLOTS_AT + k * 24;
+        assert_eq!(
+            regions[3].to_vec(at, 8),
+            data[k as usize * 8..k as usize * 8 + 8]
+        );
+    }
+    for k in 0..100u64 {
+        let want: Vec<u8> = (k * 4..k * 4 + 4).map(|i| pattern(2, i)).collect();
+        assert_eq!(
+            regions[0].to_vec(GET_AT + (99 - k) * 4, 4),
+            want,
+            "ixput element {k}"
+        );
+    }
+    // Rank 3 gets them back from rank 0's indexed places into its own memory at stride 2 DWs.
+    let mut g = cmd(CommandKind::GetV, 1, 0);
+    g.elem = 4;
+    g.nelems = 100;
+    g.indexed = true;
+    g.local_off = GET_AT;
+    g.operand2 = 8;
+    let list: Vec<u8> = idx.iter().flat_map(|o| o.to_le_bytes()).collect();
+    g.len = list.len() as u64;
+    c.submit(HOST_OF[3], session(3), g, &list);
+    // Rank 1 scatters 64 bytes each to ranks 3, 1 (itself) and 2; then gathers them back.
+    let targets = [3u32, 1, 2];
+    let mut scatter: Vec<u8> = targets
+        .iter()
+        .flat_map(|&r| {
+            let mut e = r.to_le_bytes().to_vec();
+            e.extend(HOST_OF[r as usize].to_le_bytes());
+            e.extend([0, 0]);
+            e
+        })
+        .collect();
+    let list_len = scatter.len();
+    scatter.extend((0..192u64).map(|i| pattern(1, i)));
+    let s = Command {
+        kind: CommandKind::Ixpe,
+        client_req: 7,
+        host: HOST_OF[1],
+        rank: 1,
+        remote_off: 100 << 10,
+        operand: 1, // scatter
+        operand2: 64,
+        nelems: 3,
+        len: scatter.len() as u64,
+        ..Default::default()
+    };
+    c.submit(HOST_OF[1], session(1), s, &scatter);
+    c.run_until(60_000_000_000, |c| {
+        !c.completions(session(3)).is_empty() && !c.completions(session(1)).is_empty()
+    })
+    .expect("the vector get and the scatter complete");
+    assert_eq!(c.take_completions(session(3))[0].status, Status::Ok as u32);
+    for k in 0..100u64 {
+        let want: Vec<u8> = (k * 4..k * 4 + 4).map(|i| pattern(2, i)).collect();
+        assert_eq!(
+            regions[3].to_vec(GET_AT + k * 8, 4),
+            want,
+            "ixget element {k}"
+        );
+    }
+    let done = c.take_completions(session(1));
+    assert_eq!(done.len(), 1, "one completion for the whole list");
+    assert_eq!((done[0].client_req, done[0].status), (7, Status::Ok as u32));
+    for (i, &r) in targets.iter().enumerate() {
+        let want: Vec<u8> = (i as u64 * 64..i as u64 * 64 + 64)
+            .map(|b| pattern(1, b))
+            .collect();
+        assert_eq!(
+            regions[r as usize].to_vec(s.remote_off, 64),
+            want,
+            "scatter to rank {r}"
+        );
+    }
+    let gather = Command {
+        kind: CommandKind::Ixpe,
+        client_req: 8,
+        operand: 2,
+        local_off: GET_AT,
+        len: list_len as u64,
+        ..s
+    };
+    c.submit(HOST_OF[1], session(1), gather, &scatter[..list_len]);
+    c.run_until(60_000_000_000, |c| !c.completions(session(1)).is_empty())
+        .expect("the gather completes");
+    let done = c.take_completions(session(1));
+    assert_eq!((done.len(), done[0].status), (1, Status::Ok as u32));
+    let want: Vec<u8> = (0..192u64).map(|b| pattern(1, b)).collect();
+    assert_eq!(
+        regions[1].to_vec(GET_AT, 192),
+        want,
+        "gathered in list order"
+    );
+    // A list naming a rank on no host fails as a whole, once.
+    let mut bad = scatter[..list_len].to_vec();
+    bad[12..14].copy_from_slice(&9u16.to_le_bytes());
+    c.submit(
+        HOST_OF[1],
+        session(1),
+        Command {
+            client_req: 9,
+            ..gather
+        },
+        &bad,
+    );
+    c.run_until(60_000_000_000, |c| !c.completions(session(1)).is_empty())
+        .expect("the bad gather completes");
+    let done = c.take_completions(session(1));
+    assert_eq!((done.len(), done[0].client_req), (1, 9));
+    assert_eq!(done[0].status, Status::BadRequest as u32);
+}

@@ -1,9 +1,11 @@
 //! PE-strided RMA (seed 001 §2.2.3): one call to a list of PEs at a symmetric address —
 //! `put_ixpe` (the same data to each), `scatter_ixpe` (slice i to list entry i) and
-//! `gather_ixpe` (slice i from list entry i, in list order). Always FMA; one sync id (or one
+//! `gather_ixpe` (slice i from list entry i, in list order). Always FMA. The initiator's NIC
+//! fans the list out (`nic::host::ixpe`) and answers with one completion; one sync id (or one
 //! blocking wait) for the whole list.
 
-use crate::shm::CommandKind;
+use crate::client::MemHandle;
+use crate::gni::IxpeMode;
 
 use super::error::err;
 use super::{Dmapp, DmappError, Mode, Rc, Reqs, SegDesc, SyncId, Type};
@@ -44,16 +46,39 @@ impl Dmapp {
         if per == 0 || pes.is_empty() {
             return self.done(mode);
         }
-        let mut reqs = Vec::with_capacity(pes.len());
+        for &pe in pes {
+            self.remote(target_addr, seg, pe, per as u64)?;
+        }
         self.counters.fma_ops += 1;
+        let how = if scatter {
+            IxpeMode::Scatter
+        } else {
+            IxpeMode::Put
+        };
+        let data = if scatter {
+            &src[..per * pes.len()]
+        } else {
+            &src[..per]
+        };
+        let offset = target_addr - seg.addr;
+        let implicit = mode == Mode::Nbi;
+        let handle = MemHandle(seg.handle);
+        if let Some(reqs) = self
+            .nic
+            .post_ixpe(how, handle, offset, pes, data, per, None, implicit)?
+        {
+            return self.finish(mode, Reqs::Many(reqs));
+        }
+        // A target's share does not fit in one command: one put per PE instead.
+        let mut reqs = Vec::with_capacity(pes.len());
         for (i, &pe) in pes.iter().enumerate() {
             let dst = self.remote(target_addr, seg, pe, per as u64)?;
-            let data = if scatter {
-                &src[i * per..(i + 1) * per]
+            let part = if scatter {
+                &data[i * per..(i + 1) * per]
             } else {
-                &src[..per]
+                data
             };
-            let posted = self.post_inline(dst, data, mode == Mode::Nbi)?;
+            let posted = self.post_inline(dst, part, implicit)?;
             reqs.extend_from_slice(posted.as_slice());
         }
         self.finish(mode, Reqs::Many(reqs))
@@ -136,17 +161,29 @@ impl Dmapp {
         Self::check_align(ty, "source address", source_addr)?;
         Self::check_align(ty, "target address", target.as_ptr() as u64)?;
         let per = nelems as usize * ty.size();
+        for &pe in source_pes {
+            self.remote(source_addr, source_seg, pe, per as u64)?;
+        }
         let l = self.local(target.as_ptr(), all)?;
         self.counters.fma_ops += 1;
-        let mut reqs = Vec::with_capacity(source_pes.len());
-        for (i, &pe) in source_pes.iter().enumerate() {
-            let src = self.remote(source_addr, source_seg, pe, per as u64)?;
-            let mut c = self.nic.command(CommandKind::Get, src, per)?;
-            c.local_region = l.handle.0;
-            c.local_off = l.off + (i * per) as u64;
-            let req = self.nic.post_raw(c, &[], mode == Mode::Nbi)?;
+        let implicit = mode == Mode::Nbi;
+        let posted = self.nic.post_ixpe(
+            IxpeMode::Gather,
+            MemHandle(source_seg.handle),
+            source_addr - source_seg.addr,
+            source_pes,
+            &[],
+            per,
+            Some((l.handle, l.off)),
+            implicit,
+        )?;
+        let reqs = match posted {
+            Some(reqs) => reqs,
+            // (A gather command carries no data: it always fits.)
+            None => return err(Rc::ResourceError, "PE list does not fit in a command"),
+        };
+        for &req in &reqs {
             self.track(mode, req, l, all);
-            reqs.push(req);
         }
         self.finish(mode, Reqs::Many(reqs))
     }

@@ -11,6 +11,7 @@
 
 use crate::client::{Endpoint, BOUNCE_LEN};
 use crate::job::JobInfo;
+pub use crate::nic::host::ixpe::{IxpeMode, IXPE_ENTRY};
 use crate::nic::memory::Perms;
 pub use crate::shm::{Command, CommandKind};
 use crate::wire::{AmoOp, Status};
@@ -440,6 +441,81 @@ impl Nic {
         }
         self.scatter_buf = buf;
         Ok(last_req.expect("at least one element"))
+    }
+
+    /// Posts a PE-strided operation (`nic::host::ixpe`) on `handle` at `offset` of every rank
+    /// in `ranks`: `Put` sends `data` (`per` bytes) to each, `Scatter` slice i of `data` to
+    /// rank i, `Gather` fetches `per` bytes from each into `local` (region, offset), rank i's
+    /// at `offset + i·per`. The initiator's NIC fans it out; one request per command, and a
+    /// list too long for one command's inline room is split over several. `None` when a
+    /// single target's data does not fit in a command (the caller puts it some other way).
+    #[allow(clippy::too_many_arguments)]
+    pub fn post_ixpe(
+        &mut self,
+        mode: IxpeMode,
+        handle: MemHandle,
+        offset: u64,
+        ranks: &[u32],
+        data: &[u8],
+        per: usize,
+        local: Option<(MemHandle, u64)>,
+        implicit: bool,
+    ) -> Result<Option<Vec<u64>>, GniError> {
+        let room = self.ep.client().max_inline();
+        let each = IXPE_ENTRY
+            + match mode {
+                IxpeMode::Scatter => per,
+                _ => 0,
+            };
+        let shared = if mode == IxpeMode::Put { per } else { 0 };
+        if room < shared + each {
+            return Ok(None);
+        }
+        let chunk = ((room - shared) / each).max(1);
+        let mut buf = std::mem::take(&mut self.scatter_buf);
+        let mut reqs = Vec::with_capacity(ranks.len().div_ceil(chunk));
+        for (k, group) in ranks.chunks(chunk).enumerate() {
+            buf.clear();
+            for &r in group {
+                let host = self.ep.rank_host(r)?;
+                buf.extend_from_slice(&r.to_le_bytes());
+                buf.extend_from_slice(&host.to_le_bytes());
+                buf.extend_from_slice(&[0, 0]);
+            }
+            let first = k * chunk;
+            match mode {
+                IxpeMode::Put => buf.extend_from_slice(&data[..per]),
+                IxpeMode::Scatter => {
+                    buf.extend_from_slice(&data[first * per..(first + group.len()) * per])
+                }
+                IxpeMode::Gather => {}
+            }
+            let mut c = Command {
+                kind: CommandKind::Ixpe,
+                host: self.ep.rank_host(self.rank())?,
+                rank: self.rank(),
+                remote_region: handle.0,
+                remote_off: offset,
+                len: buf.len() as u64,
+                operand: mode as u64,
+                operand2: per as u64,
+                nelems: group.len() as u32,
+                ..Default::default()
+            };
+            if let Some((h, off)) = local {
+                c.local_region = h.0;
+                c.local_off = off + (first * per) as u64;
+            }
+            match self.ep.post(c, &buf, implicit) {
+                Ok(r) => reqs.push(r),
+                Err(e) => {
+                    self.scatter_buf = buf;
+                    return Err(e);
+                }
+            }
+        }
+        self.scatter_buf = buf;
+        Ok(Some(reqs))
     }
 
     /// Posts a command built by a layer above (DMAPP) and returns its request id.

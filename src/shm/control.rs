@@ -74,6 +74,10 @@ pub enum CommandKind {
     /// k·operand` (or the k-th inline `u64` offset when `indexed`) and lands at `local_off +
     /// k·operand2` of `local_region` (signed byte strides).
     GetV = 8,
+    /// A PE-strided put, scatter or gather (`nic::host::ixpe`): `nelems` targets listed inline
+    /// (rank u32, host u16, 2 bytes padding), then the data; `operand` the mode, `operand2`
+    /// the bytes per target. One completion for all.
+    Ixpe = 9,
 }
 
 /// Which operation a peer failure cut short.
@@ -188,6 +192,7 @@ impl Command {
             6 => CommandKind::Portals,
             7 => CommandKind::PutV,
             8 => CommandKind::GetV,
+            9 => CommandKind::Ixpe,
             k => return Err(ControlError::BadCommand(k)),
         };
         let mut c = Command {
@@ -240,6 +245,7 @@ impl Command {
                 | CommandKind::Portals
                 | CommandKind::PutV
                 | CommandKind::GetV
+                | CommandKind::Ixpe
         ) {
             if c.len > rest.len() as u64 {
                 return Err(ControlError::BadInline(c.len));

@@ -13,7 +13,7 @@ use crate::wire::{get_u64, OpHeader, OpIter, OpKind, OpRef, Status, VShape};
 use super::{Flow, HostCore};
 
 /// The completion value of an operation refused because `host` cannot be reached.
-fn lost(host: u16) -> u64 {
+pub(super) fn lost(host: u16) -> u64 {
     PeerFailure {
         host,
         op: None,
@@ -170,6 +170,14 @@ impl HostCore {
                 self.stats.cmd_portals += 1;
                 return self.ptl_command(session, job, rank, c.client_req, inline);
             }
+            CommandKind::Ixpe => {
+                if c.operand == super::ixpe::IxpeMode::Gather as u64 {
+                    self.stats.cmd_get += 1;
+                } else {
+                    self.stats.cmd_put += 1;
+                }
+                return self.ixpe_command(now, session, job, rank, c, inline);
+            }
         }
         if c.host >= self.nhosts {
             self.complete(session, c.client_req, Status::BadRequest, 0);
@@ -222,7 +230,7 @@ impl HostCore {
         };
         match c.kind {
             // Served before any host routing (see the top of `command`).
-            CommandKind::Portals => {}
+            CommandKind::Portals | CommandKind::Ixpe => {}
             CommandKind::PutInline => {
                 let max = OpRef::max_data(OpKind::Put, self.transport.body_capacity());
                 let frags = inline.len().div_ceil(max).max(1);
@@ -545,7 +553,7 @@ impl HostCore {
     }
 
     /// Executes a command whose target is on this host, without the network.
-    fn local(&mut self, h: OpHeader, c: &Command, inline: &[u8]) -> (Status, u64) {
+    pub(super) fn local(&mut self, h: OpHeader, c: &Command, inline: &[u8]) -> (Status, u64) {
         let own = |eps: &Endpoints| {
             eps.region(h.job, h.src_rank, c.local_region)
                 .and_then(|r| r.check_local(c.local_off, c.len).map(|_| r.clone()))
@@ -563,7 +571,7 @@ impl HostCore {
             }
         }
         let action = match c.kind {
-            CommandKind::Portals => return (Status::BadRequest, 0),
+            CommandKind::Portals | CommandKind::Ixpe => return (Status::BadRequest, 0),
             CommandKind::PutInline => serve(&self.endpoints, &put(h, c, inline)),
             CommandKind::PutFrom => {
                 let src = match own(&self.endpoints) {

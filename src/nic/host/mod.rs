@@ -12,6 +12,7 @@
 //! core works the same over shared mappings and over heap buffers.
 
 mod gemini;
+pub mod ixpe;
 mod portals;
 mod sessions;
 
@@ -90,6 +91,9 @@ pub struct HostCore {
     /// An interface was reached (so its events or counts may have changed) or a ring still
     /// held unconsumed events at the last delivery: the next one looks.
     ptl_dirty: bool,
+    /// PE-strided commands fanned out, by group id, until their last member completes.
+    groups: HashMap<u64, ixpe::Group>,
+    next_group: u64,
     pub stats: HostStats,
 }
 
@@ -126,6 +130,8 @@ impl HostCore {
             ptl_acks: Default::default(),
             ptl_scratch: Default::default(),
             ptl_dirty: false,
+            groups: HashMap::default(),
+            next_group: 0,
             stats: HostStats::default(),
         }
     }
@@ -202,23 +208,22 @@ impl HostCore {
     /// The next completion for a session: (session, entry).
     pub fn poll_completion(&mut self) -> Option<(u64, CqEntry)> {
         if !self.completions.is_empty() || !self.raw_completions.is_empty() {
-            // Request id 0 asks for no completion (a one-way command).
-            let typed = self
-                .completions
-                .drain(..)
-                .filter(|c| c.client_req != 0)
-                .map(|c| {
-                    (
-                        c.session,
-                        CqEntry {
-                            client_req: c.client_req,
-                            status: c.status as u32,
-                            value: c.value,
-                        },
-                    )
-                });
-            self.ready
-                .extend(typed.chain(self.raw_completions.drain(..)));
+            let mut done = std::mem::take(&mut self.completions);
+            for c in done.drain(..) {
+                // Request id 0 asks for no completion (a one-way command); group members
+                // complete their group.
+                let Some(c) = self.through_group(c).filter(|c| c.client_req != 0) else {
+                    continue;
+                };
+                let e = CqEntry {
+                    client_req: c.client_req,
+                    status: c.status as u32,
+                    value: c.value,
+                };
+                self.ready.push_back((c.session, e));
+            }
+            self.completions = done;
+            self.ready.extend(self.raw_completions.drain(..));
         }
         self.ready.pop_front()
     }

@@ -775,11 +775,13 @@ impl HostCore {
         self.push_owned(peer, op, lazy);
     }
 
-    fn push_owned(&mut self, peer: u16, op: &OpRef<'_>, lazy: Option<u64>) {
+    pub(super) fn push_owned(&mut self, peer: u16, op: &OpRef<'_>, lazy: Option<u64>) {
         // A request passes what other processes queued for this peer (order is per process);
         // answers keep their place.
         let owner = match op {
-            OpRef::PtlReq { h, .. } => Some((h.job, h.src_rank)),
+            OpRef::PtlReq { h, .. } | OpRef::Put { h, .. } | OpRef::Get { h, .. } => {
+                Some((h.job, h.src_rank))
+            }
             _ => None,
         };
         let out = &self.out[peer as usize];

@@ -102,6 +102,7 @@ impl HostCore {
     /// outstanding operations are forgotten, the host goes on serving the others.
     pub fn detach(&mut self, session: u64) {
         self.initiator.drop_session(session);
+        self.groups.retain(|_, g| g.session() != session);
         let Some(s) = self.sessions.remove(&session) else {
             return;
         };
