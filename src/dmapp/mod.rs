@@ -17,6 +17,35 @@
 //! (the daemon keeps a process's operations to a host in order, an FMA put behind a BTE one
 //! too), so `Routing::InOrder` holds and the others promise no less.
 
+/// The three completion forms of a transfer call, from its `Mode`-taking implementation:
+/// blocking (globally visible on return), `_nb` (complete when the sync id retires) and
+/// `_nbi` (complete at the next gsync).
+macro_rules! forms {
+    ($(#[$doc:meta])* $any:ident => $b:ident, $nb:ident, $nbi:ident
+        ($($arg:ident: $t:ty),*)) => {
+        impl Dmapp {
+            $(#[$doc])*
+            /// Blocking: globally visible on return.
+            #[allow(clippy::too_many_arguments)]
+            pub fn $b(&mut self, $($arg: $t),*) -> Result<(), DmappError> {
+                self.$any(Mode::Blocking, $($arg),*).map(|_| ())
+            }
+            $(#[$doc])*
+            /// Non-blocking explicit: issued on return, complete when the sync id retires.
+            #[allow(clippy::too_many_arguments)]
+            pub fn $nb(&mut self, $($arg: $t),*) -> Result<SyncId, DmappError> {
+                self.$any(Mode::Nb, $($arg),*).map(|id| id.expect("nb gives a sync id"))
+            }
+            $(#[$doc])*
+            /// Non-blocking implicit: issued on return, complete at the next gsync.
+            #[allow(clippy::too_many_arguments)]
+            pub fn $nbi(&mut self, $($arg: $t),*) -> Result<(), DmappError> {
+                self.$any(Mode::Nbi, $($arg),*).map(|_| ())
+            }
+        }
+    };
+}
+
 mod amo;
 mod error;
 pub mod heap;

@@ -189,32 +189,6 @@ impl Dmapp {
     }
 }
 
-macro_rules! forms {
-    ($(#[$doc:meta])* $any:ident => $b:ident, $nb:ident, $nbi:ident
-        ($($arg:ident: $t:ty),*)) => {
-        impl Dmapp {
-            $(#[$doc])*
-            /// Blocking: globally visible on every listed PE on return.
-            #[allow(clippy::too_many_arguments)]
-            pub fn $b(&mut self, $($arg: $t),*) -> Result<(), DmappError> {
-                self.$any(Mode::Blocking, $($arg),*).map(|_| ())
-            }
-            $(#[$doc])*
-            /// Non-blocking explicit: one sync id for the whole list.
-            #[allow(clippy::too_many_arguments)]
-            pub fn $nb(&mut self, $($arg: $t),*) -> Result<SyncId, DmappError> {
-                self.$any(Mode::Nb, $($arg),*).map(|id| id.expect("nb gives a sync id"))
-            }
-            $(#[$doc])*
-            /// Non-blocking implicit: complete at the next gsync.
-            #[allow(clippy::too_many_arguments)]
-            pub fn $nbi(&mut self, $($arg: $t),*) -> Result<(), DmappError> {
-                self.$any(Mode::Nbi, $($arg),*).map(|_| ())
-            }
-        }
-    };
-}
-
 forms!(
     /// `dmapp_put_ixpe`: `nelems` elements of `src` to `target_addr` of every listed PE.
     put_ixpe_any => put_ixpe, put_ixpe_nb, put_ixpe_nbi

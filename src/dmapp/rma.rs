@@ -152,99 +152,6 @@ impl Dmapp {
         self.finish(mode, Reqs::One(req))
     }
 
-    /// `dmapp_put`: stores `nelems` elements of `ty` from `src` at `target_addr` of `pe`
-    /// (in segment `target_seg`); globally visible on return.
-    pub fn put(
-        &mut self,
-        target_addr: u64,
-        target_seg: &SegDesc,
-        pe: u32,
-        src: &[u8],
-        nelems: u64,
-        ty: Type,
-    ) -> Result<(), DmappError> {
-        self.put_contig(Mode::Blocking, target_addr, target_seg, pe, src, nelems, ty)
-            .map(|_| ())
-    }
-
-    /// `dmapp_put_nb`: issued on return; complete when its sync id retires.
-    pub fn put_nb(
-        &mut self,
-        target_addr: u64,
-        target_seg: &SegDesc,
-        pe: u32,
-        src: &[u8],
-        nelems: u64,
-        ty: Type,
-    ) -> Result<SyncId, DmappError> {
-        self.put_contig(Mode::Nb, target_addr, target_seg, pe, src, nelems, ty)
-            .map(|id| id.expect("nb gives a sync id"))
-    }
-
-    /// `dmapp_put_nbi`: issued on return; complete at the next gsync.
-    pub fn put_nbi(
-        &mut self,
-        target_addr: u64,
-        target_seg: &SegDesc,
-        pe: u32,
-        src: &[u8],
-        nelems: u64,
-        ty: Type,
-    ) -> Result<(), DmappError> {
-        self.put_contig(Mode::Nbi, target_addr, target_seg, pe, src, nelems, ty)
-            .map(|_| ())
-    }
-
-    /// `dmapp_get`: loads `nelems` elements of `ty` from `source_addr` of `pe` into `target`.
-    pub fn get(
-        &mut self,
-        target: &mut [u8],
-        source_addr: u64,
-        source_seg: &SegDesc,
-        pe: u32,
-        nelems: u64,
-        ty: Type,
-    ) -> Result<(), DmappError> {
-        self.get_contig(
-            Mode::Blocking,
-            target,
-            source_addr,
-            source_seg,
-            pe,
-            nelems,
-            ty,
-        )
-        .map(|_| ())
-    }
-
-    /// `dmapp_get_nb`: `target` holds the data once the sync id retires.
-    pub fn get_nb(
-        &mut self,
-        target: &mut [u8],
-        source_addr: u64,
-        source_seg: &SegDesc,
-        pe: u32,
-        nelems: u64,
-        ty: Type,
-    ) -> Result<SyncId, DmappError> {
-        self.get_contig(Mode::Nb, target, source_addr, source_seg, pe, nelems, ty)
-            .map(|id| id.expect("nb gives a sync id"))
-    }
-
-    /// `dmapp_get_nbi`: `target` holds the data after the next gsync.
-    pub fn get_nbi(
-        &mut self,
-        target: &mut [u8],
-        source_addr: u64,
-        source_seg: &SegDesc,
-        pe: u32,
-        nelems: u64,
-        ty: Type,
-    ) -> Result<(), DmappError> {
-        self.get_contig(Mode::Nbi, target, source_addr, source_seg, pe, nelems, ty)
-            .map(|_| ())
-    }
-
     // ------------------------------------------------------------ strided and indexed
 
     /// The remote extent of elements at `addr + k·stride` (k < n) of `size` bytes, checked
@@ -506,33 +413,17 @@ impl Dmapp {
     }
 }
 
-/// The three completion forms of each strided, indexed and PE-strided call.
-macro_rules! forms {
-    ($(#[$doc:meta])* $any:ident => $b:ident, $nb:ident, $nbi:ident
-        ($($arg:ident: $t:ty),*)) => {
-        impl Dmapp {
-            $(#[$doc])*
-            /// Blocking: globally visible on return.
-            #[allow(clippy::too_many_arguments)]
-            pub fn $b(&mut self, $($arg: $t),*) -> Result<(), DmappError> {
-                self.$any(Mode::Blocking, $($arg),*).map(|_| ())
-            }
-            $(#[$doc])*
-            /// Non-blocking explicit: complete when the sync id retires.
-            #[allow(clippy::too_many_arguments)]
-            pub fn $nb(&mut self, $($arg: $t),*) -> Result<SyncId, DmappError> {
-                self.$any(Mode::Nb, $($arg),*).map(|id| id.expect("nb gives a sync id"))
-            }
-            $(#[$doc])*
-            /// Non-blocking implicit: complete at the next gsync.
-            #[allow(clippy::too_many_arguments)]
-            pub fn $nbi(&mut self, $($arg: $t),*) -> Result<(), DmappError> {
-                self.$any(Mode::Nbi, $($arg),*).map(|_| ())
-            }
-        }
-    };
-}
-
+forms!(
+    /// `dmapp_put`: `nelems` elements of `ty` from `src` to `target_addr` of `pe` (in
+    /// segment `target_seg`).
+    put_contig => put, put_nb, put_nbi
+    (target_addr: u64, target_seg: &SegDesc, pe: u32, src: &[u8], nelems: u64, ty: Type)
+);
+forms!(
+    /// `dmapp_get`: `nelems` elements of `ty` from `source_addr` of `pe` into `target`.
+    get_contig => get, get_nb, get_nbi
+    (target: &mut [u8], source_addr: u64, source_seg: &SegDesc, pe: u32, nelems: u64, ty: Type)
+);
 forms!(
     /// `dmapp_iput`: element k of `src` (at source stride `sst`) to `target_addr + k·tst`.
     iput_any => iput, iput_nb, iput_nbi

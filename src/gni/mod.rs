@@ -325,56 +325,25 @@ impl Nic {
     ) -> Result<u64, GniError> {
         let e = elem as usize;
         let n = data.len() / e.max(1);
-        if !crate::wire::VShape::valid_elem(elem) || n == 0 || !data.len().is_multiple_of(e) {
+        if !crate::wire::VShape::valid_elem(elem) || !data.len().is_multiple_of(e) {
             return Err(GniError::Remote(Status::BadRequest));
-        }
-        if let Layout::Indexed(idx) = layout {
-            if idx.len() < n {
-                return Err(GniError::Remote(Status::BadRequest));
-            }
         }
         let per = e + matches!(layout, Layout::Indexed(_)) as usize * 8;
         let chunk = self.vector_chunk(per);
-        let mut buf = std::mem::take(&mut self.scatter_buf);
-        let mut first = 0;
-        let mut last_req = None;
-        while first < n {
-            let k = chunk.min(n - first);
-            if let Some(r) = last_req.take() {
-                if !implicit {
-                    self.ep.finish(r)?;
-                }
-            }
-            let mut c = self.cmd(CommandKind::PutV, dst, 0)?;
-            c.elem = elem;
-            c.nelems = k as u32;
-            buf.clear();
-            match layout {
-                Layout::Strided(stride) => {
-                    c.remote_off = offset_of(dst.offset, first, stride)?;
-                    c.operand = stride as u64;
-                }
-                Layout::Indexed(idx) => {
-                    c.indexed = true;
-                    for o in &idx[first..first + k] {
-                        buf.extend_from_slice(&o.to_le_bytes());
-                    }
-                }
-            }
-            buf.extend_from_slice(&data[first * e..(first + k) * e]);
-            c.len = buf.len() as u64;
-            let r = self.ep.post(c, &buf, implicit);
-            match r {
-                Ok(r) => last_req = Some(r),
-                Err(err) => {
-                    self.scatter_buf = buf;
-                    return Err(err);
-                }
-            }
-            first += k;
-        }
-        self.scatter_buf = buf;
-        Ok(last_req.expect("at least one element"))
+        self.post_vector(
+            CommandKind::PutV,
+            dst,
+            elem,
+            layout,
+            n,
+            chunk,
+            implicit,
+            |c, buf, first, k| {
+                buf.extend_from_slice(&data[first * e..(first + k) * e]);
+                c.len = buf.len() as u64;
+                Ok(())
+            },
+        )
     }
 
     /// Posts a strided or indexed get of `n` elements of `elem` bytes from `src` into this
@@ -388,7 +357,47 @@ impl Nic {
         n: usize,
         implicit: bool,
     ) -> Result<u64, GniError> {
-        if !crate::wire::VShape::valid_elem(elem) || n == 0 || local.stride == 0 {
+        if !crate::wire::VShape::valid_elem(elem) || local.stride == 0 {
+            return Err(GniError::Remote(Status::BadRequest));
+        }
+        let chunk = match layout {
+            Layout::Indexed(_) => self.vector_chunk(8),
+            Layout::Strided(_) => crate::shm::control::MAX_VECTOR_ELEMS as usize,
+        };
+        self.post_vector(
+            CommandKind::GetV,
+            src,
+            elem,
+            layout,
+            n,
+            chunk,
+            implicit,
+            |c, _, first, _| {
+                c.local_region = local.handle.0;
+                c.local_off = offset_of(local.offset, first, local.stride)?;
+                c.operand2 = local.stride as u64;
+                Ok(())
+            },
+        )
+    }
+
+    /// The commands of a vector transfer of `n` elements, `chunk` per command: each names
+    /// its elements' remote places (the stride, or its part of the offset list inline) and
+    /// `fill` completes it (the put's elements, the get's landing place). Every command but
+    /// the last is waited for unless `implicit`; the last one's request comes back.
+    #[allow(clippy::too_many_arguments)]
+    fn post_vector(
+        &mut self,
+        kind: CommandKind,
+        remote: Remote,
+        elem: u8,
+        layout: Layout<'_>,
+        n: usize,
+        chunk: usize,
+        implicit: bool,
+        mut fill: impl FnMut(&mut Command, &mut Vec<u8>, usize, usize) -> Result<(), GniError>,
+    ) -> Result<u64, GniError> {
+        if n == 0 {
             return Err(GniError::Remote(Status::BadRequest));
         }
         if let Layout::Indexed(idx) = layout {
@@ -396,30 +405,41 @@ impl Nic {
                 return Err(GniError::Remote(Status::BadRequest));
             }
         }
-        let chunk = match layout {
-            Layout::Indexed(_) => self.vector_chunk(8),
-            Layout::Strided(_) => crate::shm::control::MAX_VECTOR_ELEMS as usize,
-        };
         let mut buf = std::mem::take(&mut self.scatter_buf);
+        let r = self.post_vector_parts(
+            kind, remote, elem, layout, n, chunk, implicit, &mut buf, &mut fill,
+        );
+        self.scatter_buf = buf;
+        r
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn post_vector_parts(
+        &mut self,
+        kind: CommandKind,
+        remote: Remote,
+        elem: u8,
+        layout: Layout<'_>,
+        n: usize,
+        chunk: usize,
+        implicit: bool,
+        buf: &mut Vec<u8>,
+        fill: &mut impl FnMut(&mut Command, &mut Vec<u8>, usize, usize) -> Result<(), GniError>,
+    ) -> Result<u64, GniError> {
+        let mut last = None;
         let mut first = 0;
-        let mut last_req = None;
         while first < n {
             let k = chunk.min(n - first);
-            if let Some(r) = last_req.take() {
-                if !implicit {
-                    self.ep.finish(r)?;
-                }
+            if let (Some(prev), false) = (last, implicit) {
+                self.ep.finish(prev)?;
             }
-            let mut c = self.cmd(CommandKind::GetV, src, 0)?;
+            let mut c = self.cmd(kind, remote, 0)?;
             c.elem = elem;
             c.nelems = k as u32;
-            c.local_region = local.handle.0;
-            c.local_off = offset_of(local.offset, first, local.stride)?;
-            c.operand2 = local.stride as u64;
             buf.clear();
             match layout {
                 Layout::Strided(stride) => {
-                    c.remote_off = offset_of(src.offset, first, stride)?;
+                    c.remote_off = offset_of(remote.offset, first, stride)?;
                     c.operand = stride as u64;
                 }
                 Layout::Indexed(idx) => {
@@ -427,20 +447,14 @@ impl Nic {
                     for o in &idx[first..first + k] {
                         buf.extend_from_slice(&o.to_le_bytes());
                     }
+                    c.len = buf.len() as u64;
                 }
             }
-            c.len = buf.len() as u64;
-            match self.ep.post(c, &buf, implicit) {
-                Ok(r) => last_req = Some(r),
-                Err(err) => {
-                    self.scatter_buf = buf;
-                    return Err(err);
-                }
-            }
+            fill(&mut c, buf, first, k)?;
+            last = Some(self.ep.post(c, buf, implicit)?);
             first += k;
         }
-        self.scatter_buf = buf;
-        Ok(last_req.expect("at least one element"))
+        Ok(last.expect("n > 0 elements make a command"))
     }
 
     /// Posts a PE-strided operation (`nic::host::ixpe`) on `handle` at `offset` of every rank

@@ -22,6 +22,34 @@ pub(super) fn lost(host: u16) -> u64 {
     .pack()
 }
 
+/// The fragments of a put of `data` at `offset` of `region`, `max` data bytes each (one
+/// empty fragment for no data); every fragment names the whole put.
+pub(super) fn put_fragments<'a>(
+    h: OpHeader,
+    region: u32,
+    offset: u64,
+    data: &'a [u8],
+    lazy_ack: bool,
+    max: usize,
+) -> impl Iterator<Item = OpRef<'a>> + 'a {
+    let max = max.max(1);
+    let frags = data.len().div_ceil(max).max(1);
+    (0..frags).map(move |i| {
+        let at = i * max;
+        let end = (at + max).min(data.len());
+        OpRef::Put {
+            h,
+            region,
+            offset: offset + at as u64,
+            total_off: offset,
+            total_len: data.len() as u64,
+            last: i + 1 == frags,
+            lazy_ack,
+            data: &data[at..end],
+        }
+    })
+}
+
 /// The target-side shape of a whole vector command (first element 0, all of them): its
 /// extent from the stride or the listed offsets; `None` when an offset overflows.
 fn vector_shape(c: &Command, inline: &[u8]) -> Option<VShape> {
@@ -239,19 +267,8 @@ impl HostCore {
                 }
                 let req = self.initiator.start(pending(PendingKind::Put));
                 let h = OpHeader { req, ..h };
-                let mut off = 0;
-                loop {
-                    let n = (inline.len() - off).min(max);
-                    let op = OpRef::Put {
-                        h,
-                        region: c.remote_region,
-                        offset: c.remote_off + off as u64,
-                        total_off: c.remote_off,
-                        total_len: inline.len() as u64,
-                        last: off + n == inline.len(),
-                        lazy_ack: c.flags & CMD_IMPLICIT != 0,
-                        data: &inline[off..off + n],
-                    };
+                let lazy = c.flags & CMD_IMPLICIT != 0;
+                for op in put_fragments(h, c.remote_region, c.remote_off, inline, lazy, max) {
                     if let Err(e) = self.transport.push_op(host, &op) {
                         tracing::error!("push after reserving room failed: {e}");
                         if let Some(done) =
@@ -259,10 +276,6 @@ impl HostCore {
                         {
                             self.completions.push(done);
                         }
-                        break;
-                    }
-                    off += n;
-                    if off == inline.len() {
                         break;
                     }
                 }

@@ -10,6 +10,7 @@ use crate::nic::gemini::{Completion, Pending, PendingKind};
 use crate::shm::{Command, CommandKind};
 use crate::wire::{get_u32, OpHeader, OpKind, OpRef, Status};
 
+use super::gemini::put_fragments;
 use super::{Flow, HostCore};
 
 /// Request ids of a group's members carry this bit (the rest is the group id).
@@ -192,25 +193,9 @@ impl HostCore {
                 self.push_owned(host, &op, None);
                 continue;
             }
-            let max = OpRef::max_data(OpKind::Put, self.transport.body_capacity()).max(1);
-            let mut off = 0;
-            loop {
-                let k = (bytes.len() - off).min(max);
-                let op = OpRef::Put {
-                    h,
-                    region: c.remote_region,
-                    offset: c.remote_off + off as u64,
-                    total_off: c.remote_off,
-                    total_len: bytes.len() as u64,
-                    last: off + k == bytes.len(),
-                    lazy_ack: false,
-                    data: &bytes[off..off + k],
-                };
+            let max = OpRef::max_data(OpKind::Put, self.transport.body_capacity());
+            for op in put_fragments(h, c.remote_region, c.remote_off, bytes, false, max) {
                 self.push_owned(host, &op, None);
-                off += k;
-                if off >= bytes.len() {
-                    break;
-                }
             }
         }
         Flow::Done
