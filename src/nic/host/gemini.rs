@@ -299,6 +299,9 @@ impl HostCore {
                     started: false,
                     frag_base: 0,
                 }));
+                // Into the transport now as far as it has room: the process's next command
+                // waits only for what is left behind.
+                self.drain_out(host);
             }
             CommandKind::Get => {
                 let Some(region) = self.own_side(session, job, rank, c) else {
@@ -784,6 +787,7 @@ impl HostCore {
                             started: false,
                             frag_base,
                         }));
+                        self.drain_out(peer);
                     }
                 }
             }
