@@ -767,9 +767,6 @@ fn sync_body() {
         .unwrap();
     let first = d.syncid_test(id).unwrap_err();
     assert_eq!(first.rc, Rc::NotDone);
-    // BUSY: the landing buffer's registration is in use; so is a heap block being read into.
-    let desc = d.mem_register(landing.as_ptr() as u64, big as u64).unwrap();
-    let busy = d.mem_unregister(&desc);
     let t = Instant::now();
     loop {
         match d.syncid_test(id) {
@@ -778,9 +775,16 @@ fn sync_body() {
             Err(e) => panic!("{e}"),
         }
     }
-    // (The get used a local registration of the same pages, not `desc`: both may hold them.)
-    drop(busy);
-    d.mem_unregister(&desc).ok();
+    // BUSY: a registered buffer a get is landing in cannot be unregistered until it is synced;
+    // nor can a heap block being read into be freed or resized.
+    let mut landing = vec![0u8; big];
+    let desc = d.mem_register(landing.as_ptr() as u64, big as u64).unwrap();
+    let id = d
+        .get_nb(&mut landing, slot, &heap, peer, big as u64, Type::Byte)
+        .unwrap();
+    assert_eq!(d.mem_unregister(&desc).unwrap_err().rc, Rc::Busy);
+    d.syncid_wait(id).unwrap();
+    d.mem_unregister(&desc).unwrap();
     let block = d.sheap_malloc(big).unwrap();
     let hm = d.sheap_region();
     let at = (block - hm.as_ptr() as u64) as usize;

@@ -503,7 +503,7 @@ impl Dmapp {
     /// in place). BUSY while this PE's own operations use it.
     pub fn sheap_realloc(&mut self, addr: u64, size: usize) -> Result<u64, DmappError> {
         let (off, len) = self.heap_block(addr)?;
-        self.not_busy(self.heap_mem.handle.0, addr, addr + len)?;
+        self.not_busy(addr, addr + len)?;
         let Some(new) = self.heap.realloc(off, size as u64) else {
             return err(
                 Rc::ResourceError,
@@ -522,7 +522,7 @@ impl Dmapp {
     /// `dmapp_heap_free`. BUSY while this PE's own operations use the block.
     pub fn sheap_free(&mut self, addr: u64) -> Result<(), DmappError> {
         let (off, len) = self.heap_block(addr)?;
-        self.not_busy(self.heap_mem.handle.0, addr, addr + len)?;
+        self.not_busy(addr, addr + len)?;
         self.heap.free(off);
         Ok(())
     }
@@ -570,7 +570,7 @@ impl Dmapp {
         if e.lo != seg.addr {
             return err(Rc::NotFound, "descriptor does not match its registration");
         }
-        self.not_busy(e.handle, e.lo, e.hi)?;
+        self.not_busy(e.lo, e.hi)?;
         if self.regs.unregister(e.handle) == Some(true) {
             self.nic
                 .endpoint()
@@ -581,14 +581,11 @@ impl Dmapp {
         Ok(())
     }
 
-    /// BUSY when an operation of this PE still uses `[lo, hi)` of registration `handle`.
-    fn not_busy(&mut self, handle: u32, lo: u64, hi: u64) -> Result<(), DmappError> {
+    /// BUSY when an operation of this PE still uses memory in `[lo, hi)` (through whichever
+    /// registration).
+    fn not_busy(&mut self, lo: u64, hi: u64) -> Result<(), DmappError> {
         self.nic.progress();
-        if self
-            .inflight
-            .iter()
-            .any(|f| f.handle == handle && f.lo < hi && lo < f.hi)
-        {
+        if self.inflight.iter().any(|f| f.lo < hi && lo < f.hi) {
             return err(
                 Rc::Busy,
                 "operations of this PE still use this memory: sync them first",
