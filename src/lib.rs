@@ -6,6 +6,7 @@ pub mod client;
 pub mod config;
 pub mod daemon;
 pub mod dmapp;
+pub mod extoll;
 pub mod gasnet;
 pub mod gni;
 pub mod job;

@@ -78,6 +78,11 @@ const BARRIER_WORDS: usize = 64;
 
 /// Request ids with this bit set are implicit (nbi) operations.
 const IMPLICIT: u64 = 1 << 63;
+/// Request ids with this bit carry their poster's note in bits 32..61 and complete into the
+/// noted list ([`Endpoint::take_noted`]) instead of a slot: for APIs that keep their own
+/// per-operation state (VELO's credits per destination).
+const NOTED: u64 = 1 << 61;
+const NOTE_MASK: u64 = (1 << 29) - 1;
 
 /// One rank's attachment to its NIC.
 pub struct Endpoint {
@@ -93,6 +98,8 @@ pub struct Endpoint {
     sys: MemRegion,
     bounce: MemRegion,
     barrier_epoch: u64,
+    /// Completions of noted requests not yet taken: (note, raw status, value).
+    noted: Vec<(u32, u32, u64)>,
     /// Hosts that implicit puts went to since the last gsync: their targets acknowledge
     /// lazily, so a gsync asks them to hurry (see [`Endpoint::gsync_wait`]).
     lazy_hosts: Vec<u16>,
@@ -123,6 +130,7 @@ impl Endpoint {
             bounce,
             barrier_epoch: 0,
             lazy_hosts: Vec::new(),
+            noted: Vec::new(),
         };
         ep.barrier_inner(true)?;
         Ok(ep)
@@ -199,6 +207,11 @@ impl Endpoint {
 
     fn on_completion(&mut self, req: u64, status: u32, value: u64) {
         self.outstanding -= 1;
+        if req & NOTED != 0 && req & IMPLICIT == 0 {
+            self.noted
+                .push((((req >> 32) & NOTE_MASK) as u32, status, value));
+            return;
+        }
         let raw = status;
         let status = Status::from_u32(status);
         if req & IMPLICIT != 0 {
@@ -251,6 +264,36 @@ impl Endpoint {
         self.outstanding += 1;
         self.client.submit(&cmd, inline)?;
         Ok(req)
+    }
+
+    /// Submits `cmd` as a noted request: its completion comes back through
+    /// [`Endpoint::take_noted`] with `note` (at most 2^29 − 1) rather than to a waiter.
+    pub fn post_noted(
+        &mut self,
+        mut cmd: Command,
+        inline: &[u8],
+        note: u32,
+    ) -> Result<(), NicError> {
+        while self.outstanding >= self.client.cq_capacity() {
+            self.wait_one()?;
+        }
+        let seq = self.next_req & 0xffff_ffff;
+        self.next_req += 1;
+        cmd.client_req = NOTED | (note as u64 & NOTE_MASK) << 32 | seq;
+        self.outstanding += 1;
+        self.client.submit(&cmd, inline)?;
+        Ok(())
+    }
+
+    /// Completions of noted requests since the last call, in completion order.
+    pub fn take_noted(&mut self) -> std::vec::Drain<'_, (u32, u32, u64)> {
+        self.progress();
+        self.noted.drain(..)
+    }
+
+    /// Waits until some completion arrives (then handled as usual).
+    pub fn wait_any(&mut self) -> Result<(), NicError> {
+        self.wait_one()
     }
 
     /// Waits for `req`; its value, or the error its status names.

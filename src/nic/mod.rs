@@ -10,3 +10,4 @@ pub mod host;
 pub mod memory;
 pub mod portals;
 pub mod sim;
+pub mod velo;

@@ -78,6 +78,11 @@ pub enum CommandKind {
     /// (rank u32, host u16, 2 bytes padding), then the data; `operand` the mode, `operand2`
     /// the bytes per target. One completion for all.
     Ixpe = 9,
+    /// Opens this process's VELO port: its mailbox is `local_region`, with `operand`-byte
+    /// slots, `operand2` of them (`nic::velo`).
+    VeloOpen = 10,
+    /// A VELO message of `len` inline bytes, tag `operand`, for the mailbox of `rank`.
+    VeloSend = 11,
 }
 
 /// Which operation a peer failure cut short.
@@ -193,6 +198,8 @@ impl Command {
             7 => CommandKind::PutV,
             8 => CommandKind::GetV,
             9 => CommandKind::Ixpe,
+            10 => CommandKind::VeloOpen,
+            11 => CommandKind::VeloSend,
             k => return Err(ControlError::BadCommand(k)),
         };
         let mut c = Command {
@@ -246,6 +253,7 @@ impl Command {
                 | CommandKind::PutV
                 | CommandKind::GetV
                 | CommandKind::Ixpe
+                | CommandKind::VeloSend
         ) {
             if c.len > rest.len() as u64 {
                 return Err(ControlError::BadInline(c.len));
@@ -263,6 +271,9 @@ pub const CMD_IMPLICIT: u8 = 1;
 /// Command flag on an `Amo`: the NIC stores the fetched value in the client's `local_region`
 /// at `local_off` (8 bytes) before completing it.
 pub const CMD_LAND: u8 = 2;
+/// Command flag on a `VeloSend`: the sender has credits to spare, the target may acknowledge
+/// lazily.
+pub const CMD_LAZY: u8 = 4;
 
 /// A completion-queue entry.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

@@ -13,6 +13,6 @@ pub mod ptl_call;
 
 pub use control::{
     Command, CommandKind, Control, ControlError, CqEntry, FailedOp, PeerFailure, CMD_IMPLICIT,
-    CMD_LAND,
+    CMD_LAND, CMD_LAZY,
 };
 pub use mapping::Mapping;

@@ -33,6 +33,9 @@ pub enum OpKind {
     /// A strided or indexed get (DMAPP iget/ixget), answered by `GetReply` fragments of the
     /// elements packed in order.
     GetV = 13,
+    /// A VELO message for the target process's mailbox; acknowledged by a `PutAck` once it is
+    /// in the mailbox (the sender's credit comes back with it).
+    VeloMsg = 14,
 }
 
 impl OpKind {
@@ -51,6 +54,7 @@ impl OpKind {
             11 => Self::PtlAcks,
             12 => Self::PutV,
             13 => Self::GetV,
+            14 => Self::VeloMsg,
             _ => return Err(WireError::UnknownOp(v)),
         })
     }
@@ -69,6 +73,7 @@ impl OpKind {
             Self::Am => 0,
             Self::PtlAcks => 0,
             Self::PutV | Self::GetV => VShape::LEN,
+            Self::VeloMsg => 8,
         }
     }
 }
@@ -351,6 +356,13 @@ pub enum OpRef<'a> {
         lazy_ack: bool,
         data: &'a [u8],
     },
+    /// A VELO message: `tag` and the payload, for the mailbox of `h.dst_rank`.
+    VeloMsg {
+        h: OpHeader,
+        tag: u8,
+        lazy_ack: bool,
+        data: &'a [u8],
+    },
     /// A strided or indexed get of `s.n` elements from `s.first` on; `idx` is the offset list
     /// of an indexed shape. Answered by `GetReply` fragments at packed byte offsets from
     /// `first · elem`, the last one flagged.
@@ -411,6 +423,7 @@ impl<'a> OpRef<'a> {
             | OpRef::PtlAcks { h, .. }
             | OpRef::PutV { h, .. }
             | OpRef::GetV { h, .. }
+            | OpRef::VeloMsg { h, .. }
             | OpRef::Am { h, .. } => h,
         }
     }
@@ -430,6 +443,7 @@ impl<'a> OpRef<'a> {
             OpRef::PtlAcks { .. } => OpKind::PtlAcks,
             OpRef::PutV { .. } => OpKind::PutV,
             OpRef::GetV { .. } => OpKind::GetV,
+            OpRef::VeloMsg { .. } => OpKind::VeloMsg,
         }
     }
 
@@ -449,6 +463,7 @@ impl<'a> OpRef<'a> {
             OpRef::AmoScatter { pairs, .. } => pairs,
             OpRef::PutV { data, .. } => data,
             OpRef::GetV { idx, .. } => idx,
+            OpRef::VeloMsg { data, .. } => data,
             _ => &[],
         }
     }
@@ -482,6 +497,7 @@ impl<'a> OpRef<'a> {
             OpRef::AmoScatter { pairs, .. } => std::mem::take(pairs),
             OpRef::PutV { data, .. } => std::mem::take(data),
             OpRef::GetV { idx, .. } => std::mem::take(idx),
+            OpRef::VeloMsg { data, .. } => std::mem::take(data),
             _ => &[],
         };
         (data, head)
@@ -536,7 +552,9 @@ impl<'a> OpRef<'a> {
         buf[0] = self.kind() as u8;
         let lazy = matches!(
             self,
-            OpRef::Put { lazy_ack: true, .. } | OpRef::PutV { lazy_ack: true, .. }
+            OpRef::Put { lazy_ack: true, .. }
+                | OpRef::PutV { lazy_ack: true, .. }
+                | OpRef::VeloMsg { lazy_ack: true, .. }
         );
         buf[1] = if last { FLAG_LAST } else { 0 } | if lazy { FLAG_LAZY_ACK } else { 0 };
         buf[2..4].copy_from_slice(&(len as u16).to_le_bytes());
@@ -633,6 +651,10 @@ impl<'a> OpRef<'a> {
                 f[48 + operand.len()..].copy_from_slice(data);
             }
             OpRef::Am { data, .. } => f.copy_from_slice(data),
+            OpRef::VeloMsg { tag, data, .. } => {
+                f[0..8].copy_from_slice(&[tag, 0, 0, 0, 0, 0, 0, 0]);
+                f[8..].copy_from_slice(data);
+            }
             OpRef::PutV {
                 region, s, data, ..
             }
@@ -697,6 +719,7 @@ impl<'a> OpRef<'a> {
                 | OpKind::Am
                 | OpKind::PutV
                 | OpKind::GetV
+                | OpKind::VeloMsg
         );
         if !has_data && !data.is_empty() {
             return Err(WireError::BadField("trailing bytes after a fixed-size op"));
@@ -785,6 +808,12 @@ impl<'a> OpRef<'a> {
                 }
             }
             OpKind::Am => OpRef::Am { h, data },
+            OpKind::VeloMsg => OpRef::VeloMsg {
+                h,
+                tag: f[0],
+                lazy_ack,
+                data,
+            },
             OpKind::PutV => {
                 let (region, s) = VShape::decode(f)?;
                 if data.len() != s.idx_len() + s.data_len() {
@@ -978,6 +1007,12 @@ mod tests {
                 last: true,
                 lazy_ack: true,
                 data: &[5; 32],
+            },
+            OpRef::VeloMsg {
+                h,
+                tag: 9,
+                lazy_ack: true,
+                data,
             },
             OpRef::GetV {
                 h,

@@ -10,4 +10,4 @@ pub mod initiator;
 pub mod target;
 
 pub use initiator::{place_packed, Completion, Initiator, Pending, PendingKind};
-pub use target::{amo_at, apply_amo, serve, Reply, TargetAction};
+pub use target::{amo_at, apply_amo, reply_header, serve, Reply, TargetAction};

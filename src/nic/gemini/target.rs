@@ -315,6 +315,7 @@ pub fn serve(eps: &Endpoints, op: &OpRef<'_>) -> TargetAction {
         | OpRef::PtlReq { .. }
         | OpRef::PtlResp { .. }
         | OpRef::PtlAcks { .. }
+        | OpRef::VeloMsg { .. }
         | OpRef::Am { .. } => TargetAction::None,
     }
 }

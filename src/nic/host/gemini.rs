@@ -198,6 +198,8 @@ impl HostCore {
                 self.stats.cmd_portals += 1;
                 return self.ptl_command(session, job, rank, c.client_req, inline);
             }
+            CommandKind::VeloOpen => return self.velo_open(session, job, rank, c),
+            CommandKind::VeloSend => return self.velo_send(now, session, job, rank, c, inline),
             CommandKind::Ixpe => {
                 if c.operand == super::ixpe::IxpeMode::Gather as u64 {
                     self.stats.cmd_get += 1;
@@ -258,7 +260,10 @@ impl HostCore {
         };
         match c.kind {
             // Served before any host routing (see the top of `command`).
-            CommandKind::Portals | CommandKind::Ixpe => {}
+            CommandKind::Portals
+            | CommandKind::Ixpe
+            | CommandKind::VeloOpen
+            | CommandKind::VeloSend => {}
             CommandKind::PutInline => {
                 let max = OpRef::max_data(OpKind::Put, self.transport.body_capacity());
                 let frags = inline.len().div_ceil(max).max(1);
@@ -587,7 +592,10 @@ impl HostCore {
             }
         }
         let action = match c.kind {
-            CommandKind::Portals | CommandKind::Ixpe => return (Status::BadRequest, 0),
+            CommandKind::Portals
+            | CommandKind::Ixpe
+            | CommandKind::VeloOpen
+            | CommandKind::VeloSend => return (Status::BadRequest, 0),
             CommandKind::PutInline => serve(&self.endpoints, &put(h, c, inline)),
             CommandKind::PutFrom => {
                 let src = match own(&self.endpoints) {
@@ -756,6 +764,12 @@ impl HostCore {
             }
             // Active Messages travel between udp-conduit processes, never to a daemon.
             OpRef::Am { .. } => self.stats.malformed_ops += 1,
+            OpRef::VeloMsg {
+                h,
+                tag,
+                lazy_ack,
+                data,
+            } => self.velo_on_msg(now, peer, h, *tag, *lazy_ack, data),
             OpRef::Put { .. }
             | OpRef::Get { .. }
             | OpRef::PutV { .. }
@@ -802,7 +816,7 @@ impl HostCore {
         }
     }
 
-    fn send_reply(&mut self, now: u64, peer: u16, r: Reply) {
+    pub(super) fn send_reply(&mut self, now: u64, peer: u16, r: Reply) {
         if self.out[peer as usize].is_empty() {
             let pushed = match r {
                 Reply::PutAck { lazy: true, .. } => {

@@ -208,10 +208,10 @@ impl HostCore {
             return Some(c);
         }
         let gid = c.client_req & (GROUP_BIT - 1);
-        let g = self.groups.get_mut(&gid)?;
-        if g.session != c.session {
-            return None;
-        }
+        // A client's own request id may have the bit too: not a member, it passes.
+        let Some(g) = self.groups.get_mut(&gid).filter(|g| g.session == c.session) else {
+            return Some(c);
+        };
         if g.status.is_ok() && !c.status.is_ok() {
             g.status = c.status;
             g.value = c.value;

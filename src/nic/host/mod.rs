@@ -15,6 +15,7 @@ mod gemini;
 pub mod ixpe;
 mod portals;
 mod sessions;
+mod velo;
 
 use std::collections::VecDeque;
 
@@ -44,6 +45,8 @@ pub struct HostStats {
     pub local_ops: u64,
     pub cmd_portals: u64,
     pub served_portals: u64,
+    pub velo_sent: u64,
+    pub velo_received: u64,
     pub malformed_ops: u64,
     pub clients_attached: u64,
     pub clients_detached: u64,
@@ -51,6 +54,9 @@ pub struct HostStats {
     /// Operations failed because their peer died or restarted.
     pub failed_peer_ops: u64,
 }
+
+/// How soon a mailbox that had no room is looked at again.
+const VELO_RECHECK_NS: u64 = 20_000;
 
 /// Did a command go through, or must it wait for room (and be handed in again)?
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -94,6 +100,11 @@ pub struct HostCore {
     /// PE-strided commands fanned out, by group id, until their last member completes.
     groups: HashMap<u64, ixpe::Group>,
     next_group: u64,
+    /// VELO ports (mailboxes) of the attached processes, by (job, rank).
+    velo: HashMap<(u32, u32), velo::VeloPort>,
+    /// The time of the latest input (for work the core does on its own, such as writing
+    /// VELO messages that waited for room).
+    now: u64,
     pub stats: HostStats,
 }
 
@@ -132,6 +143,8 @@ impl HostCore {
             ptl_dirty: false,
             groups: HashMap::default(),
             next_group: 0,
+            velo: HashMap::default(),
+            now: 0,
             stats: HostStats::default(),
         }
     }
@@ -146,12 +159,14 @@ impl HostCore {
             return Flow::Done;
         };
         let (job, rank) = (s.job, s.rank);
+        self.now = now;
         self.command(now, session, job, rank, cmd, inline)
     }
 
     /// A datagram from the network (from whom is proven by its authentication tag, not by
     /// where it came from), decrypted in place. Anything invalid is counted and dropped.
     pub fn handle_datagram(&mut self, now: u64, d: &mut [u8]) {
+        self.now = now;
         let r = match self.transport.on_datagram(now, d) {
             Ok(r) => r,
             Err(e) => {
@@ -172,6 +187,7 @@ impl HostCore {
     /// Runs timers (retransmission, liveness, delayed acks), fails what was pending on dead or
     /// restarted peers, and moves queued replies and streams into the transport.
     pub fn handle_timeout(&mut self, now: u64) {
+        self.now = now;
         self.transport.handle_timeout(now);
         while let Some(ev) = self.transport.poll_event() {
             match ev {
@@ -202,7 +218,8 @@ impl HostCore {
     /// counting-event slots); returns whether anything moved. Sessions that got something
     /// come out of [`HostCore::poll_wake`].
     pub fn deliver_events(&mut self) -> bool {
-        self.ptl_mirror()
+        let velo = self.velo_flush();
+        self.ptl_mirror() | velo
     }
 
     /// The next completion for a session: (session, entry).
@@ -240,13 +257,25 @@ impl HostCore {
 
     /// When [`HostCore::handle_timeout`] next has work (ns on the caller's clock).
     pub fn next_deadline(&self) -> Option<u64> {
-        self.transport.next_timeout()
+        let t = self.transport.next_timeout();
+        // Messages wait for a mailbox to have room: look again soon (the receiver publishes
+        // its read counter in memory, no doorbell).
+        if self.velo.values().any(|p| p.has_waiting()) {
+            let again = self.now + VELO_RECHECK_NS;
+            return Some(t.map_or(again, |t| t.min(again)));
+        }
+        t
     }
 
     /// Whether replies or streams wait for room in the transport (the driver must not sleep
     /// on them).
     pub fn has_backlog(&self) -> bool {
         self.out.iter().any(|q| !q.is_empty())
+    }
+
+    /// Whether messages wait for a mailbox to have room (the simulation keeps time moving).
+    pub fn has_waiting_messages(&self) -> bool {
+        self.velo.values().any(|p| p.has_waiting())
     }
 
     /// Operations this host started and that have not completed.
@@ -296,6 +325,8 @@ impl HostCore {
             ("gemini_amo_served", s.served_amo.to_string()),
             ("portals_calls", s.cmd_portals.to_string()),
             ("portals_served", s.served_portals.to_string()),
+            ("velo_sent", s.velo_sent.to_string()),
+            ("velo_received", s.velo_received.to_string()),
             ("local_ops", s.local_ops.to_string()),
             ("clients_attached_total", s.clients_attached.to_string()),
             ("clients_detached_total", s.clients_detached.to_string()),

@@ -107,6 +107,7 @@ impl HostCore {
             return;
         };
         self.portals.remove(&(s.job, s.rank));
+        self.velo_close(s.job, s.rank);
         self.endpoints.remove(s.job, s.rank);
         if let Some(e) = self.jobs.get_mut(&s.raw_job) {
             e.1 -= 1;
