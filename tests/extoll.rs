@@ -202,3 +202,235 @@ fn velo_a_full_mailbox_holds_back_only_its_senders() {
         &[("SOFTNIC_VELO_SLOTS", "16"), ("SOFTNIC_VELO_CREDITS", "8")],
     );
 }
+
+// ---------------------------------------------------------------- RMA
+
+use softnic::extoll::rma::{
+    Class, Cmd, Notification, Rma, RmaError, NOTIFY_COMPLETER, NOTIFY_REQUESTER, NOTIFY_RESPONDER,
+};
+
+/// Waits for `n` notifications, freeing each; returns them in order.
+fn notes(rma: &mut Rma, n: usize) -> Vec<Notification> {
+    let t = Instant::now();
+    (0..n)
+        .map(|_| {
+            let x = rma.noti_get_block();
+            assert!(rma.noti_free());
+            assert!(t.elapsed() < Duration::from_secs(120), "notifications late");
+            x
+        })
+        .collect()
+}
+
+fn rma_body(sizes: &[u64]) {
+    let mut rma = Rma::open().unwrap();
+    let (me, n) = (rma.rank(), rma.size());
+    let max = *sizes.iter().max().unwrap();
+    // Landing slots, one per sender; then this rank's source.
+    let land = rma.register((max * n as u64) as usize).unwrap();
+    let src = rma.register(max as usize).unwrap();
+    rma.endpoint().borrow_mut().barrier().unwrap();
+    let conns: Vec<_> = (0..n).map(|r| rma.connect(r).unwrap()).collect();
+    for (si, &size) in sizes.iter().enumerate() {
+        let data = pattern(size as usize, me as u64 * 100 + si as u64);
+        src.mem.bytes()[..size as usize].copy_from_slice(&data);
+        let others: Vec<u32> = (0..n).filter(|&r| r != me).collect();
+        for &r in &others {
+            // The same handles everywhere: the peer's landing NLA is ours, in its slot for us.
+            let dst = land.nla_at(me as u64 * max);
+            rma.post_put(
+                conns[r as usize],
+                &src,
+                0,
+                dst,
+                size,
+                NOTIFY_REQUESTER | NOTIFY_COMPLETER,
+            )
+            .unwrap();
+        }
+        // Ours: a requester per put sent, a completer per put received.
+        let got = notes(&mut rma, 2 * others.len());
+        let req = got.iter().filter(|x| x.class == Class::Requester).count();
+        assert_eq!(req, others.len(), "{got:?}");
+        for x in &got {
+            x.result().unwrap();
+            assert_eq!((x.cmd, x.len as u64), (Cmd::Put, size));
+            if x.class == Class::Completer {
+                assert_eq!(
+                    x.nla,
+                    land.nla_at(x.peer as u64 * max),
+                    "completer names where"
+                );
+                let at = (x.peer as u64 * max) as usize;
+                let want = pattern(size as usize, x.peer as u64 * 100 + si as u64);
+                assert!(
+                    land.mem.bytes()[at..at + size as usize] == want[..],
+                    "data from {}",
+                    x.peer
+                );
+            } else {
+                assert_eq!(x.nla, src.nla);
+            }
+        }
+        rma.endpoint().borrow_mut().barrier().unwrap();
+        // Get back what we put at the next rank: requester and completer here, responder there.
+        let next = (me + 1) % n;
+        let back = rma.register(size as usize).unwrap();
+        rma.post_get(
+            conns[next as usize],
+            &back,
+            0,
+            land.nla_at(me as u64 * max),
+            size,
+            NOTIFY_REQUESTER | NOTIFY_RESPONDER | NOTIFY_COMPLETER,
+        )
+        .unwrap();
+        let got = notes(&mut rma, 3);
+        let mut classes: Vec<_> = got.iter().map(|x| x.class as u8).collect();
+        classes.sort();
+        assert_eq!(classes, [1, 2, 3], "{got:?}");
+        let resp = got.iter().find(|x| x.class == Class::Responder).unwrap();
+        assert_eq!((resp.peer, resp.cmd), ((me + n - 1) % n, Cmd::Get));
+        assert!(back.mem.bytes()[..] == data[..], "get size {size}");
+        rma.endpoint().borrow_mut().barrier().unwrap();
+    }
+    // An immediate put with a completer at the target.
+    let to = (me + 1) % n;
+    rma.immediate_put(
+        conns[to as usize],
+        land.nla,
+        &(me as u64 + 7).to_le_bytes(),
+        NOTIFY_COMPLETER,
+    )
+    .unwrap();
+    let x = notes(&mut rma, 1)[0];
+    assert_eq!(
+        (x.class, x.cmd, x.len),
+        (Class::Completer, Cmd::ImmediatePut, 8)
+    );
+    rma.endpoint().borrow_mut().barrier().unwrap();
+    assert_eq!(land.mem.read_u64(0), (me + n - 1) as u64 % n as u64 + 7);
+    rma.endpoint().borrow_mut().barrier().unwrap();
+}
+
+#[test]
+fn rma_every_size_to_eight_mib_two_ranks() {
+    if in_job() {
+        return rma_body(&[1, 100, 4096, 65537, 1 << 20, 8 << 20]);
+    }
+    launch_ok("rma_every_size_to_eight_mib_two_ranks", 2, 2, &[]);
+}
+
+#[test]
+fn rma_four_ranks_under_loss() {
+    if in_job() {
+        return rma_body(&[1, 4096, 100_000]);
+    }
+    launch_ok(
+        "rma_four_ranks_under_loss",
+        4,
+        2,
+        &[
+            "--fault-drop",
+            "0.1",
+            "--fault-duplicate",
+            "0.1",
+            "--fault-seed",
+            "3",
+        ],
+    );
+}
+
+/// Bad NLAs fail with an error notification and leave the target untouched; sizes out of range
+/// are refused at once; a queue nobody frees holds its notifications until it is read.
+fn rma_errors_body() {
+    let mut rma = Rma::open().unwrap();
+    let me = rma.rank();
+    let peer = rma.connect(1 - me).unwrap();
+    let land = rma.register(4096).unwrap();
+    let src = rma.register(4096).unwrap();
+    src.mem.bytes().fill(0xab);
+    rma.endpoint().borrow_mut().barrier().unwrap();
+    if me == 0 {
+        // Beyond the region, and a handle nobody registered.
+        rma.post_put(peer, &src, 0, land.nla_at(4000), 200, NOTIFY_COMPLETER)
+            .unwrap();
+        rma.post_put(peer, &src, 0, softnic::extoll::rma::nla(999, 0), 8, 0)
+            .unwrap();
+        rma.post_get(peer, &src, 0, land.nla_at(4096), 1, 0)
+            .unwrap();
+        for x in notes(&mut rma, 3) {
+            assert_eq!(x.class, Class::Completer);
+            assert!(x.result().is_err(), "{x:?}");
+        }
+        assert!(matches!(
+            rma.post_put(peer, &src, 0, land.nla, (8 << 20) + 1, 0),
+            Err(RmaError::TooLarge(_))
+        ));
+        assert!(matches!(
+            rma.post_put(peer, &src, 4000, land.nla, 200, 0),
+            Err(RmaError::LocalBounds { .. })
+        ));
+        assert!(matches!(
+            rma.immediate_put(peer, land.nla, &[0; 9], 0),
+            Err(RmaError::ImmediateSize(9))
+        ));
+        assert!(matches!(
+            rma.immediate_put(peer, land.nla, &[], 0),
+            Err(RmaError::ImmediateSize(0))
+        ));
+    }
+    rma.endpoint().borrow_mut().barrier().unwrap();
+    if me == 1 {
+        assert!(
+            land.mem.bytes().iter().all(|&b| b == 0),
+            "failed puts left the target untouched"
+        );
+        assert!(rma.noti_probe().is_none(), "and raised nothing there");
+    }
+    rma.endpoint().borrow_mut().barrier().unwrap();
+    if me == 0 {
+        // 40 puts with completer notifications into rank 1's 8-entry queue, which it does not
+        // read yet: all requesters come here; nothing is lost there.
+        for k in 0..40u64 {
+            rma.post_put(
+                peer,
+                &src,
+                k,
+                land.nla_at(k * 8),
+                8,
+                NOTIFY_REQUESTER | NOTIFY_COMPLETER,
+            )
+            .unwrap();
+        }
+        for x in notes(&mut rma, 40) {
+            assert_eq!((x.class, x.error), (Class::Requester, 0));
+        }
+    } else {
+        std::thread::sleep(Duration::from_millis(300));
+        let got = notes(&mut rma, 40);
+        for (k, x) in got.iter().enumerate() {
+            assert_eq!(
+                (x.class, x.nla),
+                (Class::Completer, land.nla_at(k as u64 * 8))
+            );
+        }
+        assert!(rma.noti_probe().is_none(), "exactly once");
+        assert!(land.mem.bytes()[..320].iter().all(|&b| b == 0xab));
+    }
+    rma.endpoint().borrow_mut().barrier().unwrap();
+}
+
+#[test]
+fn rma_bad_addresses_sizes_and_a_full_queue() {
+    if in_job() {
+        return rma_errors_body();
+    }
+    launch_ok_env(
+        "rma_bad_addresses_sizes_and_a_full_queue",
+        2,
+        2,
+        &[],
+        &[("SOFTNIC_RMA_NOTIFICATIONS", "8")],
+    );
+}

@@ -83,6 +83,9 @@ const IMPLICIT: u64 = 1 << 63;
 /// per-operation state (VELO's credits per destination).
 const NOTED: u64 = 1 << 61;
 const NOTE_MASK: u64 = (1 << 29) - 1;
+/// The note of requests whose completion only returns their credit (the operation reports
+/// itself some other way, as RMA through notifications).
+pub const NOTE_DISCARD: u32 = NOTE_MASK as u32;
 
 /// One rank's attachment to its NIC.
 pub struct Endpoint {
@@ -208,8 +211,10 @@ impl Endpoint {
     fn on_completion(&mut self, req: u64, status: u32, value: u64) {
         self.outstanding -= 1;
         if req & NOTED != 0 && req & IMPLICIT == 0 {
-            self.noted
-                .push((((req >> 32) & NOTE_MASK) as u32, status, value));
+            let note = ((req >> 32) & NOTE_MASK) as u32;
+            if note != NOTE_DISCARD {
+                self.noted.push((note, status, value));
+            }
             return;
         }
         let raw = status;

@@ -4,7 +4,7 @@
 mod endpoint;
 mod region;
 
-pub use endpoint::{wait_until, Endpoint, NicError, BOUNCE_LEN};
+pub use endpoint::{wait_until, Endpoint, NicError, BOUNCE_LEN, NOTE_DISCARD};
 pub use region::{MemHandle, MemRegion};
 
 use std::io;

@@ -4,6 +4,7 @@
 //! A process uses both through one attachment to its NIC: open the first with `open()`, the
 //! second on the first's endpoint (`open_on(velo.endpoint())`).
 
+pub mod rma;
 pub mod velo;
 
 use std::cell::RefCell;

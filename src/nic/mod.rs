@@ -9,5 +9,6 @@ pub mod gemini;
 pub mod host;
 pub mod memory;
 pub mod portals;
+pub mod rma;
 pub mod sim;
 pub mod velo;

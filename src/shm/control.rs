@@ -83,6 +83,17 @@ pub enum CommandKind {
     VeloOpen = 10,
     /// A VELO message of `len` inline bytes, tag `operand`, for the mailbox of `rank`.
     VeloSend = 11,
+    /// Opens this process's RMA port: its notification queue is `local_region` with
+    /// `operand` entries (`nic::rma`).
+    RmaOpen = 12,
+    /// An RMA put of `len` bytes of `local_region` from `local_off` to `remote_region` at
+    /// `remote_off` of `rank`; `operand` the notify flags.
+    RmaPut = 13,
+    /// An RMA get of `len` bytes from `remote_region`/`remote_off` into `local_region` at
+    /// `local_off`; `operand` the notify flags.
+    RmaGet = 14,
+    /// An RMA put of the 1–8 inline bytes; `operand` the notify flags.
+    RmaImmediate = 15,
 }
 
 /// Which operation a peer failure cut short.
@@ -200,6 +211,10 @@ impl Command {
             9 => CommandKind::Ixpe,
             10 => CommandKind::VeloOpen,
             11 => CommandKind::VeloSend,
+            12 => CommandKind::RmaOpen,
+            13 => CommandKind::RmaPut,
+            14 => CommandKind::RmaGet,
+            15 => CommandKind::RmaImmediate,
             k => return Err(ControlError::BadCommand(k)),
         };
         let mut c = Command {
@@ -254,6 +269,7 @@ impl Command {
                 | CommandKind::GetV
                 | CommandKind::Ixpe
                 | CommandKind::VeloSend
+                | CommandKind::RmaImmediate
         ) {
             if c.len > rest.len() as u64 {
                 return Err(ControlError::BadInline(c.len));

@@ -12,6 +12,11 @@ pub const FLAG_LAST: u8 = 1;
 /// Flag on a put: its initiator is in no hurry for the ack (an implicit put), so the target
 /// may send it lazily, piggybacked on other traffic.
 pub const FLAG_LAZY_ACK: u8 = 2;
+/// Flag on an RMA put's fragments or an RMA get: the target writes an EXTOLL notification
+/// into its process's notification queue (completer: data in place; responder: get served).
+pub const FLAG_NOTIFY: u8 = 4;
+/// With [`FLAG_NOTIFY`] on a put: it is an RMA immediate put (the notification says so).
+pub const FLAG_IMMEDIATE: u8 = 8;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(u8)]
@@ -267,6 +272,9 @@ pub enum OpRef<'a> {
         total_len: u64,
         last: bool,
         lazy_ack: bool,
+        /// An RMA put: 0, or the RMA command (1 put, 3 immediate put) whose completer
+        /// notification the target raises on the last fragment.
+        notify: u8,
         data: &'a [u8],
     },
     PutAck {
@@ -278,6 +286,8 @@ pub enum OpRef<'a> {
         region: u32,
         offset: u64,
         len: u64,
+        /// An RMA get: notify the target process (responder) once it is served.
+        notify: bool,
     },
     /// One fragment of a get reply: `data` belongs at `frag_off` within the requested range.
     GetReply {
@@ -556,7 +566,15 @@ impl<'a> OpRef<'a> {
                 | OpRef::PutV { lazy_ack: true, .. }
                 | OpRef::VeloMsg { lazy_ack: true, .. }
         );
-        buf[1] = if last { FLAG_LAST } else { 0 } | if lazy { FLAG_LAZY_ACK } else { 0 };
+        let (notify, immediate) = match self {
+            OpRef::Put { notify, .. } => (*notify != 0, *notify == 3),
+            OpRef::Get { notify, .. } => (*notify, false),
+            _ => (false, false),
+        };
+        buf[1] = if last { FLAG_LAST } else { 0 }
+            | if lazy { FLAG_LAZY_ACK } else { 0 }
+            | if notify { FLAG_NOTIFY } else { 0 }
+            | if immediate { FLAG_IMMEDIATE } else { 0 };
         buf[2..4].copy_from_slice(&(len as u16).to_le_bytes());
         buf[4..8].copy_from_slice(&h.job.to_le_bytes());
         buf[8..12].copy_from_slice(&h.src_rank.to_le_bytes());
@@ -591,6 +609,7 @@ impl<'a> OpRef<'a> {
                 region,
                 offset,
                 len,
+                notify: _,
                 ..
             } => {
                 put32(f, 0, region);
@@ -695,6 +714,12 @@ impl<'a> OpRef<'a> {
         let kind = OpKind::from_u8(b[0])?;
         let last = b[1] & FLAG_LAST != 0;
         let lazy_ack = b[1] & FLAG_LAZY_ACK != 0;
+        let notify = b[1] & FLAG_NOTIFY != 0;
+        let put_notify = match (notify, b[1] & FLAG_IMMEDIATE != 0) {
+            (false, _) => 0,
+            (true, false) => 1,
+            (true, true) => 3,
+        };
         let len = u16::from_le_bytes([b[2], b[3]]) as usize;
         let fixed_end = OP_HEADER_LEN + kind.fixed_len();
         if len < fixed_end || len > b.len() {
@@ -733,6 +758,7 @@ impl<'a> OpRef<'a> {
                 total_len: get_u64(f, 24),
                 last,
                 lazy_ack,
+                notify: put_notify,
                 data,
             },
             OpKind::PutAck => OpRef::PutAck {
@@ -744,6 +770,7 @@ impl<'a> OpRef<'a> {
                 region: get_u32(f, 0),
                 offset: get_u64(f, 8),
                 len: get_u64(f, 16),
+                notify,
             },
             OpKind::GetReply => OpRef::GetReply {
                 h,
@@ -920,6 +947,7 @@ mod tests {
                 total_len: 100,
                 last: true,
                 lazy_ack: true,
+                notify: 3,
                 data,
             },
             OpRef::PutAck {
@@ -931,6 +959,7 @@ mod tests {
                 region: 1,
                 offset: 2,
                 len: 3,
+                notify: true,
             },
             OpRef::GetReply {
                 h,

@@ -179,6 +179,7 @@ pub fn serve(eps: &Endpoints, op: &OpRef<'_>) -> TargetAction {
             total_len,
             last,
             lazy_ack,
+            notify: _,
             data,
         } => {
             let status = match put_fragment(eps, &h, region, offset, total_off, total_len, data) {
@@ -200,6 +201,7 @@ pub fn serve(eps: &Endpoints, op: &OpRef<'_>) -> TargetAction {
             region,
             offset,
             len,
+            notify: _,
         } => {
             let rh = reply_header(&h);
             match eps
@@ -379,6 +381,7 @@ mod tests {
                 total_len: 4,
                 last: false,
                 lazy_ack: false,
+                notify: 0,
                 data: b"ab",
             },
         );
@@ -393,6 +396,7 @@ mod tests {
                 total_len: 4,
                 last: true,
                 lazy_ack: false,
+                notify: 0,
                 data: b"cd",
             },
         );
@@ -419,6 +423,7 @@ mod tests {
                 total_len: 8,
                 last: true,
                 lazy_ack: false,
+                notify: 0,
                 data: b"abcd",
             },
         );
@@ -440,6 +445,7 @@ mod tests {
                 total_len: 1,
                 last: true,
                 lazy_ack: false,
+                notify: 0,
                 data: b"x",
             },
         );

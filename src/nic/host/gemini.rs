@@ -45,6 +45,7 @@ pub(super) fn put_fragments<'a>(
             total_len: data.len() as u64,
             last: i + 1 == frags,
             lazy_ack,
+            notify: 0,
             data: &data[at..end],
         }
     })
@@ -158,6 +159,9 @@ pub(super) struct Stream {
     started: bool,
     /// Get replies: the packed byte offset this stream's data starts at (vector gets).
     frag_base: u64,
+    /// An EXTOLL notification for process (job, rank) once the last fragment has left (an RMA
+    /// put's requester: its source was read; an RMA get's responder: it was served).
+    pub(super) on_end: Option<(u32, u32, crate::nic::rma::Notification)>,
 }
 
 pub(super) enum StreamKind {
@@ -165,8 +169,42 @@ pub(super) enum StreamKind {
         region: u32,
         dst_off: u64,
         lazy_ack: bool,
+        /// An RMA put: the target notifies its process when the data is in place.
+        notify: bool,
     },
     GetReply,
+}
+
+impl Stream {
+    /// A BTE put of `len` bytes of `src` from `src_off` to `region` at `dst_off`.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn put(
+        h: OpHeader,
+        src: Region,
+        src_off: u64,
+        len: u64,
+        region: u32,
+        dst_off: u64,
+        lazy_ack: bool,
+        notify: bool,
+    ) -> Stream {
+        Stream {
+            kind: StreamKind::Put {
+                region,
+                dst_off,
+                lazy_ack,
+                notify,
+            },
+            h,
+            src,
+            src_off,
+            len,
+            sent: 0,
+            started: false,
+            frag_base: 0,
+            on_end: None,
+        }
+    }
 }
 
 impl HostCore {
@@ -199,6 +237,10 @@ impl HostCore {
                 return self.ptl_command(session, job, rank, c.client_req, inline);
             }
             CommandKind::VeloOpen => return self.velo_open(session, job, rank, c),
+            CommandKind::RmaOpen => return self.rma_open(session, job, rank, c),
+            CommandKind::RmaPut | CommandKind::RmaGet | CommandKind::RmaImmediate => {
+                return self.rma_command(now, session, job, rank, c, inline)
+            }
             CommandKind::VeloSend => return self.velo_send(now, session, job, rank, c, inline),
             CommandKind::Ixpe => {
                 if c.operand == super::ixpe::IxpeMode::Gather as u64 {
@@ -263,7 +305,11 @@ impl HostCore {
             CommandKind::Portals
             | CommandKind::Ixpe
             | CommandKind::VeloOpen
-            | CommandKind::VeloSend => {}
+            | CommandKind::VeloSend
+            | CommandKind::RmaOpen
+            | CommandKind::RmaPut
+            | CommandKind::RmaGet
+            | CommandKind::RmaImmediate => {}
             CommandKind::PutInline => {
                 let max = OpRef::max_data(OpKind::Put, self.transport.body_capacity());
                 let frags = inline.len().div_ceil(max).max(1);
@@ -290,20 +336,16 @@ impl HostCore {
                     return Flow::Done;
                 };
                 let req = self.initiator.start(pending(PendingKind::Put));
-                self.out[host as usize].push_back(OutItem::Stream(Stream {
-                    kind: StreamKind::Put {
-                        region: c.remote_region,
-                        dst_off: c.remote_off,
-                        lazy_ack: c.flags & CMD_IMPLICIT != 0,
-                    },
-                    h: OpHeader { req, ..h },
+                self.out[host as usize].push_back(OutItem::Stream(Stream::put(
+                    OpHeader { req, ..h },
                     src,
-                    src_off: c.local_off,
-                    len: c.len,
-                    sent: 0,
-                    started: false,
-                    frag_base: 0,
-                }));
+                    c.local_off,
+                    c.len,
+                    c.remote_region,
+                    c.remote_off,
+                    c.flags & CMD_IMPLICIT != 0,
+                    false,
+                )));
                 // Into the transport now as far as it has room: the process's next command
                 // waits only for what is left behind.
                 self.drain_out(host);
@@ -322,6 +364,7 @@ impl HostCore {
                     region: c.remote_region,
                     offset: c.remote_off,
                     len: c.len,
+                    notify: false,
                 };
                 self.push_or_fail(host, req, &op);
             }
@@ -588,6 +631,7 @@ impl HostCore {
                 total_len: data.len() as u64,
                 last: true,
                 lazy_ack: false,
+                notify: 0,
                 data,
             }
         }
@@ -595,7 +639,11 @@ impl HostCore {
             CommandKind::Portals
             | CommandKind::Ixpe
             | CommandKind::VeloOpen
-            | CommandKind::VeloSend => return (Status::BadRequest, 0),
+            | CommandKind::VeloSend
+            | CommandKind::RmaOpen
+            | CommandKind::RmaPut
+            | CommandKind::RmaGet
+            | CommandKind::RmaImmediate => return (Status::BadRequest, 0),
             CommandKind::PutInline => serve(&self.endpoints, &put(h, c, inline)),
             CommandKind::PutFrom => {
                 let src = match own(&self.endpoints) {
@@ -622,6 +670,7 @@ impl HostCore {
                         region: c.remote_region,
                         offset: c.remote_off,
                         len: c.len,
+                        notify: false,
                     },
                 ) {
                     TargetAction::StreamGet {
@@ -783,6 +832,15 @@ impl HostCore {
                 }
                 match serve(&self.endpoints, op) {
                     TargetAction::None => {}
+                    TargetAction::Reply(
+                        r @ Reply::PutAck {
+                            status: Status::Ok, ..
+                        },
+                    ) if matches!(op, OpRef::Put { notify: 1..=3, .. }) => {
+                        // An RMA put in place: its completer notification first, the
+                        // acknowledgement once that is written (a full queue holds it back).
+                        self.rma_completer(op, peer, r)
+                    }
                     TargetAction::Reply(r) => self.send_reply(now, peer, r),
                     TargetAction::StreamGet {
                         h,
@@ -791,6 +849,17 @@ impl HostCore {
                         len,
                         frag_base,
                     } => {
+                        // An RMA get's responder notification, once it has been served.
+                        let on_end = match op {
+                            OpRef::Get {
+                                h: g,
+                                region,
+                                offset,
+                                len,
+                                notify: true,
+                            } => Some(self.rma_responder(g, *region, *offset, *len)),
+                            _ => None,
+                        };
                         self.out[peer as usize].push_back(OutItem::Stream(Stream {
                             kind: StreamKind::GetReply,
                             h,
@@ -800,6 +869,7 @@ impl HostCore {
                             sent: 0,
                             started: false,
                             frag_base,
+                            on_end,
                         }));
                         self.drain_out(peer);
                     }
@@ -868,6 +938,7 @@ impl HostCore {
                     }
                 },
                 OutItem::Stream(st) => {
+                    let mut ended = None;
                     if matches!(st.kind, StreamKind::Put { .. })
                         && self.initiator.get(st.h.req).is_none()
                     {
@@ -891,6 +962,7 @@ impl HostCore {
                                 region,
                                 dst_off,
                                 lazy_ack,
+                                notify,
                             } => OpRef::Put {
                                 h: st.h,
                                 region,
@@ -899,6 +971,7 @@ impl HostCore {
                                 total_len: st.len,
                                 last,
                                 lazy_ack,
+                                notify: notify as u8,
                                 data,
                             },
                             StreamKind::GetReply => OpRef::GetReply {
@@ -945,6 +1018,7 @@ impl HostCore {
                                 st.sent += n as u64;
                                 st.started = true;
                                 if last {
+                                    ended = st.on_end.take();
                                     break;
                                 }
                             }
@@ -963,6 +1037,9 @@ impl HostCore {
                         }
                     }
                     self.out[p].pop_front();
+                    if let Some((job, rank, note)) = ended {
+                        self.rma_notify(job, rank, note, None);
+                    }
                 }
             }
         }

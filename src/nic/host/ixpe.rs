@@ -189,6 +189,7 @@ impl HostCore {
                     region: c.remote_region,
                     offset: c.remote_off,
                     len: per as u64,
+                    notify: false,
                 };
                 self.push_owned(host, &op, None);
                 continue;

@@ -14,6 +14,7 @@
 mod gemini;
 pub mod ixpe;
 mod portals;
+mod rma;
 mod sessions;
 mod velo;
 
@@ -47,6 +48,8 @@ pub struct HostStats {
     pub served_portals: u64,
     pub velo_sent: u64,
     pub velo_received: u64,
+    pub rma_ops: u64,
+    pub rma_notifications: u64,
     pub malformed_ops: u64,
     pub clients_attached: u64,
     pub clients_detached: u64,
@@ -102,6 +105,10 @@ pub struct HostCore {
     next_group: u64,
     /// VELO ports (mailboxes) of the attached processes, by (job, rank).
     velo: HashMap<(u32, u32), velo::VeloPort>,
+    /// RMA ports (notification queues) of the attached processes, by (job, rank).
+    rma: HashMap<(u32, u32), rma::RmaPort>,
+    /// RMA operations this host started, by (session, client request), until they complete.
+    rma_ops: HashMap<(u64, u64), rma::RmaOp>,
     /// The time of the latest input (for work the core does on its own, such as writing
     /// VELO messages that waited for room).
     now: u64,
@@ -144,6 +151,8 @@ impl HostCore {
             groups: HashMap::default(),
             next_group: 0,
             velo: HashMap::default(),
+            rma: HashMap::default(),
+            rma_ops: HashMap::default(),
             now: 0,
             stats: HostStats::default(),
         }
@@ -219,7 +228,8 @@ impl HostCore {
     /// come out of [`HostCore::poll_wake`].
     pub fn deliver_events(&mut self) -> bool {
         let velo = self.velo_flush();
-        self.ptl_mirror() | velo
+        let rma = self.rma_flush();
+        self.ptl_mirror() | velo | rma
     }
 
     /// The next completion for a session: (session, entry).
@@ -232,6 +242,9 @@ impl HostCore {
                 let Some(c) = self.through_group(c).filter(|c| c.client_req != 0) else {
                     continue;
                 };
+                if !self.rma_ops.is_empty() {
+                    self.rma_completed(&c);
+                }
                 let e = CqEntry {
                     client_req: c.client_req,
                     status: c.status as u32,
@@ -260,7 +273,8 @@ impl HostCore {
         let t = self.transport.next_timeout();
         // Messages wait for a mailbox to have room: look again soon (the receiver publishes
         // its read counter in memory, no doorbell).
-        if self.velo.values().any(|p| p.has_waiting()) {
+        if self.velo.values().any(|p| p.has_waiting()) || self.rma.values().any(|p| p.has_waiting())
+        {
             let again = self.now + VELO_RECHECK_NS;
             return Some(t.map_or(again, |t| t.min(again)));
         }
@@ -275,7 +289,7 @@ impl HostCore {
 
     /// Whether messages wait for a mailbox to have room (the simulation keeps time moving).
     pub fn has_waiting_messages(&self) -> bool {
-        self.velo.values().any(|p| p.has_waiting())
+        self.velo.values().any(|p| p.has_waiting()) || self.rma.values().any(|p| p.has_waiting())
     }
 
     /// Operations this host started and that have not completed.
@@ -327,6 +341,8 @@ impl HostCore {
             ("portals_served", s.served_portals.to_string()),
             ("velo_sent", s.velo_sent.to_string()),
             ("velo_received", s.velo_received.to_string()),
+            ("rma_ops", s.rma_ops.to_string()),
+            ("rma_notifications", s.rma_notifications.to_string()),
             ("local_ops", s.local_ops.to_string()),
             ("clients_attached_total", s.clients_attached.to_string()),
             ("clients_detached_total", s.clients_detached.to_string()),

@@ -108,6 +108,7 @@ impl HostCore {
         };
         self.portals.remove(&(s.job, s.rank));
         self.velo_close(s.job, s.rank);
+        self.rma_close(s.job, s.rank);
         self.endpoints.remove(s.job, s.rank);
         if let Some(e) = self.jobs.get_mut(&s.raw_job) {
             e.1 -= 1;
