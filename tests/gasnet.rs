@@ -14,7 +14,7 @@ use softnic::gasnet::{BarrierFlags, Category, Gasnet, GasnetError, Handle, Handl
 const ENV_SEG: (&str, &str) = ("SOFTNIC_SEGMENT", "4m");
 
 /// The conduits every test runs over.
-const CONDUITS: &[&str] = &["udp", "portals"];
+const CONDUITS: &[&str] = &["udp", "portals", "extoll"];
 
 fn run(test: &str, n: u32) {
     for conduit in CONDUITS {
@@ -639,8 +639,9 @@ fn long_payloads_up_to_the_maximum_both_ways() {
     }
     const H_LONG: u8 = 160;
     const H_LONG_BACK: u8 = 161;
-    // Requests land in the lower half of the 4 MiB segment, replies in the upper.
-    const UPPER: u64 = 2 << 20;
+    // Requests land in the lower half of the segment, replies in the upper.
+    let upper = Rc::new(std::cell::Cell::new(0u64));
+    let up = upper.clone();
     let pat = |len: usize, seed: u32| -> Vec<u8> {
         (0..len)
             .map(|i| ((i as u32 * 13 + seed * 101) % 253) as u8)
@@ -659,7 +660,7 @@ fn long_payloads_up_to_the_maximum_both_ways() {
         }
         // Send it back, Long too, to the requester's segment in the upper half.
         let copy = t.segment()[at..at + len].to_vec();
-        if let Err(e) = t.reply_long(H_LONG_BACK, &copy, m.offset + UPPER, &[seed, len as u32]) {
+        if let Err(e) = t.reply_long(H_LONG_BACK, &copy, m.offset + up.get(), &[seed, len as u32]) {
             b1.borrow_mut().push(format!("reply_long({len}): {e}"));
         }
     });
@@ -673,8 +674,9 @@ fn long_payloads_up_to_the_maximum_both_ways() {
         k.borrow_mut().push((m.args[0], m.payload.len()));
     });
     let mut g = Gasnet::init(vec![(H_LONG, on_request), (H_LONG_BACK, on_reply)]).unwrap();
-    let max = g.am_max_long_request();
-    assert_eq!(max, g.am_max_long_reply());
+    upper.set(g.segment().len() as u64 / 2);
+    let max = g.am_max_long_request().min(g.segment().len() / 2);
+    assert_eq!(g.am_max_long_request(), g.am_max_long_reply());
     if g.conduit_name() == "portals" {
         assert!(
             max >= 1 << 20,
@@ -710,7 +712,7 @@ fn long_payloads_up_to_the_maximum_both_ways() {
     expect.sort_unstable();
     assert_eq!(got, expect);
     assert!(matches!(
-        g.am_request_long(peer, H_LONG, &vec![0; max + 1], 0, &[0]),
+        g.am_request_long(peer, H_LONG, &vec![0; g.am_max_long_request() + 1], 0, &[0]),
         Err(GasnetError::TooLarge(_))
     ));
     g.barrier().unwrap();
@@ -721,6 +723,33 @@ fn long_payloads_up_to_the_maximum_both_ways() {
 /// senders stall on credit and borrow, and nothing reaches node 0's catch-basin; with credits
 /// off (`SOFTNIC_PORTALS_CREDITS=off`, a diagnostic) the catch-basin takes the overflow and
 /// the senders send it again.
+/// extoll's Longs go to 8 MiB, one RMA operation each: in a segment that holds them twice.
+#[test]
+fn extoll_longs_up_to_eight_mib() {
+    if in_job() {
+        return long_payloads_up_to_the_maximum_both_ways();
+    }
+    for args in [
+        &["--conduit", "extoll"][..],
+        &[
+            "--conduit",
+            "extoll",
+            "--fault-drop",
+            "0.1",
+            "--fault-duplicate",
+            "0.1",
+        ][..],
+    ] {
+        launch_ok_env(
+            "extoll_longs_up_to_eight_mib",
+            2,
+            2,
+            args,
+            &[("SOFTNIC_SEGMENT", "20m")],
+        );
+    }
+}
+
 #[test]
 fn a_flood_at_a_node_that_does_not_poll_is_flow_controlled() {
     const TEST: &str = "a_flood_at_a_node_that_does_not_poll_is_flow_controlled";

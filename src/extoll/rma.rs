@@ -150,6 +150,11 @@ impl Rma {
         Ok(Conn { rank, host })
     }
 
+    /// The region of this process with `nla`'s handle among those registered here.
+    pub fn nla_of(region: &MemRegion) -> u64 {
+        nla(region.handle.0, 0)
+    }
+
     /// Registers `len` bytes of fresh memory for remote access; its NLA names byte 0.
     /// Handles are assigned in registration order, so ranks registering alike get the same
     /// NLAs.
@@ -275,6 +280,11 @@ impl Rma {
         let w0 = self.queue.word(at).load(Ordering::Acquire);
         let w1 = self.queue.word(at + 8).load(Ordering::Relaxed);
         Notification::decode([w0, w1], phase(self.read, self.n))
+    }
+
+    /// Whether a notification waits (a look at memory, nothing taken).
+    pub fn has_notification(&self) -> bool {
+        self.peek().is_some()
     }
 
     /// The oldest notification not yet freed, if any (it stays until [`Rma::noti_free`]).

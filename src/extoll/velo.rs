@@ -66,6 +66,12 @@ impl Velo {
 
     /// Opens the port on an endpoint this process already holds (collective).
     pub fn open_on(ep: Shared) -> Result<Velo, VeloError> {
+        Self::open_with_credits(ep, env_u32("SOFTNIC_VELO_CREDITS", 64))
+    }
+
+    /// [`Velo::open_on`] with `credits` per destination (a layer sending messages of many
+    /// VELO messages each needs at least that many).
+    pub fn open_with_credits(ep: Shared, credits: u32) -> Result<Velo, VeloError> {
         let slot = env_u32("SOFTNIC_VELO_SLOT", 64);
         let nslots = env_u32("SOFTNIC_VELO_SLOTS", 1024);
         let geometry = Geometry::new(slot, nslots).ok_or_else(|| {
@@ -74,7 +80,7 @@ impl Velo {
                  bytes, a power of two of them, at least 4"
             ))
         })?;
-        let window = env_u32("SOFTNIC_VELO_CREDITS", 64).max(1);
+        let window = credits.max(1);
         let (mailbox, size) = {
             let mut e = ep.borrow_mut();
             let mailbox = e.mem_register(geometry.region_len() as usize, Perms(0))?;
@@ -124,6 +130,25 @@ impl Velo {
         self.geometry.max_message()
     }
 
+    /// Credits left towards `rank` (after taking the acknowledgements that came back).
+    pub fn credits(&mut self, rank: u32) -> u32 {
+        self.collect();
+        self.credits.get(rank as usize).copied().unwrap_or(0)
+    }
+
+    /// Whether messages sent are not yet known to be in their mailboxes (as of the last
+    /// acknowledgements taken).
+    pub fn unacknowledged(&self) -> bool {
+        self.credits.iter().any(|&c| c != self.window)
+    }
+
+    /// Whether the next message is in the mailbox (a look at memory, nothing taken).
+    pub fn has_message(&self) -> bool {
+        let g = self.geometry;
+        let at = g.slot_at(self.read) as usize;
+        read_status(&g, self.read, self.mailbox.word(at).load(Ordering::Acquire)).is_some()
+    }
+
     /// A connection to `rank`.
     pub fn connect(&self, rank: u32) -> Result<Conn, VeloError> {
         let host = self
@@ -134,8 +159,9 @@ impl Velo {
         Ok(Conn { rank, host })
     }
 
-    /// Takes the acknowledgements that came back: credits return, failures are kept.
-    fn collect(&mut self) {
+    /// Takes the acknowledgements that came back: credits return, failures are kept (and
+    /// reported by the next send).
+    pub fn collect(&mut self) {
         let mut ep = self.ep.borrow_mut();
         for (rank, status, _) in ep.take_noted() {
             if let Some(c) = self.credits.get_mut(rank as usize) {

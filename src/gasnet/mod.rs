@@ -33,7 +33,7 @@ pub enum GasnetError {
     Job(#[from] JobError),
     #[error("GASNet setup failed: {0}")]
     Setup(String),
-    #[error("unknown conduit {0:?}: available: portals, udp")]
+    #[error("unknown conduit {0:?}: available: portals, extoll, udp")]
     UnknownConduit(String),
     #[error("node {0} is not in this job")]
     BadNode(u32),
@@ -120,6 +120,7 @@ impl Gasnet {
         let conduit: Box<dyn Conduit> = match name.as_str() {
             "udp" => Box::new(conduit::udp::UdpConduit::new(&job, segment_from_env())?),
             "portals" => Box::new(conduit::portals::PortalsConduit::new(segment_from_env())?),
+            "extoll" => Box::new(conduit::extoll::ExtollConduit::new(segment_from_env())?),
             other => return Err(GasnetError::UnknownConduit(other.into())),
         };
         Self::attach(conduit, handlers)

@@ -343,6 +343,7 @@ impl HostCore {
             return;
         };
         if port.waiting.is_empty() && port.queue.write(&note) {
+            self.wake_process(job, rank);
             if let Some((peer, r)) = ack {
                 let now = self.now;
                 self.send_reply(now, peer, r);
@@ -371,15 +372,24 @@ impl HostCore {
             return false;
         }
         let mut acks = Vec::new();
-        for port in self.rma.values_mut().filter(|p| p.has_waiting()) {
+        let mut woken = Vec::new();
+        for (&(job, rank), port) in self.rma.iter_mut().filter(|(_, p)| p.has_waiting()) {
+            let mut wrote = false;
             while let Some((note, _)) = port.waiting.front() {
                 if !port.queue.write(note) {
                     break;
                 }
+                wrote = true;
                 acks.extend(port.waiting.pop_front().and_then(|(_, a)| a));
             }
+            if wrote {
+                woken.push((job, rank));
+            }
         }
-        let moved = !acks.is_empty();
+        let moved = !woken.is_empty();
+        for (job, rank) in woken {
+            self.wake_process(job, rank);
+        }
         let now = self.now;
         for (peer, r) in acks {
             self.send_reply(now, peer, r);

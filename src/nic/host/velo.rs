@@ -194,6 +194,7 @@ impl HostCore {
             return Err((Status::BadRequest, done));
         }
         if port.waiting.is_empty() && port.mailbox.deliver(src, tag, data) {
+            self.wake_process(job, dst);
             if let Done::Local { .. } = done {
                 self.velo_done(done, Status::Ok);
             }
@@ -239,19 +240,37 @@ impl HostCore {
             return false;
         }
         let mut written = Vec::new();
-        for port in self.velo.values_mut().filter(|p| p.has_waiting()) {
+        let mut woken = Vec::new();
+        for (&(job, rank), port) in self.velo.iter_mut().filter(|(_, p)| p.has_waiting()) {
+            let before = written.len();
             while let Some(w) = port.waiting.front() {
                 if !port.mailbox.deliver(w.src, w.tag, &w.data) {
                     break;
                 }
                 written.extend(port.waiting.pop_front().map(|w| w.done));
             }
+            if written.len() > before {
+                woken.push((job, rank));
+            }
+        }
+        for (job, rank) in woken {
+            self.wake_process(job, rank);
         }
         let moved = !written.is_empty();
         for done in written {
             self.velo_done(done, Status::Ok);
         }
         moved
+    }
+
+    /// Tells the driver that (job, rank)'s memory changed (so a sleeping process is woken).
+    pub(super) fn wake_process(&mut self, job: u32, rank: u32) {
+        if let Ok(ep) = self.endpoints.get(job, rank) {
+            let s = ep.session;
+            if self.wakes.last() != Some(&s) {
+                self.wakes.push(s);
+            }
+        }
     }
 
     /// A process leaves: its port goes, and whoever waits on a message for it learns so.

@@ -1,0 +1,445 @@
+//! The extoll conduit (seed 004): GASNet's Core over EXTOLL's two engines through the soft NIC.
+//! Short and Medium Active Messages go entirely over VELO; a Long's header goes over VELO and
+//! its payload as one RMA put into the destination's segment, raising a completer
+//! notification there.
+//!
+//! On the wire an AM is the Core's encoding (header, 0–16 arguments, payload) cut into VELO
+//! messages, in order, never interleaved with another AM of the same sender (`&mut self`: the
+//! seed's AMLOCK). The VELO tag marks the section a message carries: [`TAG_HEADER`] starts an
+//! AM (its first two bytes are the AM's length), [`TAG_HEADER_CONT`] continues the header and
+//! arguments, [`TAG_DATA`] carries a Medium's payload, one full slot each. The receiver
+//! reassembles per source (`gasnetc_am_header_recv` / `gasnetc_am_data_recv` in the seed).
+//!
+//! A Long's AM is delivered only once its payload is in place: its header arrives as an
+//! in-place Long, and waits for the completer notification of the put from the same source
+//! (both come in order per source, so they pair up first with first).
+//!
+//! Flow control: VELO's credits per destination. A request needs a credit for each of its
+//! messages, else `Ok(false)` and the Core polls; a reply waits for its credits, moving what
+//! arrives meanwhile out of the mailbox (to be handled later), so two nodes answering each
+//! other cannot wait on each other's full mailboxes.
+
+use std::collections::VecDeque;
+use std::time::Duration;
+
+use super::Conduit;
+use crate::extoll::rma::{Class, Rma, RmaRegion, NOTIFY_COMPLETER, NOTIFY_REQUESTER};
+use crate::extoll::velo::{Velo, VeloError};
+use crate::extoll::{Conn, Shared};
+use crate::gasnet::{am, GasnetError};
+
+/// The first VELO message of an AM (two bytes of length, then the AM's first bytes).
+pub const TAG_HEADER: u8 = 1;
+/// The rest of the header and arguments.
+pub const TAG_HEADER_CONT: u8 = 2;
+/// A Medium's payload.
+pub const TAG_DATA: u8 = 3;
+
+/// AMMaxMedium, as the seed's conduit.
+pub const MAX_MEDIUM: usize = 8192;
+/// AMMaxLong: one RMA operation (the seed gives none).
+pub const MAX_LONG: usize = 8 << 20;
+/// VELO credits per destination: a largest Medium takes 130 messages of 64 bytes.
+const CREDITS: u32 = 512;
+/// Messages handled per poll, so that one busy sender cannot keep a poll from returning.
+const POLL_BUDGET: usize = 512;
+
+/// An AM being reassembled from one source.
+#[derive(Default)]
+struct Partial {
+    total: usize,
+    buf: Vec<u8>,
+}
+
+pub struct ExtollConduit {
+    ep: Shared,
+    velo: Velo,
+    rma: Rma,
+    me: u32,
+    n: u32,
+    conns: Vec<Conn>,
+    seg: RmaRegion,
+    seg_len: usize,
+    /// Where Long payloads from outside the segment are staged (registered).
+    bounce: RmaRegion,
+    /// Long payload puts whose source was not read yet.
+    unread: u32,
+    partial: Vec<Partial>,
+    /// VELO messages taken out of the mailbox while a reply waited: (source, tag, bytes).
+    stash: VecDeque<(u32, u8, Vec<u8>)>,
+    /// Whole AMs to deliver (own ones, and those whose Long payload is in place).
+    ready: VecDeque<(u32, Vec<u8>)>,
+    /// Whole AMs per source, in arrival order, behind an in-place Long still waiting for its
+    /// payload's completer notification (each source's AMs are delivered in order).
+    queued: Vec<VecDeque<(bool, Vec<u8>)>>,
+    /// Completer notifications per source not yet paired with a Long header.
+    landed: Vec<u32>,
+    /// Wire form of the AM being sent.
+    wire: Vec<u8>,
+    pool: Vec<Vec<u8>>,
+}
+
+fn err(e: impl std::fmt::Display) -> GasnetError {
+    GasnetError::Setup(e.to_string())
+}
+
+fn velo_err(e: VeloError) -> GasnetError {
+    match e {
+        VeloError::SendFailed { rank, .. } => GasnetError::NodeDead(rank),
+        other => GasnetError::Wait(other.to_string()),
+    }
+}
+
+/// VELO messages the wire form of `len` bytes takes: two bytes of length in the first.
+fn messages(len: usize, max: usize) -> usize {
+    (len + 2).div_ceil(max)
+}
+
+impl ExtollConduit {
+    /// Attach: opens VELO and RMA on one endpoint, connects to every node, registers the
+    /// segment (the same NLA on every node: registered alike) and a bounce area.
+    pub fn new(segment_len: usize) -> Result<ExtollConduit, GasnetError> {
+        let ep = crate::client::Endpoint::init().map_err(err)?;
+        let ep: Shared = std::rc::Rc::new(std::cell::RefCell::new(ep));
+        let velo = Velo::open_with_credits(ep.clone(), CREDITS).map_err(err)?;
+        let mut rma = Rma::open_on(ep.clone()).map_err(err)?;
+        let seg = rma.register(segment_len.max(8)).map_err(err)?;
+        let bounce = rma.register(MAX_LONG).map_err(err)?;
+        let (me, n) = (velo.rank(), velo.size());
+        let conns = (0..n)
+            .map(|r| velo.connect(r).map_err(err))
+            .collect::<Result<Vec<_>, _>>()?;
+        ep.borrow_mut().barrier().map_err(err)?;
+        Ok(ExtollConduit {
+            ep,
+            velo,
+            rma,
+            me,
+            n,
+            conns,
+            seg,
+            seg_len: segment_len,
+            bounce,
+            unread: 0,
+            partial: (0..n).map(|_| Partial::default()).collect(),
+            stash: VecDeque::new(),
+            ready: VecDeque::new(),
+            queued: (0..n).map(|_| VecDeque::new()).collect(),
+            landed: vec![0; n as usize],
+            wire: Vec::new(),
+            pool: Vec::new(),
+        })
+    }
+
+    /// Sends an AM (and a Long's payload first) to `dest`; `Ok(false)`, nothing sent, when
+    /// `wait` is false and `dest` lacks the credits for all its messages.
+    fn send(
+        &mut self,
+        dest: u32,
+        am_bytes: &[u8],
+        long: Option<&[u8]>,
+        wait: bool,
+    ) -> Result<bool, GasnetError> {
+        if dest >= self.n {
+            return Err(GasnetError::BadNode(dest));
+        }
+        let mut wire = std::mem::take(&mut self.wire);
+        wire.clear();
+        wire.extend_from_slice(am_bytes);
+        if let Some(payload) = long {
+            let (h, _) = am::decode(am_bytes).ok_or(GasnetError::HandlerRule("malformed AM"))?;
+            let end = h.offset.checked_add(payload.len() as u64);
+            if end.is_none_or(|e| e > self.seg_len as u64) {
+                self.wire = wire;
+                return Err(GasnetError::OutOfSegment(h.offset, payload.len() as u64));
+            }
+            if dest == self.me {
+                // Our own segment: the Core places the payload as it delivers.
+                wire.extend_from_slice(payload);
+                self.ready.push_back((dest, wire.clone()));
+                self.wire = wire;
+                return Ok(true);
+            }
+            wire.resize(wire.len() + am::IN_PLACE_LEN, 0);
+            am::mark_in_place(&mut wire, payload.len() as u32, 0);
+        } else if dest == self.me {
+            self.ready.push_back((dest, wire.clone()));
+            self.wire = wire;
+            return Ok(true);
+        }
+        let max = self.velo.max_message();
+        let need = messages(wire.len(), max) as u32;
+        while self.velo.credits(dest) < need {
+            if !wait {
+                self.wire = wire;
+                return Ok(false);
+            }
+            self.stash_arrivals()?;
+            self.ep.borrow_mut().wait_any().map_err(err)?;
+        }
+        if let Some(payload) = long {
+            let r = self.put_long(dest, &wire, payload);
+            if let Err(e) = r {
+                self.wire = wire;
+                return Err(e);
+            }
+        }
+        let head =
+            am::decode(&wire).map_or(wire.len(), |(h, _)| am::encoded_len(h.nargs as usize, 0));
+        let r = self.send_messages(dest, &wire, head);
+        self.wire = wire;
+        r.map(|()| true)
+    }
+
+    /// The RMA put of a Long's payload into `dest`'s segment at the AM's offset. Returns once
+    /// the source has been read (its requester notification): AMRequestLong's source may be
+    /// reused as soon as the call returns. From the segment the NIC reads it in place; from
+    /// elsewhere it is staged in the bounce area first.
+    fn put_long(&mut self, dest: u32, wire: &[u8], payload: &[u8]) -> Result<(), GasnetError> {
+        let (h, _) = am::decode(wire).ok_or(GasnetError::HandlerRule("malformed AM"))?;
+        let conn = self.conns[dest as usize];
+        let dst = self.seg.nla_at(h.offset);
+        let len = payload.len() as u64;
+        let base = self.seg.mem.as_ptr() as usize;
+        let p = payload.as_ptr() as usize;
+        let (from, at) = if p >= base && p + payload.len() <= base + self.seg.mem.len() {
+            (self.seg.clone(), (p - base) as u64)
+        } else {
+            self.bounce.mem.bytes()[..payload.len()].copy_from_slice(payload);
+            (self.bounce.clone(), 0)
+        };
+        self.unread += 1;
+        self.rma
+            .post_put(
+                conn,
+                &from,
+                at,
+                dst,
+                len,
+                NOTIFY_REQUESTER | NOTIFY_COMPLETER,
+            )
+            .map_err(err)?;
+        while self.unread > 0 {
+            if !self.take_notifications()? {
+                self.stash_arrivals()?;
+                self.ep.borrow().client().yield_now();
+            }
+        }
+        Ok(())
+    }
+
+    /// The VELO messages of one AM's wire form: the first carries the length; the header and
+    /// arguments (`head` bytes) are tagged as such, the payload after them as data.
+    fn send_messages(&mut self, dest: u32, wire: &[u8], head: usize) -> Result<(), GasnetError> {
+        let conn = self.conns[dest as usize];
+        let max = self.velo.max_message();
+        let mut first = Vec::with_capacity(max);
+        first.extend_from_slice(&(wire.len() as u16).to_le_bytes());
+        let k = wire.len().min(max - 2);
+        first.extend_from_slice(&wire[..k]);
+        self.velo
+            .try_send(conn, &first, TAG_HEADER)
+            .map_err(velo_err)?;
+        let mut at = k;
+        while at < wire.len() {
+            let end = (at + max).min(wire.len());
+            let tag = if at < head { TAG_HEADER_CONT } else { TAG_DATA };
+            self.velo
+                .try_send(conn, &wire[at..end], tag)
+                .map_err(velo_err)?;
+            at = end;
+        }
+        Ok(())
+    }
+
+    /// Moves what the mailbox holds into the stash (a reply that waits must not run handlers,
+    /// and must not leave its own mailbox full either).
+    fn stash_arrivals(&mut self) -> Result<(), GasnetError> {
+        let mut buf = [0u8; 128];
+        while let Some((len, src, tag)) = self.velo.probe_recv(&mut buf).map_err(velo_err)? {
+            self.stash.push_back((src, tag, buf[..len].to_vec()));
+        }
+        Ok(())
+    }
+
+    /// Takes notifications: completers of Long payloads that landed here, requesters of our
+    /// staged puts; a failed put of ours is an error.
+    fn take_notifications(&mut self) -> Result<bool, GasnetError> {
+        let mut any = false;
+        while let Some(x) = self.rma.noti_probe() {
+            self.rma.noti_free();
+            any = true;
+            if let Err(e) = x.result() {
+                return Err(GasnetError::Wait(format!(
+                    "a Long's payload to node {} failed: {e}",
+                    x.peer
+                )));
+            }
+            match x.class {
+                Class::Completer => {
+                    if let Some(l) = self.landed.get_mut(x.peer as usize) {
+                        *l += 1;
+                    }
+                }
+                Class::Requester => self.unread = self.unread.saturating_sub(1),
+                Class::Responder => {}
+            }
+        }
+        Ok(any)
+    }
+
+    /// One VELO message from `src` into its AM; a whole AM goes to `ready` (or, an in-place
+    /// Long, behind its payload).
+    fn reassemble(&mut self, src: u32, tag: u8, data: &[u8]) {
+        let Some(p) = self.partial.get_mut(src as usize) else {
+            return;
+        };
+        if tag == TAG_HEADER {
+            if data.len() < 2 {
+                return;
+            }
+            p.total = u16::from_le_bytes([data[0], data[1]]) as usize;
+            p.buf = self.pool.pop().unwrap_or_default();
+            p.buf.clear();
+            p.buf.extend_from_slice(&data[2..]);
+        } else {
+            p.buf.extend_from_slice(data);
+        }
+        if p.buf.len() < p.total {
+            return;
+        }
+        let whole = std::mem::take(&mut p.buf);
+        p.total = 0;
+        let in_place_long =
+            am::decode(&whole).is_some_and(|(h, _)| h.category == am::Category::Long && h.in_place);
+        let q = &mut self.queued[src as usize];
+        if q.is_empty() && !in_place_long {
+            self.ready.push_back((src, whole));
+        } else {
+            q.push_back((in_place_long, whole));
+        }
+    }
+
+    /// AMs queued behind Long headers whose payloads have now landed become ready, in order.
+    fn pair_longs(&mut self) {
+        for src in 0..self.n as usize {
+            while let Some((long, _)) = self.queued[src].front() {
+                if *long {
+                    if self.landed[src] == 0 {
+                        break;
+                    }
+                    self.landed[src] -= 1;
+                }
+                let (_, whole) = self.queued[src].pop_front().expect("checked non-empty");
+                self.ready.push_back((src as u32, whole));
+            }
+        }
+    }
+}
+
+impl Conduit for ExtollConduit {
+    fn node(&self) -> u32 {
+        self.me
+    }
+
+    fn nodes(&self) -> u32 {
+        self.n
+    }
+
+    fn max_am(&self) -> usize {
+        am::encoded_len(am::MAX_ARGS, MAX_MEDIUM)
+    }
+
+    fn max_long(&self) -> usize {
+        MAX_LONG.min(self.seg_len)
+    }
+
+    fn segment(&mut self) -> &mut [u8] {
+        &mut self.seg.mem.bytes()[..self.seg_len]
+    }
+
+    fn name(&self) -> &'static str {
+        "extoll"
+    }
+
+    fn outgoing(&self) -> bool {
+        self.velo.unacknowledged() || self.unread > 0
+    }
+
+    fn request(&mut self, dest: u32, am: &[u8], long: Option<&[u8]>) -> Result<bool, GasnetError> {
+        self.send(dest, am, long, false)
+    }
+
+    fn reply(
+        &mut self,
+        dest: u32,
+        _reply_to: u64,
+        reply: Option<(&[u8], Option<&[u8]>)>,
+    ) -> Result<(), GasnetError> {
+        // VELO's credits are not the requests': a handler that does not reply owes nothing.
+        let Some((am, long)) = reply else {
+            return Ok(());
+        };
+        self.send(dest, am, long, true).map(|_| ())
+    }
+
+    fn recycle(&mut self, b: Vec<u8>) {
+        if self.pool.len() < 256 && b.capacity() <= 1 << 16 {
+            self.pool.push(b);
+        }
+    }
+
+    fn poll(
+        &mut self,
+        deliver: &mut dyn FnMut(u32, u64, Vec<u8>),
+        _done: &mut dyn FnMut(super::RmaDone),
+    ) -> Result<bool, GasnetError> {
+        let mut any = self.take_notifications()?;
+        self.velo.collect();
+        let mut budget = POLL_BUDGET;
+        while let Some((src, tag, data)) = self.stash.pop_front() {
+            self.reassemble(src, tag, &data);
+            any = true;
+            budget = budget.saturating_sub(1);
+        }
+        let mut buf = [0u8; 128];
+        while budget > 0 {
+            match self.velo.probe_recv(&mut buf).map_err(velo_err)? {
+                Some((len, src, tag)) => {
+                    self.reassemble(src, tag, &buf[..len]);
+                    any = true;
+                    budget -= 1;
+                }
+                None => break,
+            }
+        }
+        self.pair_longs();
+        while let Some((src, b)) = self.ready.pop_front() {
+            deliver(src, 0, b);
+            any = true;
+        }
+        if !any {
+            self.ep.borrow_mut().progress();
+        }
+        Ok(any)
+    }
+
+    fn wait_news(&mut self, max: Duration) -> Result<(), GasnetError> {
+        if !self.ready.is_empty() || !self.stash.is_empty() {
+            return Ok(());
+        }
+        let (velo, rma) = (&self.velo, &self.rma);
+        let ep = self.ep.borrow();
+        ep.client()
+            .sleep_until_news_unless(max, &|| velo.has_message() || rma.has_notification())
+            .map_err(|e| GasnetError::Wait(e.to_string()))
+    }
+
+    fn yield_now(&mut self) {
+        self.ep.borrow().client().yield_now();
+    }
+
+    fn off_nic_core(&mut self) -> bool {
+        self.ep.borrow().client().off_nic_core()
+    }
+}
