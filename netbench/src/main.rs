@@ -4,6 +4,7 @@
 //! every rank runs the benchmark and rank 0 reports.
 
 mod dmapp_bench;
+mod extoll_bench;
 mod gasnet_bench;
 mod gasnet_ra;
 mod gni_bench;
@@ -260,8 +261,13 @@ fn main() -> anyhow::Result<()> {
         .unwrap_or_else(|| "all".into());
     let want = |name: &str| sel == "all" || sel == name;
     anyhow::ensure!(
-        want("raw-udp") || want("raw-tcp") || want("gni") || want("dmapp") || want("portals"),
-        "unknown --conduit/--api {sel:?}: use raw-udp, raw-tcp, gni, dmapp, portals or all"
+        want("raw-udp")
+            || want("raw-tcp")
+            || want("gni")
+            || want("dmapp")
+            || want("extoll")
+            || want("portals"),
+        "unknown --conduit/--api {sel:?}: use raw-udp, raw-tcp, gni, dmapp, extoll, portals or all"
     );
     anyhow::ensure!(
         !matches!(args.bench, Bench::Amo | Bench::Strided | Bench::Nbrate) || want("dmapp"),
@@ -359,6 +365,9 @@ fn main() -> anyhow::Result<()> {
     }
     if want("dmapp") && ctx.job.size >= 2 {
         nic = run_dmapp(&args, &ctx, nic, max, &mut rows)?;
+    }
+    if (lat || bw || ra) && want("extoll") && ctx.job.size >= 2 {
+        nic = run_extoll(&args, &ctx, nic, max, (lat, bw, ra), &mut rows)?;
     }
     if (lat || bw) && want("portals") && ctx.job.size >= 2 {
         let mut portals = softnic::portals::Portals::from_endpoint(nic.into_endpoint());
@@ -458,6 +467,60 @@ fn run_dmapp(
     }
     d.barrier()?;
     Ok(d.into_nic()?)
+}
+
+/// The EXTOLL rows (VELO and RMA raw) on the job's NIC, which comes back for what follows.
+fn run_extoll(
+    args: &Args,
+    ctx: &Ctx,
+    nic: Nic,
+    max: usize,
+    (lat, bw, ra): (bool, bool, bool),
+    rows: &mut Vec<Row>,
+) -> anyhow::Result<Nic> {
+    let shared = std::rc::Rc::new(std::cell::RefCell::new(nic.into_endpoint()));
+    let max = max.min(softnic::nic::rma::MAX_OP as usize);
+    let mut ex = extoll_bench::Ex::open(shared.clone(), max)?;
+    let (lat_sizes, bw_sizes) = args.sizes();
+    if lat {
+        // VELO up to 8 KiB (back-to-back messages beyond one), RMA every size.
+        for &s in lat_sizes.iter().filter(|&&s| s <= 8192) {
+            rows.extend(extoll_bench::velo_pingpong(ctx, &mut ex, s)?);
+        }
+        for &s in &lat_sizes {
+            rows.extend(extoll_bench::rma_pingpong(ctx, &mut ex, s, false)?);
+        }
+        for &s in &lat_sizes {
+            rows.extend(extoll_bench::rma_get(ctx, &mut ex, s)?);
+        }
+        rows.extend(extoll_bench::rma_pingpong(ctx, &mut ex, 8, true)?);
+    }
+    if bw {
+        for &s in &bw_sizes {
+            rows.extend(extoll_bench::rma_bw(ctx, &mut ex, s)?);
+        }
+        for s in [8usize, ex.velo.max_message()] {
+            rows.extend(extoll_bench::velo_bw(ctx, &mut ex, s)?);
+        }
+    }
+    if ra && ctx.job.size.is_power_of_two() {
+        for (name, bucketed) in [("velo", false), ("velo-bucketed", true)] {
+            if args.ra_variant(name) {
+                rows.extend(extoll_bench::randomaccess(
+                    ctx,
+                    &mut ex,
+                    args.table_log2,
+                    !args.no_verify,
+                    bucketed,
+                )?);
+            }
+        }
+    }
+    drop(ex);
+    let ep = std::rc::Rc::try_unwrap(shared)
+        .map_err(|_| anyhow::anyhow!("the EXTOLL endpoint is still shared"))?
+        .into_inner();
+    Ok(Nic::from_endpoint(ep))
 }
 
 /// The GASNet rows: AM round trips, blocking put/get latency, put_nbi bandwidth.

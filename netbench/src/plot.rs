@@ -78,6 +78,36 @@ fn group(
     out
 }
 
+/// The extoll conduit's AM Medium round trip over two raw VELO half round trips, and the udp
+/// conduit's over two raw-udp ones, at each size both were measured.
+fn overhead(rows: &[Row]) -> Vec<Series> {
+    let half = |api: &str, op: &str, size: usize| {
+        rows.iter()
+            .find(|r| r.bench == "pingpong" && r.api == api && r.op == op && r.size == size)
+            .and_then(|r| r.lat_us)
+    };
+    let mut out = Vec::new();
+    for (conduit, raw_api, raw_op) in [("extoll", "extoll", "velo"), ("udp", "raw-udp", "pingpong")]
+    {
+        let mut points: Vec<(f64, f64)> = rows
+            .iter()
+            .filter(|r| r.bench == "am" && r.conduit == conduit && r.op == "am_medium")
+            .filter_map(|r| {
+                let raw = half(raw_api, raw_op, r.size)?;
+                Some(((r.size.max(1) as f64).log2(), r.lat_us? / (2.0 * raw)))
+            })
+            .collect();
+        points.sort_by(|a, b| a.0.total_cmp(&b.0));
+        if points.len() >= 2 {
+            out.push(Series {
+                name: format!("GASNet {conduit} over {raw_api} {raw_op}"),
+                points,
+            });
+        }
+    }
+    out
+}
+
 /// The compare run's figures.
 pub fn figures(rows: &[Row]) -> Vec<Figure> {
     let log2 = |r: &Row| (r.size.max(1) as f64).log2();
@@ -110,6 +140,33 @@ pub fn figures(rows: &[Row]) -> Vec<Figure> {
             x_size: true,
             log_y: false,
             series: group(rows, |r| r.bench == "bw", |r| r.mb_s.map(|b| (log2(r), b))),
+        },
+        Figure {
+            stem: "velo_rma",
+            title: "EXTOLL VELO and RMA latency (half round trip), beside gni put and raw UDP",
+            x_desc: "message size (bytes)",
+            y_desc: "median latency (µs)",
+            x_size: true,
+            log_y: true,
+            series: group(
+                rows,
+                |r| {
+                    r.bench == "pingpong"
+                        && ((r.api == "extoll" && matches!(r.op.as_str(), "velo" | "put"))
+                            || (r.api == "gni" && r.op == "put")
+                            || r.api == "raw-udp")
+                },
+                lat,
+            ),
+        },
+        Figure {
+            stem: "extoll_overhead",
+            title: "Conduit overhead over its raw network (AM round trip / 2 half round trips; seed 004 Fig. 11)",
+            x_desc: "payload (bytes)",
+            y_desc: "× raw",
+            x_size: true,
+            log_y: false,
+            series: overhead(rows),
         },
         Figure {
             stem: "dmapp_nbrate",

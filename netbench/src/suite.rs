@@ -31,7 +31,7 @@ pub struct Step {
 }
 
 /// The GASNet conduits, in the order compare runs them.
-const GASNET_CONDUITS: [&str; 2] = ["udp", "portals"];
+const GASNET_CONDUITS: [&str; 3] = ["udp", "portals", "extoll"];
 
 /// Whether the local default's daemons use the packet transport here.
 fn local_packet() -> bool {
@@ -68,7 +68,7 @@ fn plan_for(args: &Args, packet: bool) -> anyhow::Result<Vec<Step>> {
         None | Some("all") => GASNET_CONDUITS.to_vec(),
         Some(c) if GASNET_CONDUITS.contains(&c) => vec![c],
         Some(c) if api == "gasnet" => {
-            anyhow::bail!("unknown GASNet conduit {c:?}: use udp, portals or all")
+            anyhow::bail!("unknown GASNet conduit {c:?}: use udp, portals, extoll or all")
         }
         Some(_) => vec![],
     };
@@ -337,9 +337,11 @@ mod tests {
             "compare all ×2",
             "compare gasnet/udp ×2",
             "compare gasnet/portals ×2",
+            "compare gasnet/extoll ×2",
             "randomaccess all ×4",
             "randomaccess gasnet/udp ×4",
             "randomaccess gasnet/portals ×4",
+            "randomaccess gasnet/extoll ×4",
             "bw dmapp ×4",
             "bw dmapp ×8",
             "amo dmapp ×4",
@@ -347,14 +349,14 @@ mod tests {
         ];
         assert_eq!(labels("netbench compare --ranks 2 --ra-ranks 2,4"), udp);
         let packet = labels_for("netbench compare --ranks 2 --ra-ranks 2,4", true);
-        assert_eq!(packet[..3], udp[..3]);
+        assert_eq!(packet[..4], udp[..4]);
         assert_eq!(
-            packet[3],
+            packet[4],
             "pingpong gasnet/portals ×2 over the udp transport"
         );
-        assert_eq!(packet[4..], udp[3..]);
+        assert_eq!(packet[5..], udp[4..]);
         let args = Args::try_parse_from(["netbench", "compare"]).unwrap();
-        let s = &plan_for(&args, true).unwrap()[3];
+        let s = &plan_for(&args, true).unwrap()[4];
         assert_eq!(s.transport, Some(softnic::config::TransportKind::Udp));
     }
 
@@ -387,7 +389,11 @@ mod tests {
     fn gasnet_conduit_all_is_one_job_per_conduit() {
         assert_eq!(
             labels("netbench am --api gasnet --conduit all"),
-            ["am gasnet/udp ×2", "am gasnet/portals ×2"]
+            [
+                "am gasnet/udp ×2",
+                "am gasnet/portals ×2",
+                "am gasnet/extoll ×2"
+            ]
         );
         assert_eq!(
             labels("netbench bw --api gasnet --conduit portals"),

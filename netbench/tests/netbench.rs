@@ -49,9 +49,12 @@ fn randomaccess_verifies_with_zero_errors() {
     ]);
     assert_eq!(
         rows.len(),
-        3,
-        "one row per variant: gni's two, dmapp's AXOR nbi"
+        5,
+        "one row per variant: gni's two, dmapp's AXOR nbi, extoll's velo and velo-bucketed"
     );
+    assert!(rows
+        .iter()
+        .any(|r| r["api"] == "extoll" && r["variant"] == "velo-bucketed"));
     assert!(rows
         .iter()
         .any(|r| r["api"] == "dmapp" && r["variant"] == "axor-nbi"));
@@ -236,8 +239,10 @@ fn compare_covers_every_api_and_conduit_and_draws_the_figures() {
         ("raw-tcp", "raw-tcp"),
         ("gni", "gni"),
         ("dmapp", "dmapp"),
+        ("extoll", "extoll"),
         ("portals", "portals"),
         ("gasnet", "udp"),
+        ("gasnet", "extoll"),
         ("gasnet", "portals"),
     ] {
         assert!(
@@ -246,7 +251,7 @@ fn compare_covers_every_api_and_conduit_and_draws_the_figures() {
         );
         assert!(has(api, conduit, "bw"), "no {api}/{conduit} bandwidth row");
     }
-    for conduit in ["udp", "portals"] {
+    for conduit in ["udp", "portals", "extoll"] {
         assert!(has("gasnet", conduit, "am"), "no {conduit} AM row");
         for ranks in [2, 4] {
             assert!(
@@ -282,6 +287,8 @@ fn compare_covers_every_api_and_conduit_and_draws_the_figures() {
         "dmapp_nbrate",
         "dmapp_strided",
         "dmapp_amo",
+        "velo_rma",
+        "extoll_overhead",
     ] {
         for ext in ["svg", "png"] {
             let p = dir.join(format!("{stem}.{ext}"));
