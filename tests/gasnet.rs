@@ -420,6 +420,31 @@ fn portals_conduit_under_datagram_loss() {
     );
 }
 
+/// The same suites over the extoll conduit with the daemons dropping 10% of datagrams and
+/// duplicating 10%: results stay exact.
+#[test]
+fn extoll_conduit_under_datagram_loss() {
+    assert!(!in_job(), "this test only launches the others by name");
+    let faults = [
+        "--conduit",
+        "extoll",
+        "--fault-drop",
+        "0.1",
+        "--fault-duplicate",
+        "0.1",
+        "--fault-seed",
+        "13",
+    ];
+    for (test, n) in [
+        ("active_messages_every_category_and_argument_count", 4),
+        ("put_get_sizes_offsets_and_handles", 2),
+        ("barriers_with_ids_anonymous_and_mismatch", 8),
+        ("floods_of_requests_both_ways_without_polling_all_arrive", 2),
+    ] {
+        launch_ok_env(test, n, 2, &faults, &[ENV_SEG]);
+    }
+}
+
 /// The portals conduit's suites across two network-namespace hosts, each with its own
 /// softnicd, the kernel dropping one incoming UDP datagram in ten (a lossy LAN, not the
 /// daemons' own fault injection): results stay exact and no peer is declared dead.
@@ -835,4 +860,52 @@ fn senders_that_leave_at_once_still_deliver_everything() {
         return launch_ok_env(TEST, 4, 2, &["--conduit", "portals"], &off);
     }
     flood_node_zero(300);
+}
+
+/// extoll: every argument count with Medium payloads around the room the first VELO message
+/// leaves (62 bytes after the length, minus header and arguments), up to 8192 B; 8193 is too
+/// large.
+#[test]
+fn extoll_medium_sizes_around_the_message_boundaries() {
+    if !in_job() {
+        return launch_ok_env(
+            "extoll_medium_sizes_around_the_message_boundaries",
+            2,
+            2,
+            &["--conduit", "extoll"],
+            &[ENV_SEG],
+        );
+    }
+    let got = Rc::new(RefCell::new(Vec::<(Vec<u32>, Vec<u8>)>::new()));
+    let g1 = got.clone();
+    let h: Handler = Box::new(move |_: &mut Token<'_>, m: Msg<'_>| {
+        g1.borrow_mut().push((m.args.to_vec(), m.payload.to_vec()));
+    });
+    let mut g = Gasnet::init(vec![(170, h)]).unwrap();
+    assert_eq!(g.am_max_medium(), 8192);
+    let peer = (g.mynode() + 1) % g.nodes();
+    let mut want = Vec::new();
+    for nargs in 0..=16usize {
+        let room = 62i64 - 12 - 4 * nargs as i64;
+        let mut sizes: Vec<usize> = vec![0, 1, 8192];
+        for d in [-1i64, 0, 1] {
+            if room + d >= 0 {
+                sizes.push((room + d) as usize);
+            }
+        }
+        for s in sizes {
+            let args: Vec<u32> = (0..nargs as u32).map(|k| k * 3 + s as u32).collect();
+            let payload: Vec<u8> = (0..s).map(|i| (i * 7 + nargs) as u8).collect();
+            g.am_request_medium(peer, 170, &payload, &args).unwrap();
+            want.push((args, payload));
+        }
+    }
+    assert!(matches!(
+        g.am_request_medium(peer, 170, &vec![0; 8193], &[0; 16]),
+        Err(GasnetError::TooLarge(_))
+    ));
+    let (k, n) = (got.clone(), want.len());
+    g.block_until(|| k.borrow().len() == n).unwrap();
+    g.barrier().unwrap();
+    assert_eq!(*got.borrow(), want, "every message, whole and in order");
 }

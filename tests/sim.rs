@@ -718,3 +718,157 @@ fn vector_and_pe_strided_operations_survive_loss() {
     assert_eq!((done.len(), done[0].client_req), (1, 9));
     assert_eq!(done[0].status, Status::BadRequest as u32);
 }
+
+/// EXTOLL's engines over the lossy simulated network: VELO messages of every size from rank 0
+/// to rank 3's mailbox arrive once and in order, wrapping its ring (the phase flips), two-slot
+/// messages whole; RMA puts and gets raise each notification where it belongs, once; a bad
+/// NLA fails with an error notification at the origin and leaves the target untouched; more
+/// than 8 MiB is refused.
+#[test]
+fn velo_and_rma_engines_under_loss() {
+    use softnic::nic::rma::{self, Class, Cmd, Notification};
+    use softnic::nic::velo::{self, Geometry};
+    let mut c = SimCluster::new(NHOSTS, cfg(), lossy(77));
+    let regions = attach_job(&mut c, JOB);
+    // Rank 3's mailbox (16 slots of 64 B) and every rank's notification queue (32 entries).
+    let g = Geometry::new(64, 16).unwrap();
+    let mailbox = Region::new(HeapBacking::new(g.region_len() as usize), Perms(0));
+    let h3 = c.register(HOST_OF[3], session(3), mailbox.clone()).unwrap();
+    let mut open = cmd(CommandKind::VeloOpen, 1, 3);
+    (open.local_region, open.operand, open.operand2) = (h3, 64, 16);
+    c.submit(HOST_OF[3], session(3), open, &[]);
+    let queues: Vec<Region> = (0..4u32)
+        .map(|r| {
+            let q = Region::new(HeapBacking::new(rma::queue_len(32) as usize), Perms(0));
+            let h = c
+                .register(HOST_OF[r as usize], session(r), q.clone())
+                .unwrap();
+            let mut o = cmd(CommandKind::RmaOpen, 2, r);
+            (o.local_region, o.operand) = (h, 32);
+            c.submit(HOST_OF[r as usize], session(r), o, &[]);
+            q
+        })
+        .collect();
+    c.run_until(10_000_000_000, |c| {
+        (0..4).all(|r| c.completions(session(r)).len() > (r == 3) as usize)
+    })
+    .expect("ports open");
+    for r in 0..4 {
+        assert!(c
+            .take_completions(session(r))
+            .iter()
+            .all(|e| e.status == Status::Ok as u32));
+    }
+    // 40 messages (more than the ring holds: rank 3 reads as they come).
+    let mut read = 0u64;
+    let mut got: Vec<Vec<u8>> = Vec::new();
+    for k in 0..40u64 {
+        let len = (k as usize * 5) % 65;
+        let data: Vec<u8> = (0..len).map(|i| (k as usize + i) as u8).collect();
+        let mut s = cmd(CommandKind::VeloSend, 100 + k, 3);
+        (s.len, s.operand) = (len as u64, k % 256);
+        c.submit(HOST_OF[0], session(0), s, &data);
+        c.run_until(10_000_000_000, |c| {
+            c.completions(session(0)).len() as u64 > k
+        })
+        .expect("delivered");
+        let w = mailbox
+            .atomic(g.slot_at(read), Perms(0))
+            .unwrap()
+            .load(Ordering::Acquire);
+        let st = velo::read_status(&g, read, w).expect("a fresh slot");
+        assert_eq!((st.src, st.tag as u64, st.len), (0, k, len));
+        let mut m = mailbox.to_vec(g.slot_at(read) + 8, len.min(56));
+        if st.kind == velo::FIRST_OF_TWO {
+            m.extend(mailbox.to_vec(g.slot_at(read + 1) + 8, len - 56));
+            read += 1;
+        }
+        read += 1;
+        mailbox
+            .atomic(0, Perms(0))
+            .unwrap()
+            .store(read, Ordering::Release);
+        got.push(m);
+        assert_eq!(got[k as usize], data, "message {k}");
+    }
+    assert!(c
+        .take_completions(session(0))
+        .iter()
+        .all(|e| e.status == Status::Ok as u32));
+    // RMA: rank 0 puts 20 KiB of its SRC pattern to rank 2 at GET_AT, notifying both sides;
+    // then gets it back from there into its own GET_AT + 32 KiB with all three notifications.
+    let note_at = |q: &Region, i: u64| {
+        let at = rma::entry_at(i, 32);
+        let w = [
+            q.atomic(at, Perms(0)).unwrap().load(Ordering::Acquire),
+            q.atomic(at + 8, Perms(0)).unwrap().load(Ordering::Acquire),
+        ];
+        Notification::decode(w, rma::phase(i, 32))
+    };
+    let mut put = cmd(CommandKind::RmaPut, 200, 2);
+    (put.local_off, put.remote_off, put.len) = (SRC, GET_AT, SRC_LEN);
+    put.operand = (rma::NOTIFY_REQUESTER | rma::NOTIFY_COMPLETER) as u64;
+    c.submit(HOST_OF[0], session(0), put, &[]);
+    c.run_until(10_000_000_000, |c| !c.completions(session(0)).is_empty())
+        .expect("the put completes");
+    assert_eq!(c.take_completions(session(0))[0].status, Status::Ok as u32);
+    assert_eq!(
+        regions[2].to_vec(GET_AT, SRC_LEN as usize),
+        regions[0].to_vec(SRC, SRC_LEN as usize)
+    );
+    let req = note_at(&queues[0], 0).expect("requester at the origin");
+    assert_eq!(
+        (req.class, req.cmd, req.peer, req.nla),
+        (Class::Requester, Cmd::Put, 2, rma::nla(0, SRC))
+    );
+    let comp = note_at(&queues[2], 0).expect("completer at the target");
+    assert_eq!(
+        (comp.class, comp.peer, comp.len as u64, comp.nla),
+        (Class::Completer, 0, SRC_LEN, rma::nla(0, GET_AT))
+    );
+    assert!(note_at(&queues[2], 1).is_none(), "once");
+    let mut get = cmd(CommandKind::RmaGet, 201, 2);
+    (get.local_off, get.remote_off, get.len) = (GET_AT + (32 << 10), GET_AT, SRC_LEN);
+    get.operand = (rma::NOTIFY_REQUESTER | rma::NOTIFY_COMPLETER | rma::NOTIFY_RESPONDER) as u64;
+    c.submit(HOST_OF[0], session(0), get, &[]);
+    c.run_until(10_000_000_000, |c| !c.completions(session(0)).is_empty())
+        .expect("the get completes");
+    assert_eq!(
+        regions[0].to_vec(GET_AT + (32 << 10), SRC_LEN as usize),
+        regions[0].to_vec(SRC, SRC_LEN as usize)
+    );
+    let classes: Vec<Class> = (1..3)
+        .map(|i| note_at(&queues[0], i).unwrap().class)
+        .collect();
+    assert_eq!(classes, [Class::Requester, Class::Completer]);
+    assert_eq!(note_at(&queues[2], 1).unwrap().class, Class::Responder);
+    // A bad NLA: error completer at the origin, the target untouched; 8 MiB + 1: refused.
+    c.take_completions(session(0));
+    let before = regions[2].to_vec(0, REGION);
+    let mut bad = cmd(CommandKind::RmaPut, 202, 2);
+    (bad.local_off, bad.remote_off, bad.len) = (SRC, REGION as u64 - 8, 64);
+    bad.operand = rma::NOTIFY_COMPLETER as u64;
+    c.submit(HOST_OF[0], session(0), bad, &[]);
+    let mut huge = cmd(CommandKind::RmaPut, 203, 2);
+    huge.len = rma::MAX_OP + 1;
+    c.submit(HOST_OF[0], session(0), huge, &[]);
+    c.run_until(10_000_000_000, |c| c.completions(session(0)).len() == 2)
+        .expect("both answered");
+    let done = c.take_completions(session(0));
+    assert_eq!(
+        done[0].status,
+        Status::BadRequest as u32,
+        "over 8 MiB refused at once"
+    );
+    assert_eq!(done[1].status, Status::OutOfBounds as u32);
+    let err = note_at(&queues[0], 3).expect("an error notification");
+    assert_eq!(
+        (err.class, err.status()),
+        (Class::Completer, Status::OutOfBounds)
+    );
+    assert_eq!(regions[2].to_vec(0, REGION), before, "target untouched");
+    assert!(
+        note_at(&queues[2], 2).is_none(),
+        "nothing raised at the target"
+    );
+}
