@@ -102,24 +102,19 @@ impl Rma {
                 "SOFTNIC_RMA_NOTIFICATIONS={n}: a power of two, at least 4"
             )));
         }
-        let queue = {
-            let mut e = ep.borrow_mut();
-            let queue = e.mem_register(queue_len(n) as usize, Perms(0))?;
-            let cmd = Command {
-                kind: CommandKind::RmaOpen,
-                local_region: queue.handle.0,
-                operand: n,
-                ..Default::default()
-            };
-            let (status, _) = e.call_raw(cmd, &[])?;
-            if status != Status::Ok as u32 {
+        let cmd = Command {
+            kind: CommandKind::RmaOpen,
+            operand: n,
+            ..Default::default()
+        };
+        let queue = match super::open_port(&ep, queue_len(n) as usize, cmd) {
+            Ok(q) => q,
+            Err(super::PortError::Nic(e)) => return Err(e.into()),
+            Err(super::PortError::Refused(s)) => {
                 return Err(RmaError::Open(format!(
-                    "the NIC refused it: {:?} (a port is open already?)",
-                    Status::from_u32(status)
-                )));
+                    "the NIC refused it: {s:?} (a port is open already?)"
+                )))
             }
-            e.barrier()?;
-            queue
         };
         Ok(Rma {
             ep,
@@ -148,11 +143,6 @@ impl Rma {
             .rank_host(rank)
             .map_err(|_| RmaError::NoSuchRank(rank))?;
         Ok(Conn { rank, host })
-    }
-
-    /// The region of this process with `nla`'s handle among those registered here.
-    pub fn nla_of(region: &MemRegion) -> u64 {
-        nla(region.handle.0, 0)
     }
 
     /// Registers `len` bytes of fresh memory for remote access; its NLA names byte 0.

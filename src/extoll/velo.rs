@@ -13,7 +13,6 @@ use std::sync::atomic::Ordering;
 
 use super::{Conn, Shared};
 use crate::client::{wait_until, Endpoint, MemRegion, NicError};
-use crate::nic::memory::Perms;
 use crate::nic::velo::{read_status, Geometry, FIRST_OF_TWO, SECOND};
 use crate::shm::{Command, CommandKind, CMD_LAZY};
 use crate::wire::Status;
@@ -81,26 +80,22 @@ impl Velo {
             ))
         })?;
         let window = credits.max(1);
-        let (mailbox, size) = {
-            let mut e = ep.borrow_mut();
-            let mailbox = e.mem_register(geometry.region_len() as usize, Perms(0))?;
-            let cmd = Command {
-                kind: CommandKind::VeloOpen,
-                local_region: mailbox.handle.0,
-                operand: slot as u64,
-                operand2: nslots as u64,
-                ..Default::default()
-            };
-            let (status, _) = e.call_raw(cmd, &[])?;
-            if status != Status::Ok as u32 {
-                return Err(VeloError::Open(format!(
-                    "the NIC refused it: {:?} (a port is open already?)",
-                    Status::from_u32(status)
-                )));
-            }
-            e.barrier()?;
-            (mailbox, e.size())
+        let cmd = Command {
+            kind: CommandKind::VeloOpen,
+            operand: slot as u64,
+            operand2: nslots as u64,
+            ..Default::default()
         };
+        let mailbox = match super::open_port(&ep, geometry.region_len() as usize, cmd) {
+            Ok(m) => m,
+            Err(super::PortError::Nic(e)) => return Err(e.into()),
+            Err(super::PortError::Refused(s)) => {
+                return Err(VeloError::Open(format!(
+                    "the NIC refused it: {s:?} (a port is open already?)"
+                )))
+            }
+        };
+        let size = ep.borrow().size();
         Ok(Velo {
             ep,
             mailbox,

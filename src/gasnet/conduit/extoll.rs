@@ -440,6 +440,9 @@ impl Conduit for ExtollConduit {
     }
 
     fn off_nic_core(&mut self) -> bool {
-        self.ep.borrow().client().off_nic_core()
+        // Leave the NIC's core, but never claim the long spin of a one-operation wait: put and
+        // get here are Active Messages, whose target process needs a core to answer them.
+        self.ep.borrow().client().off_nic_core();
+        false
     }
 }

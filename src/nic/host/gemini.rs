@@ -279,19 +279,8 @@ impl HostCore {
             return Flow::Done;
         }
         let host = c.host;
-        match self.transport.can_push(host) {
-            Err(PushError::Full(_)) => return Flow::Backpressure,
-            Err(_) => {
-                self.complete(session, c.client_req, Status::PeerDead, lost(c.host));
-                return Flow::Done;
-            }
-            Ok(()) => {}
-        }
-        if self.out[host as usize]
-            .iter()
-            .any(|it| it.owner() == Some((h.job, h.src_rank)))
-        {
-            return Flow::Backpressure;
+        if let Err(flow) = self.may_send(host, (h.job, h.src_rank), session, c.client_req) {
+            return flow;
         }
         let pending = |kind| Pending {
             started: now,
@@ -571,6 +560,34 @@ impl HostCore {
                 None
             }
         }
+    }
+
+    /// Whether process (job, rank)'s next operation to `host` may go now. `Err(Backpressure)`
+    /// while the transport is full or the process's own earlier items still wait for that
+    /// host (order is per process); `Err(Done)` once the operation has been failed because
+    /// `host` is dead.
+    pub(super) fn may_send(
+        &mut self,
+        host: u16,
+        owner: (u32, u32),
+        session: u64,
+        client_req: u64,
+    ) -> Result<(), Flow> {
+        match self.transport.can_push(host) {
+            Err(PushError::Full(_)) => return Err(Flow::Backpressure),
+            Err(_) => {
+                self.complete(session, client_req, Status::PeerDead, lost(host));
+                return Err(Flow::Done);
+            }
+            Ok(()) => {}
+        }
+        if self.out[host as usize]
+            .iter()
+            .any(|it| it.owner() == Some(owner))
+        {
+            return Err(Flow::Backpressure);
+        }
+        Ok(())
     }
 
     /// The landing place of a vector get: this client's own region (mapped or reached by

@@ -12,10 +12,9 @@ use crate::nic::rma::{
     NOTIFY_RESPONDER,
 };
 use crate::shm::{Command, CommandKind};
-use crate::transport::PushError;
 use crate::wire::{OpHeader, OpRef, Status};
 
-use super::gemini::{lost, put_fragments, OutItem, Stream};
+use super::gemini::{put_fragments, OutItem, Stream};
 use super::{Flow, HostCore};
 
 /// Notifications one queue may hold back (beyond, its writers misbehave).
@@ -143,25 +142,14 @@ impl HostCore {
         if host == self.index {
             return self.rma_local(session, c, inline, h, op, requester);
         }
-        match self.transport.can_push(host) {
-            Err(PushError::Full(_)) => return Flow::Backpressure,
-            Err(_) => {
-                self.rma_ops.insert((session, c.client_req), op);
-                self.completions.push(Completion {
-                    session,
-                    client_req: c.client_req,
-                    status: Status::PeerDead,
-                    value: lost(host),
-                });
-                return Flow::Done;
+        // Known before the check, so that failing it (a dead host) raises its notification.
+        let key = (session, c.client_req);
+        self.rma_ops.insert(key, op);
+        if let Err(flow) = self.may_send(host, (job, rank), session, c.client_req) {
+            if flow == Flow::Backpressure {
+                self.rma_ops.remove(&key);
             }
-            Ok(()) => {}
-        }
-        if self.out[host as usize]
-            .iter()
-            .any(|it| it.owner() == Some((job, rank)))
-        {
-            return Flow::Backpressure;
+            return flow;
         }
         let kind = match (&local, cmd) {
             (Some(r), Cmd::Get) => PendingKind::Get {
@@ -180,7 +168,6 @@ impl HostCore {
         });
         let h = OpHeader { req, ..h };
         let wants = |f: u8| notify & f != 0;
-        self.rma_ops.insert((session, c.client_req), op);
         match (cmd, local) {
             (Cmd::Get, _) => {
                 let op = OpRef::Get {

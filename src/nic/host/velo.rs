@@ -9,7 +9,6 @@ use std::collections::VecDeque;
 use crate::nic::gemini::{reply_header, Pending, PendingKind, Reply};
 use crate::nic::velo::{Geometry, Mailbox};
 use crate::shm::{Command, CMD_LAZY};
-use crate::transport::PushError;
 use crate::wire::{OpHeader, OpRef, Status};
 
 use super::{Flow, HostCore};
@@ -99,24 +98,8 @@ impl HostCore {
             return Flow::Done;
         }
         let host = c.host;
-        match self.transport.can_push(host) {
-            Err(PushError::Full(_)) => return Flow::Backpressure,
-            Err(_) => {
-                self.complete(
-                    session,
-                    c.client_req,
-                    Status::PeerDead,
-                    super::gemini::lost(host),
-                );
-                return Flow::Done;
-            }
-            Ok(()) => {}
-        }
-        if self.out[host as usize]
-            .iter()
-            .any(|it| it.owner() == Some((job, rank)))
-        {
-            return Flow::Backpressure;
+        if let Err(flow) = self.may_send(host, (job, rank), session, c.client_req) {
+            return flow;
         }
         let req = self.initiator.start(Pending {
             session,
