@@ -189,7 +189,9 @@ impl Velo {
         if r >= self.credits.len() {
             return Err(VeloError::NoSuchRank(conn.rank));
         }
-        if self.credits[r] == 0 {
+        // Take returned credits before they run low: the acknowledgements may stay lazy (riding
+        // on other traffic) while half the window is left, and the noted list stays short.
+        if self.credits[r] <= self.window / 2 {
             self.collect();
         }
         self.report_failure()?;
