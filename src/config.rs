@@ -604,6 +604,19 @@ fn parse_hex_key(s: &str) -> Option<Key> {
     Some(Key(k))
 }
 
+/// A byte count as environment knobs spell it: digits with an optional k, m or g suffix
+/// (either case, powers of 1024), as GASNet reads its sizes. `None` when it does not parse.
+pub fn parse_size(s: &str) -> Option<u64> {
+    let v = s.trim().to_ascii_lowercase();
+    let (n, m) = match v.chars().last() {
+        Some('k') => (&v[..v.len() - 1], 1u64 << 10),
+        Some('m') => (&v[..v.len() - 1], 1 << 20),
+        Some('g') => (&v[..v.len() - 1], 1 << 30),
+        _ => (&v[..], 1),
+    };
+    n.trim().parse::<u64>().ok()?.checked_mul(m)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

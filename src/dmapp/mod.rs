@@ -265,33 +265,17 @@ impl Reqs {
 /// Bit of a [`SyncId`] that marks a group (one id for the requests of a PE-strided call).
 const GROUP: u64 = 1 << 62;
 
+/// A size from the environment (`64M`, `512K`, `1G`), `default` when unset.
 fn size_env(name: &str, default: u64) -> Result<u64, DmappError> {
     let Ok(v) = std::env::var(name) else {
         return Ok(default);
     };
-    let t = v.trim();
-    let (num, mul) = match t.char_indices().last() {
-        Some((i, c)) if c.is_ascii_alphabetic() => {
-            let mul = match c.to_ascii_uppercase() {
-                'K' => 1u64 << 10,
-                'M' => 1 << 20,
-                'G' => 1 << 30,
-                _ => 0,
-            };
-            (&t[..i], mul)
-        }
-        _ => (t, 1),
-    };
-    num.parse::<u64>()
-        .ok()
-        .filter(|_| mul > 0)
-        .and_then(|n| n.checked_mul(mul))
-        .ok_or_else(|| {
-            DmappError::new(
-                Rc::InvalidParam,
-                format!("{name}={v}: expected a size such as 64M, 512K or 1G"),
-            )
-        })
+    crate::config::parse_size(&v).ok_or_else(|| {
+        DmappError::new(
+            Rc::InvalidParam,
+            format!("{name}={v}: expected a size such as 64M, 512K or 1G"),
+        )
+    })
 }
 
 impl Dmapp {
@@ -785,7 +769,7 @@ impl Dmapp {
         let mut value = 0;
         let mut first = None;
         for &r in reqs {
-            match self.nic.sync_wait(Nic::sync_id(r)) {
+            match self.nic.wait_req(r) {
                 Ok(v) => value = v,
                 Err(e) => {
                     first.get_or_insert(DmappError::from(e));

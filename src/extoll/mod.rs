@@ -25,6 +25,22 @@ pub struct Conn {
     pub(crate) host: u16,
 }
 
+impl Conn {
+    /// A connection to `rank` of the job `ep` belongs to; `None` if it has no such rank.
+    pub(crate) fn to(ep: &Shared, rank: u32) -> Option<Conn> {
+        let host = ep.borrow().rank_host(rank).ok()?;
+        Some(Conn { rank, host })
+    }
+}
+
+/// A number from the environment, `default` when unset or not a number.
+pub(crate) fn env_num<T: std::str::FromStr>(name: &str, default: T) -> T {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(default)
+}
+
 /// Why a port did not open.
 #[derive(Debug)]
 pub(crate) enum PortError {

@@ -93,10 +93,7 @@ impl Rma {
 
     /// Opens the port on an endpoint this process already holds (collective).
     pub fn open_on(ep: Shared) -> Result<Rma, RmaError> {
-        let n: u64 = std::env::var("SOFTNIC_RMA_NOTIFICATIONS")
-            .ok()
-            .and_then(|v| v.trim().parse().ok())
-            .unwrap_or(4096);
+        let n: u64 = super::env_num("SOFTNIC_RMA_NOTIFICATIONS", 4096);
         if !n.is_power_of_two() || n < 4 {
             return Err(RmaError::Open(format!(
                 "SOFTNIC_RMA_NOTIFICATIONS={n}: a power of two, at least 4"
@@ -137,12 +134,7 @@ impl Rma {
     }
 
     pub fn connect(&self, rank: u32) -> Result<Conn, RmaError> {
-        let host = self
-            .ep
-            .borrow()
-            .rank_host(rank)
-            .map_err(|_| RmaError::NoSuchRank(rank))?;
-        Ok(Conn { rank, host })
+        Conn::to(&self.ep, rank).ok_or(RmaError::NoSuchRank(rank))
     }
 
     /// Registers `len` bytes of fresh memory for remote access; its NLA names byte 0.

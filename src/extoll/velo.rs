@@ -48,13 +48,6 @@ pub struct Velo {
     failed: Option<(u32, Status)>,
 }
 
-fn env_u32(name: &str, default: u32) -> u32 {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or(default)
-}
-
 impl Velo {
     /// Attaches to this rank's NIC and opens the port (collective: returns once every rank's
     /// port is open).
@@ -65,14 +58,14 @@ impl Velo {
 
     /// Opens the port on an endpoint this process already holds (collective).
     pub fn open_on(ep: Shared) -> Result<Velo, VeloError> {
-        Self::open_with_credits(ep, env_u32("SOFTNIC_VELO_CREDITS", 64))
+        Self::open_with_credits(ep, super::env_num("SOFTNIC_VELO_CREDITS", 64))
     }
 
     /// [`Velo::open_on`] with `credits` per destination (a layer sending messages of many
     /// VELO messages each needs at least that many).
     pub fn open_with_credits(ep: Shared, credits: u32) -> Result<Velo, VeloError> {
-        let slot = env_u32("SOFTNIC_VELO_SLOT", 64);
-        let nslots = env_u32("SOFTNIC_VELO_SLOTS", 1024);
+        let slot = super::env_num("SOFTNIC_VELO_SLOT", 64);
+        let nslots = super::env_num("SOFTNIC_VELO_SLOTS", 1024);
         let geometry = Geometry::new(slot, nslots).ok_or_else(|| {
             VeloError::Open(format!(
                 "SOFTNIC_VELO_SLOT={slot} / SOFTNIC_VELO_SLOTS={nslots}: slots of 64 or 128 \
@@ -146,12 +139,7 @@ impl Velo {
 
     /// A connection to `rank`.
     pub fn connect(&self, rank: u32) -> Result<Conn, VeloError> {
-        let host = self
-            .ep
-            .borrow()
-            .rank_host(rank)
-            .map_err(|_| VeloError::NoSuchRank(rank))?;
-        Ok(Conn { rank, host })
+        Conn::to(&self.ep, rank).ok_or(VeloError::NoSuchRank(rank))
     }
 
     /// Takes the acknowledgements that came back: credits return, failures are kept (and

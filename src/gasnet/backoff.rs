@@ -5,7 +5,8 @@
 //!
 //! Past its first spin every wait leaves a pinned NIC's core (the daemon would otherwise hand
 //! its core to the waiter while other round trips need it). A wait for one operation is then
-//! the exception: nobody it waits for needs its core, and a yield would hand that core to a
+//! the exception where the conduit's operations are one-sided (`Conduit::one_sided`): nobody
+//! it waits for needs its core, and a yield would hand that core to a
 //! computing rank until the next scheduler tick, so it spins for `OP_SPIN` first (see
 //! [`crate::shm::cores`]).
 
@@ -70,7 +71,7 @@ impl Backoff {
         // Any wait that gets this far leaves the NIC's core first: a waiter there makes the
         // daemon hand its core over (1.3 µs a time) while a round trip of another rank is on it.
         let off_core = *self.off_core.get_or_insert_with(|| conduit.off_nic_core());
-        self.op_spinning = self.one_op && waited < OP_SPIN && off_core;
+        self.op_spinning = self.one_op && waited < OP_SPIN && off_core && conduit.one_sided();
         if self.op_spinning {
             std::hint::spin_loop();
             Ok(())

@@ -94,14 +94,7 @@ impl Drop for Gasnet {
 /// them). A value that does not parse counts as unset.
 pub(crate) fn env_size(names: &[&str]) -> Option<usize> {
     let v = names.iter().find_map(|n| std::env::var(n).ok())?;
-    let v = v.trim().to_ascii_lowercase();
-    let (n, m) = match v.chars().last() {
-        Some('k') => (&v[..v.len() - 1], 1 << 10),
-        Some('m') => (&v[..v.len() - 1], 1 << 20),
-        Some('g') => (&v[..v.len() - 1], 1 << 30),
-        _ => (&v[..], 1),
-    };
-    n.trim().parse::<usize>().ok()?.checked_mul(m)
+    usize::try_from(crate::config::parse_size(&v)?).ok()
 }
 
 /// The segment size from `SOFTNIC_SEGMENT` or `GASNET_SEGMENT_SIZE` (bytes; k/m/g suffixes).

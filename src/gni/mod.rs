@@ -542,14 +542,9 @@ impl Nic {
         self.cmd(kind, dst, len)
     }
 
-    /// Waits for a request posted with [`Nic::post_raw`] or a `post_*_vector`.
+    /// Waits for a request posted with [`Nic::post_raw`] or a `post_*_vector`; its value.
     pub fn wait_req(&mut self, req: u64) -> Result<u64, GniError> {
         self.ep.finish(req)
-    }
-
-    /// A sync id for a request (to hand out from an `_nb` call).
-    pub fn sync_id(req: u64) -> SyncId {
-        SyncId(req)
     }
 
     // ------------------------------------------------------------ AMOs

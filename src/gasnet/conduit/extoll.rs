@@ -440,9 +440,6 @@ impl Conduit for ExtollConduit {
     }
 
     fn off_nic_core(&mut self) -> bool {
-        // Leave the NIC's core, but never claim the long spin of a one-operation wait: put and
-        // get here are Active Messages, whose target process needs a core to answer them.
-        self.ep.borrow().client().off_nic_core();
-        false
+        self.ep.borrow().client().off_nic_core()
     }
 }

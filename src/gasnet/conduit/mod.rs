@@ -122,6 +122,12 @@ pub trait Conduit {
     fn off_nic_core(&mut self) -> bool {
         false
     }
+    /// Whether a blocking put, get or atomic completes in the NICs alone, without the target
+    /// process: only then may a wait for one of them spin on (nobody it waits for needs the
+    /// core). Conduits that carry them as Active Messages say no.
+    fn one_sided(&self) -> bool {
+        false
+    }
     /// A put straight through the network (completion later as `RmaDone { op }`); `Ok(false)`
     /// when the conduit has none, and the Extended layer uses Active Messages instead.
     /// `bulk`: the caller leaves `src` unchanged until completion; otherwise it may reuse `src`

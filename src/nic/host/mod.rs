@@ -58,6 +58,24 @@ pub struct HostStats {
     pub failed_peer_ops: u64,
 }
 
+/// Installs (job, rank)'s port of one kind (a VELO mailbox, an RMA notification queue) in
+/// `ports`, or says why not: a second port of a kind is refused.
+fn open_port<P>(
+    ports: &mut HashMap<(u32, u32), P>,
+    key: (u32, u32),
+    port: Result<P, crate::wire::Status>,
+) -> crate::wire::Status {
+    use crate::wire::Status;
+    match port {
+        Ok(_) if ports.contains_key(&key) => Status::BadRequest,
+        Ok(p) => {
+            ports.insert(key, p);
+            Status::Ok
+        }
+        Err(s) => s,
+    }
+}
+
 /// How soon a mailbox that had no room is looked at again.
 const VELO_RECHECK_NS: u64 = 20_000;
 

@@ -50,20 +50,11 @@ impl HostCore {
             .endpoints
             .region(job, rank, c.local_region)
             .and_then(|r| NotiQueue::new(r.clone(), c.operand));
-        let status = match q {
-            Ok(_) if self.rma.contains_key(&(job, rank)) => Status::BadRequest,
-            Ok(queue) => {
-                self.rma.insert(
-                    (job, rank),
-                    RmaPort {
-                        queue,
-                        waiting: VecDeque::new(),
-                    },
-                );
-                Status::Ok
-            }
-            Err(s) => s,
-        };
+        let port = q.map(|queue| RmaPort {
+            queue,
+            waiting: VecDeque::new(),
+        });
+        let status = super::open_port(&mut self.rma, (job, rank), port);
         self.complete(session, c.client_req, status, 0);
         Flow::Done
     }

@@ -53,20 +53,11 @@ impl HostCore {
                 let r = self.endpoints.region(job, rank, c.local_region)?.clone();
                 Mailbox::new(r, g)
             });
-        let status = match port {
-            Ok(_) if self.velo.contains_key(&(job, rank)) => Status::BadRequest,
-            Ok(mailbox) => {
-                self.velo.insert(
-                    (job, rank),
-                    VeloPort {
-                        mailbox,
-                        waiting: VecDeque::new(),
-                    },
-                );
-                Status::Ok
-            }
-            Err(s) => s,
-        };
+        let port = port.map(|mailbox| VeloPort {
+            mailbox,
+            waiting: VecDeque::new(),
+        });
+        let status = super::open_port(&mut self.velo, (job, rank), port);
         self.complete(session, c.client_req, status, 0);
         Flow::Done
     }

@@ -471,6 +471,11 @@ impl Conduit for PortalsConduit {
         self.p.endpoint().client().off_nic_core()
     }
 
+    fn one_sided(&self) -> bool {
+        // Put, get and atomics are Portals operations the target's NIC serves alone.
+        true
+    }
+
     fn wait_news(&mut self, max: std::time::Duration) -> Result<(), GasnetError> {
         if !self.finished.is_empty() || !self.arrived.is_empty() {
             return Ok(());
