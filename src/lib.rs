@@ -12,6 +12,7 @@ pub mod gni;
 pub mod job;
 pub mod keys;
 pub mod logging;
+pub mod mpi;
 pub mod nic;
 pub mod portals;
 pub mod shm;

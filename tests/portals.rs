@@ -72,7 +72,7 @@ fn put_is_matched_by_the_target_nic_and_acknowledged() {
             pt,
             &Me::new(
                 Buffer {
-                    region: mem.clone(),
+                    region: mem.handle,
                     offset: 0,
                     len: 4096,
                 },
@@ -142,7 +142,7 @@ fn my_rank(s: &Setup) -> u32 {
 
 fn whole(mem: &softnic::gni::MemRegion) -> Buffer {
     Buffer {
-        region: mem.clone(),
+        region: mem.handle,
         offset: 0,
         len: mem.len() as u64,
     }
@@ -319,7 +319,7 @@ fn unexpected_messages_overflow_and_search() {
         // Probe for 78 without consuming it, then consume it.
         let probe = Me::new(
             Buffer {
-                region: mem.clone(),
+                region: mem.handle,
                 offset: 0,
                 len: 0,
             },
@@ -342,7 +342,7 @@ fn unexpected_messages_overflow_and_search() {
         // overflow buffer where the event says.
         let mut recv = Me::new(
             Buffer {
-                region: mem.clone(),
+                region: mem.handle,
                 offset: 4096,
                 len: 64,
             },
@@ -562,7 +562,7 @@ fn self_communication_on_one_host() {
         pt,
         &Me::new(
             Buffer {
-                region: mem.clone(),
+                region: mem.handle,
                 offset: 1024,
                 len: 1024,
             },
@@ -697,7 +697,7 @@ fn bad_handles_and_arguments_get_return_codes() {
     );
     let big = Me::new(
         Buffer {
-            region: mem.clone(),
+            region: mem.handle,
             offset: 4000,
             len: 200,
         },
@@ -958,7 +958,7 @@ fn matching_rules_through_the_nic() {
     let pt = s.p.pt_alloc(s.ni, 0, Some(s.eq), None).unwrap();
     if me == 1 {
         let b = |off, len| Buffer {
-            region: mem.clone(),
+            region: mem.handle,
             offset: off,
             len,
         };

@@ -30,7 +30,7 @@ pub fn setup(p: &mut Portals, max: usize) -> anyhow::Result<Setup> {
     let out = p.endpoint().mem_register(max + 64, Perms::READ_WRITE)?;
     let mut e = Me::new(
         Buffer {
-            region: inn.clone(),
+            region: inn.handle,
             offset: 0,
             len: (max + 64) as u64,
         },

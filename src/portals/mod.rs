@@ -38,10 +38,13 @@ pub enum PortalsError {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct NiHandle(u8);
 
-/// Memory a list entry or MD covers: `len` bytes at `offset` of a registered region.
+/// Memory a list entry covers: `len` bytes at `offset` of a registered region — shared memory
+/// ([`MemRegion::handle`]) or this process's own memory registered with
+/// [`crate::client::Client::register_process`] (puts and gets only: the NIC reaches it by copy,
+/// so atomics there fail with PTL_NI_OP_VIOLATION).
 #[derive(Clone)]
 pub struct Buffer {
-    pub region: MemRegion,
+    pub region: MemHandle,
     pub offset: u64,
     pub len: u64,
 }
@@ -666,7 +669,7 @@ impl Portals {
         };
         Ok(MeArgs {
             buf: Buf {
-                region: me.buf.region.handle.0,
+                region: me.buf.region.0,
                 offset: me.buf.offset,
                 length: me.buf.len,
             },

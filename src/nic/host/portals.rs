@@ -175,11 +175,9 @@ impl HostCore {
     }
 
     fn match_entry(&self, job: u32, rank: u32, m: &MeArgs) -> Result<MatchEntry, PtlError> {
+        // Shared memory, or the process's own memory reached by copy (puts and gets; the
+        // engine refuses atomics there, which must be atomic with the owner's).
         let region = self.region_of(job, rank, m.buf.region)?;
-        // Targets are written in place by remote peers: list entries need mapped memory.
-        if !region.is_mapped() {
-            return Err(PtlError::ArgInvalid);
-        }
         let match_id = match m.match_id {
             (0, r, _) => ProcessId::Logical { rank: r },
             (_, nid, pid) => ProcessId::Physical { nid, pid },

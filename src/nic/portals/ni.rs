@@ -798,6 +798,10 @@ impl PortalsNi {
                 }
             }
             ReqKind::Atomic(op, dt) | ReqKind::FetchAtomic(op, dt) | ReqKind::Swap(op, dt) => {
+                if !e.region.is_mapped() {
+                    // Memory reached by copy: no atomic instruction can act on it.
+                    return fail(self, NiFail::OpViolation);
+                }
                 let w = dt.size() as u64;
                 mlength = mlength.min(req.data.len() as u64) / w * w;
                 let fetch = !matches!(req.kind, ReqKind::Atomic(..));

@@ -42,7 +42,7 @@ impl PortalsConduit {
     pub(super) fn post_rb(&mut self, i: usize) -> Result<(), GasnetError> {
         let mut e = Me::new(
             Buffer {
-                region: self.rb.clone(),
+                region: self.rb.handle,
                 offset: (i * self.rb_len) as u64,
                 len: self.rb_len as u64,
             },

@@ -33,7 +33,7 @@
 mod am;
 mod bounce;
 mod credit;
-mod firehose;
+pub(crate) mod firehose;
 mod rma;
 
 use std::collections::VecDeque;
@@ -230,7 +230,7 @@ fn err<E: std::fmt::Display>(e: E) -> GasnetError {
 fn whole(region: &MemRegion, len: usize, options: u32) -> Me {
     let mut e = Me::new(
         Buffer {
-            region: region.clone(),
+            region: region.handle,
             offset: 0,
             len: len as u64,
         },

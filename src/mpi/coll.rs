@@ -1,0 +1,301 @@
+//! Collectives over point-to-point messages on each communicator's collective context:
+//! dissemination barrier, binomial broadcast and reduce, recursive-doubling allreduce (reduce
+//! then broadcast when the size is not a power of two), ring allgather. Reductions apply the
+//! same element operations the NIC's atomics do (`nic::portals::atomic`).
+
+use crate::nic::portals::atomic::{self, AtomicOp, Datatype};
+
+use super::comm::Comm;
+use super::error::{err, ErrorClass, MpiError};
+
+/// Elements MPI can move and reduce: the machine's integers and floats.
+///
+/// # Safety
+/// Implementors are plain numbers: any bit pattern of their size is a value.
+pub unsafe trait Type: Copy + Default + 'static {
+    const DT: Datatype;
+}
+
+macro_rules! types {
+    ($($t:ty => $d:ident),*) => { $(unsafe impl Type for $t { const DT: Datatype = Datatype::$d; })* };
+}
+types!(i8 => Int8, u8 => Uint8, i16 => Int16, u16 => Uint16, i32 => Int32, u32 => Uint32,
+       i64 => Int64, u64 => Uint64, f32 => Float, f64 => Double);
+
+/// Reduction operations (MPI_Op).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Op {
+    Sum,
+    Prod,
+    Min,
+    Max,
+    Land,
+    Lor,
+    Lxor,
+    Band,
+    Bor,
+    Bxor,
+    /// MPI_REPLACE (accumulate and the fetching ones only).
+    Replace,
+    /// MPI_NO_OP (get_accumulate and fetch_and_op only).
+    NoOp,
+}
+
+impl Op {
+    /// The NIC's element operation for a reduction with `dt`, or ERR_OP.
+    pub(super) fn atomic(self, dt: Datatype) -> Result<AtomicOp, MpiError> {
+        let a = match self {
+            Op::Sum => AtomicOp::Sum,
+            Op::Prod => AtomicOp::Prod,
+            Op::Min => AtomicOp::Min,
+            Op::Max => AtomicOp::Max,
+            Op::Land => AtomicOp::Land,
+            Op::Lor => AtomicOp::Lor,
+            Op::Lxor => AtomicOp::Lxor,
+            Op::Band => AtomicOp::Band,
+            Op::Bor => AtomicOp::Bor,
+            Op::Bxor => AtomicOp::Bxor,
+            Op::Replace | Op::NoOp => {
+                return err(ErrorClass::Op, format!("{self:?} is not a reduction"))
+            }
+        };
+        if !a.supports(dt) {
+            return err(ErrorClass::Op, format!("{self:?} is not defined on {dt:?}"));
+        }
+        Ok(a)
+    }
+}
+
+pub(super) fn bytes<T: Type>(s: &[T]) -> &[u8] {
+    // SAFETY: T is a plain number (Type's contract); the bytes are the slice's own.
+    unsafe { std::slice::from_raw_parts(s.as_ptr() as *const u8, std::mem::size_of_val(s)) }
+}
+
+pub(super) fn bytes_mut<T: Type>(s: &mut [T]) -> &mut [u8] {
+    // SAFETY: as `bytes`; any bit pattern written is a valid T.
+    unsafe { std::slice::from_raw_parts_mut(s.as_mut_ptr() as *mut u8, std::mem::size_of_val(s)) }
+}
+
+/// `acc = acc op other`, element-wise.
+fn combine(acc: &mut [u8], other: &[u8], op: AtomicOp, dt: Datatype) -> Result<(), MpiError> {
+    // SAFETY: acc is this process's own buffer, valid for its whole length.
+    unsafe { atomic::apply(acc.as_mut_ptr(), op, dt, other, &[], None) }
+        .map_err(|e| MpiError::new(ErrorClass::Op, format!("{op:?} on {dt:?}: {e:?}")))
+}
+
+const BARRIER: u32 = 1;
+const BCAST: u32 = 2;
+const REDUCE: u32 = 3;
+const ALLREDUCE: u32 = 4;
+const ALLGATHER: u32 = 5;
+
+impl Comm {
+    fn coll_ctx(&self) -> u32 {
+        2 * self.ctx + 1
+    }
+
+    fn coll_send(&self, buf: &[u8], to: u32, tag: u32) -> Result<(), MpiError> {
+        self.isend_ctx(buf, to as i32, tag, self.coll_ctx())?
+            .wait()
+            .map(|_| ())
+    }
+
+    fn coll_recv(&self, buf: &mut [u8], from: u32, tag: u32) -> Result<(), MpiError> {
+        self.irecv_ctx(buf, Some(from), Some(tag), self.coll_ctx())?
+            .wait()
+            .map(|_| ())
+    }
+
+    fn coll_exchange(
+        &self,
+        send: &[u8],
+        to: u32,
+        recv: &mut [u8],
+        from: u32,
+        tag: u32,
+    ) -> Result<(), MpiError> {
+        let r = self.irecv_ctx(recv, Some(from), Some(tag), self.coll_ctx())?;
+        let s = self.isend_ctx(send, to as i32, tag, self.coll_ctx())?;
+        s.wait()?;
+        r.wait().map(|_| ())
+    }
+
+    /// MPI_Barrier (dissemination: ⌈log2 n⌉ rounds of empty messages).
+    pub fn barrier(&self) -> Result<(), MpiError> {
+        let n = self.size();
+        let mut k = 1;
+        while k < n {
+            let to = (self.rank + k) % n;
+            let from = (self.rank + n - k) % n;
+            self.coll_exchange(&[], to, &mut [], from, BARRIER)?;
+            k <<= 1;
+        }
+        Ok(())
+    }
+
+    fn check_root(&self, root: u32) -> Result<(), MpiError> {
+        if root >= self.size() {
+            return err(
+                ErrorClass::Root,
+                format!("root {root} is not in this communicator of {}", self.size()),
+            );
+        }
+        Ok(())
+    }
+
+    /// MPI_Bcast (binomial tree from `root`).
+    pub fn bcast<T: Type>(&self, buf: &mut [T], root: u32) -> Result<(), MpiError> {
+        self.check_root(root)?;
+        self.bcast_bytes(bytes_mut(buf), root, BCAST)
+    }
+
+    fn bcast_bytes(&self, buf: &mut [u8], root: u32, tag: u32) -> Result<(), MpiError> {
+        let n = self.size();
+        let vr = (self.rank + n - root) % n;
+        let mut mask = 1;
+        while mask < n {
+            if vr & mask != 0 {
+                self.coll_recv(buf, (vr - mask + root) % n, tag)?;
+                break;
+            }
+            mask <<= 1;
+        }
+        mask >>= 1;
+        while mask > 0 {
+            if vr + mask < n {
+                self.coll_send(buf, (vr + mask + root) % n, tag)?;
+            }
+            mask >>= 1;
+        }
+        Ok(())
+    }
+
+    /// MPI_Reduce (binomial tree to `root`); `recv` is written at the root only.
+    pub fn reduce<T: Type>(
+        &self,
+        send: &[T],
+        recv: &mut [T],
+        op: Op,
+        root: u32,
+    ) -> Result<(), MpiError> {
+        self.check_root(root)?;
+        let a = op.atomic(T::DT)?;
+        if self.rank == root && recv.len() != send.len() {
+            return err(ErrorClass::Count, "reduce: send and receive counts differ");
+        }
+        let mut acc = bytes(send).to_vec();
+        self.reduce_bytes(&mut acc, a, T::DT, root, REDUCE)?;
+        if self.rank == root {
+            bytes_mut(recv).copy_from_slice(&acc);
+        }
+        Ok(())
+    }
+
+    fn reduce_bytes(
+        &self,
+        acc: &mut [u8],
+        op: AtomicOp,
+        dt: Datatype,
+        root: u32,
+        tag: u32,
+    ) -> Result<(), MpiError> {
+        let n = self.size();
+        let vr = (self.rank + n - root) % n;
+        let mut tmp = vec![0u8; acc.len()];
+        let mut mask = 1;
+        while mask < n {
+            if vr & mask != 0 {
+                return self.coll_send(acc, (vr - mask + root) % n, tag);
+            }
+            if vr + mask < n {
+                self.coll_recv(&mut tmp, (vr + mask + root) % n, tag)?;
+                combine(acc, &tmp, op, dt)?;
+            }
+            mask <<= 1;
+        }
+        Ok(())
+    }
+
+    /// MPI_Allreduce: recursive doubling on a power-of-two size, else reduce then broadcast.
+    pub fn allreduce<T: Type>(&self, send: &[T], recv: &mut [T], op: Op) -> Result<(), MpiError> {
+        let a = op.atomic(T::DT)?;
+        if recv.len() != send.len() {
+            return err(
+                ErrorClass::Count,
+                "allreduce: send and receive counts differ",
+            );
+        }
+        let out = bytes_mut(recv);
+        out.copy_from_slice(bytes(send));
+        self.allreduce_bytes(out, a, T::DT)
+    }
+
+    fn allreduce_bytes(&self, acc: &mut [u8], op: AtomicOp, dt: Datatype) -> Result<(), MpiError> {
+        let n = self.size();
+        if !n.is_power_of_two() {
+            self.reduce_bytes(acc, op, dt, 0, ALLREDUCE)?;
+            return self.bcast_bytes(acc, 0, ALLREDUCE);
+        }
+        let mut tmp = vec![0u8; acc.len()];
+        let mut mask = 1;
+        while mask < n {
+            let peer = self.rank ^ mask;
+            let mine = acc.to_vec();
+            self.coll_exchange(&mine, peer, &mut tmp, peer, ALLREDUCE)?;
+            // Lower rank's value first: every rank combines in the same order.
+            if peer < self.rank {
+                let mut t = tmp.clone();
+                combine(&mut t, &mine, op, dt)?;
+                acc.copy_from_slice(&t);
+            } else {
+                combine(acc, &tmp, op, dt)?;
+            }
+            mask <<= 1;
+        }
+        Ok(())
+    }
+
+    pub(super) fn allreduce_words_and(
+        &self,
+        mine: &[u64],
+        out: &mut [u64],
+    ) -> Result<(), MpiError> {
+        out.copy_from_slice(mine);
+        self.allreduce_bytes(bytes_mut(out), AtomicOp::Band, Datatype::Uint64)
+    }
+
+    /// MPI_Allgather: rank r's `send` lands at `recv[r * send.len()..]` everywhere (ring).
+    pub fn allgather<T: Type>(&self, send: &[T], recv: &mut [T]) -> Result<(), MpiError> {
+        let n = self.size() as usize;
+        let k = send.len();
+        if recv.len() != n * k {
+            return err(
+                ErrorClass::Count,
+                format!(
+                    "allgather: receive buffer holds {} elements, needs {}",
+                    recv.len(),
+                    n * k
+                ),
+            );
+        }
+        let w = std::mem::size_of_val(send);
+        let out = bytes_mut(recv);
+        let r = self.rank as usize;
+        out[r * w..(r + 1) * w].copy_from_slice(bytes(send));
+        let right = ((r + 1) % n) as u32;
+        let left = ((r + n - 1) % n) as u32;
+        for step in 0..n.saturating_sub(1) {
+            let sb = (r + n - step) % n;
+            let rb = (r + 2 * n - step - 1) % n;
+            let block = out[sb * w..(sb + 1) * w].to_vec();
+            self.coll_exchange(
+                &block,
+                right,
+                &mut out[rb * w..(rb + 1) * w],
+                left,
+                ALLGATHER,
+            )?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,239 @@
+//! Flow control by recovery (seed 003 §3.1.3, after Barrett et al.): when unexpected messages
+//! exhaust a receiver's overflow buffers or headers, its NIC disables the `recv` portal and
+//! refuses what arrives (ACK with PTL_NI_PT_DISABLED). Then:
+//! 1. the receiver tells every rank (STOP) and drains: its receives consume unexpected
+//!    messages, freed overflow buffers go back, one more is linked if none is;
+//! 2. each rank queues its sends to that receiver, in order, and once none is in flight to it
+//!    any more answers READY (refused messages rejoin the queue in their original order);
+//! 3. with every READY in, no message to the receiver is in flight anywhere: it re-enables the
+//!    portal and says RESUME; the senders send their queues again, in order.
+//!
+//! Non-overtaking order survives: nothing to the receiver overtakes a refused message.
+
+use std::collections::VecDeque;
+
+use rustc_hash::FxHashMap as HashMap;
+
+use crate::portals::{me_opt, AckReq, Buffer, Event, List, Me, ProcessId, Target, RANK_ANY};
+
+use super::error::MpiError;
+use super::state::{State, OVF_MAX, RECV_PT};
+
+pub const FC_PT: u32 = 23;
+pub const T_FC: u64 = 9 << 60;
+
+const STOP: u64 = 1;
+const READY: u64 = 2;
+const RESUME: u64 = 3;
+
+/// One point-to-point put, kept until its ACK so a refused one can go again.
+#[derive(Debug, Clone, Copy)]
+pub struct Msg {
+    pub req: u32,
+    pub dest: u32,
+    pub md: u32,
+    pub offset: u64,
+    pub len: u64,
+    pub bits: u64,
+    pub hdr: u64,
+}
+
+#[derive(Default)]
+struct Peer {
+    /// Sends wait here while the peer recovers (or behind ones that do).
+    queue: VecDeque<(u64, Msg)>,
+    stalled: bool,
+    inflight: u32,
+    /// The peer asked STOP (epoch): READY is owed once nothing is in flight to it.
+    ready_owed: Option<u64>,
+    next_seq: u64,
+}
+
+#[derive(Default)]
+pub struct Flow {
+    pub eq: u32,
+    peers: HashMap<u32, Peer>,
+    /// Puts awaiting their ACK: request → (sequence, message).
+    inflight: HashMap<u32, (u64, Msg)>,
+    /// This rank's own recovery: its epoch and the READYs collected.
+    recovering: bool,
+    epoch: u64,
+    readies: u32,
+}
+
+impl Flow {
+    pub fn busy(&self) -> bool {
+        self.recovering || self.peers.values().any(|p| !p.queue.is_empty())
+    }
+}
+
+/// The flow-control portal: one persistent entry taking empty notices from anyone.
+pub fn open(st: &mut State) -> Result<(), MpiError> {
+    let eq = st.p.eq_alloc(st.ni, 4 * st.size as usize + 64)?;
+    st.flow.eq = eq;
+    st.p.pt_alloc(st.ni, 0, Some(eq), Some(FC_PT))?;
+    // An empty entry: any registered region serves (the endpoint's bounce region).
+    let region = st.p.endpoint().bounce().handle;
+    let mut me = Me::new(
+        Buffer {
+            region,
+            offset: 0,
+            len: 0,
+        },
+        0,
+    );
+    me.options = me_opt::OP_PUT | me_opt::ACK_DISABLE | me_opt::EVENT_LINK_DISABLE;
+    me.ignore_bits = !0;
+    me.match_id = ProcessId::Logical { rank: RANK_ANY };
+    st.p.me_append(st.ni, FC_PT, &me, List::Priority, T_FC)?;
+    Ok(())
+}
+
+fn tell(st: &mut State, to: u32, kind: u64, epoch: u64) -> Result<(), MpiError> {
+    let md = st.bounce_md();
+    st.p.put(
+        st.ni,
+        md,
+        0,
+        0,
+        AckReq::NoAck,
+        Target {
+            id: ProcessId::Logical { rank: to },
+            pt_index: FC_PT,
+            match_bits: 0,
+            remote_offset: 0,
+        },
+        0,
+        kind << 56 | (epoch & ((1 << 56) - 1)),
+    )?;
+    Ok(())
+}
+
+/// Sends `m` now, or queues it behind its destination's recovery.
+pub fn send(st: &mut State, m: Msg) -> Result<(), MpiError> {
+    let p = st.flow.peers.entry(m.dest).or_default();
+    let seq = p.next_seq;
+    p.next_seq += 1;
+    if p.stalled || !p.queue.is_empty() {
+        p.queue.push_back((seq, m));
+        return Ok(());
+    }
+    p.inflight += 1;
+    st.flow.inflight.insert(m.req, (seq, m));
+    st.put_msg(&m)
+}
+
+/// A send's ACK came back (any outcome but a refusal).
+pub fn acked(st: &mut State, req: u32) {
+    if let Some((_, m)) = st.flow.inflight.remove(&req) {
+        if let Some(p) = st.flow.peers.get_mut(&m.dest) {
+            p.inflight -= 1;
+        }
+    }
+}
+
+/// The target's portal was disabled: the message goes again after its recovery, in order.
+pub fn refused(st: &mut State, req: u32) -> Result<(), MpiError> {
+    st.stats.pt_disabled += 1;
+    let Some((seq, m)) = st.flow.inflight.remove(&req) else {
+        return Ok(());
+    };
+    let p = st.flow.peers.entry(m.dest).or_default();
+    p.inflight -= 1;
+    p.stalled = true;
+    let at = p.queue.partition_point(|(s, _)| *s < seq);
+    p.queue.insert(at, (seq, m));
+    owe_ready(st, m.dest)
+}
+
+fn owe_ready(st: &mut State, dest: u32) -> Result<(), MpiError> {
+    let Some(p) = st.flow.peers.get_mut(&dest) else {
+        return Ok(());
+    };
+    if p.inflight == 0 {
+        if let Some(epoch) = p.ready_owed.take() {
+            return tell(st, dest, READY, epoch);
+        }
+    }
+    Ok(())
+}
+
+/// Our own `recv` portal was disabled: start a recovery (once).
+pub fn pt_disabled(st: &mut State) -> Result<(), MpiError> {
+    if st.flow.recovering {
+        return Ok(());
+    }
+    st.flow.recovering = true;
+    st.flow.epoch += 1;
+    st.flow.readies = 0;
+    tracing::debug!(
+        rank = st.rank,
+        epoch = st.flow.epoch,
+        "flow control: recovering"
+    );
+    for r in 0..st.size {
+        tell(st, r, STOP, st.flow.epoch)?;
+    }
+    Ok(())
+}
+
+/// A notice on the flow-control portal.
+pub fn notice(st: &mut State, e: &Event) -> Result<(), MpiError> {
+    let ProcessId::Logical { rank: from } = e.initiator else {
+        return Ok(());
+    };
+    let (kind, epoch) = (e.hdr_data >> 56, e.hdr_data & ((1 << 56) - 1));
+    match kind {
+        STOP => {
+            let p = st.flow.peers.entry(from).or_default();
+            p.stalled = true;
+            p.ready_owed = Some(epoch);
+            owe_ready(st, from)
+        }
+        READY if st.flow.recovering && epoch == st.flow.epoch => {
+            st.flow.readies += 1;
+            tick(st)
+        }
+        RESUME => {
+            let p = st.flow.peers.entry(from).or_default();
+            p.stalled = false;
+            let queued: Vec<(u64, Msg)> = p.queue.drain(..).collect();
+            for (seq, m) in queued {
+                st.stats.resent += 1;
+                let p = st.flow.peers.entry(m.dest).or_default();
+                p.inflight += 1;
+                st.flow.inflight.insert(m.req, (seq, m));
+                st.put_msg(&m)?;
+            }
+            Ok(())
+        }
+        _ => Ok(()),
+    }
+}
+
+/// Ends our recovery once every rank is READY and an overflow buffer has room.
+pub fn tick(st: &mut State) -> Result<(), MpiError> {
+    if !st.flow.recovering || st.flow.readies < st.size {
+        return Ok(());
+    }
+    if !st.ovf_linked.iter().any(|l| *l) {
+        if st.ovf_n >= OVF_MAX {
+            // Every buffer is full of messages nobody received yet: wait for receives.
+            return Ok(());
+        }
+        let i = st.ovf_n;
+        st.ovf_n += 1;
+        st.link_overflow(i)?;
+    }
+    st.p.pt_enable(st.ni, RECV_PT)?;
+    st.flow.recovering = false;
+    tracing::debug!(
+        rank = st.rank,
+        epoch = st.flow.epoch,
+        "flow control: resumed"
+    );
+    for r in 0..st.size {
+        tell(st, r, RESUME, st.flow.epoch)?;
+    }
+    Ok(())
+}

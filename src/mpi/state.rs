@@ -1,0 +1,887 @@
+//! The library's state in a rank: the Portals interface, its portals and event queues, the
+//! bounce slots and registration cache for user buffers, the request table, and the progress
+//! engine that turns Portals events into completed MPI requests (seed 003 §3.1).
+//!
+//! - `recv` portal (PTL_PT_FLOWCTRL, events on RECV_EQ): receives are USE_ONCE priority
+//!   entries over the user's buffer (or a bounce slot when small); 16 locally managed 1 MiB
+//!   overflow entries take any SHORT or RNDV message nobody waits for, and a truncating overflow
+//!   entry keeps only the header of an unexpected LONG one. Posting a receive searches the
+//!   unexpected headers in the NIC, atomically (PTL_EVENT_PUT_OVERFLOW).
+//! - `read` portal (events on MD_EQ): a LONG or RNDV send exposes its buffer there under its
+//!   send id until the receiver has fetched what it needed.
+//! - MD_EQ: ACKs of sends, REPLYs of the receiver's gets, GETs of `read` entries.
+
+use std::time::Duration;
+
+use crate::client::{MemHandle, MemRegion};
+use crate::gasnet::conduit::portals::firehose::{Firehose, Registration};
+use crate::nic::memory::Perms;
+use crate::portals::{
+    md_opt, me_opt, pt_opt, AckReq, Buffer, Event, EventKind, Limits, List, Md, Me, NiFail,
+    NiHandle, Portals, ProcessId, PtlError, SearchOp, Target, RANK_ANY,
+};
+
+use super::bits;
+use super::error::{err, ErrorClass, MpiError};
+
+pub const RECV_PT: u32 = 20;
+pub const READ_PT: u32 = 21;
+pub const RMA_PT: u32 = 22;
+
+/// Unexpected short messages: 16 overflow entries of 1 MiB (the seed's numbers), grown by one
+/// at a time in flow-control recovery up to OVF_MAX (the region is reserved whole; its pages
+/// are only touched as messages land).
+const OVF_N: usize = 16;
+pub(super) const OVF_MAX: usize = 64;
+const OVF_LEN: usize = 1 << 20;
+/// Bounce slots (for small sends and small receive buffers).
+const SLOTS: usize = 512;
+const EQ_LEN: usize = 1 << 16;
+/// Registration cache budget (`SOFTNIC_MPI_REGCACHE`, bytes).
+const REGCACHE: usize = 256 << 20;
+
+// user_ptr tags (bits 63..60), the rest an index.
+const T_RECV: u64 = 1 << 60;
+const T_OVF: u64 = 2 << 60;
+const T_LONGOVF: u64 = 3 << 60;
+const T_PROBE: u64 = 4 << 60;
+const T_ACK: u64 = 5 << 60;
+const T_READ: u64 = 6 << 60;
+const T_GET: u64 = 7 << 60;
+const T_RMA: u64 = 8 << 60;
+const TAG_MASK: u64 = 0xf << 60;
+
+/// What a completed receive (or a probe) found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Status {
+    /// The sender's rank in the communicator.
+    pub source: u32,
+    pub tag: u32,
+    /// Bytes received (for a probe: bytes the message holds).
+    pub count: usize,
+}
+
+impl Status {
+    /// MPI_Get_count: whole elements of `T`, or `None` when the bytes are not whole elements.
+    pub fn get_count<T>(&self) -> Option<usize> {
+        let w = std::mem::size_of::<T>().max(1);
+        self.count.is_multiple_of(w).then_some(self.count / w)
+    }
+}
+
+/// Where a receive's data lands in this process: a bounce slot or the user's registered buffer.
+#[derive(Debug, Clone, Copy)]
+enum Landing {
+    Slot(u32),
+    Cached { md: u32, offset: u64, id: u64 },
+}
+
+/// A request: user-visible completion (`done`) and the NIC resources it still holds.
+struct Req {
+    done: bool,
+    status: Status,
+    err: Option<MpiError>,
+    /// The user's buffer.
+    addr: u64,
+    len: usize,
+    landing: Option<Landing>,
+    slot: Option<u32>,
+    cached: Option<u64>,
+    read_me: Option<u32>,
+    /// A LONG/RNDV send: its whole length (an ACK of all of it ends it).
+    total: u64,
+    /// Internal events still to come (a short send's ACK after the user saw it done).
+    busy: u32,
+    /// The user no longer holds it: freed once done and not busy.
+    orphan: bool,
+    /// A probe found a message.
+    probe_found: bool,
+}
+
+impl Req {
+    fn new() -> Req {
+        Req {
+            done: false,
+            status: Status::default(),
+            err: None,
+            addr: 0,
+            len: 0,
+            landing: None,
+            slot: None,
+            cached: None,
+            read_me: None,
+            total: 0,
+            busy: 0,
+            orphan: false,
+            probe_found: false,
+        }
+    }
+}
+
+/// Which long protocol sends beyond the eager limit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LongProtocol {
+    Eager,
+    Rendezvous,
+}
+
+/// Counters for tests and netbench.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Stats {
+    pub unexpected: u64,
+    pub expected: u64,
+    pub long_gets: u64,
+    pub pt_disabled: u64,
+    pub resent: u64,
+}
+
+pub struct State {
+    pub p: Portals,
+    pub ni: NiHandle,
+    pub limits: Limits,
+    pub rank: u32,
+    pub size: u32,
+    eq_recv: u32,
+    eq_md: u32,
+    bounce: MemRegion,
+    bounce_md: u32,
+    slot_len: usize,
+    free_slots: Vec<u32>,
+    ovf: MemRegion,
+    pub(super) ovf_linked: [bool; OVF_MAX],
+    /// Overflow buffers in use (linked, or full and waiting for their headers' receives).
+    pub(super) ovf_n: usize,
+    fh: Firehose,
+    reqs: Vec<Option<Req>>,
+    free_reqs: Vec<u32>,
+    next_send_id: u32,
+    pub eager_limit: usize,
+    pub long: LongProtocol,
+    /// Free context ids (bit set = free); the world owns 0.
+    pub ctx_free: [u64; (bits::MAX_CONTEXTS / 2 / 64) as usize],
+    pub finalized: bool,
+    pub stats: Stats,
+    /// Flow control: senders whose messages the target's disabled portal refused, waiting to
+    /// go again in order (see `flow`).
+    pub(super) flow: super::flow::Flow,
+}
+
+pub(crate) fn env_size(name: &str) -> Result<Option<usize>, MpiError> {
+    match std::env::var(name) {
+        Err(_) => Ok(None),
+        Ok(v) => crate::config::parse_size(&v)
+            .and_then(|n| usize::try_from(n).ok())
+            .map(Some)
+            .ok_or_else(|| {
+                MpiError::new(
+                    ErrorClass::Arg,
+                    format!("{name}={v:?} is not a size (bytes, k/m/g suffixes)"),
+                )
+            }),
+    }
+}
+
+impl State {
+    /// Opens the interface, portals, event queues and buffers (MPI_Init's Portals part).
+    pub fn open(mut p: Portals) -> Result<State, MpiError> {
+        let (rank, size) = (p.endpoint().rank(), p.endpoint().size());
+        if size > bits::MAX_RANKS {
+            return err(
+                ErrorClass::Other,
+                format!("{size} ranks: match bits hold at most {}", bits::MAX_RANKS),
+            );
+        }
+        let eager_limit = env_size("SOFTNIC_MPI_EAGER_LIMIT")?.unwrap_or(super::EAGER_LIMIT);
+        if eager_limit > OVF_LEN / 4 {
+            return err(
+                ErrorClass::Arg,
+                format!(
+                    "SOFTNIC_MPI_EAGER_LIMIT={eager_limit}: at most {} (a quarter of an overflow buffer)",
+                    OVF_LEN / 4
+                ),
+            );
+        }
+        let long = match std::env::var("SOFTNIC_MPI_LONG").as_deref() {
+            Err(_) | Ok("eager") => LongProtocol::Eager,
+            Ok("rendezvous") => LongProtocol::Rendezvous,
+            Ok(v) => {
+                return err(
+                    ErrorClass::Arg,
+                    format!("SOFTNIC_MPI_LONG={v:?}: eager or rendezvous"),
+                )
+            }
+        };
+        let regcache = env_size("SOFTNIC_MPI_REGCACHE")?.unwrap_or(REGCACHE);
+        let (ni, limits) = p.ni_init(true, true)?;
+        let eq_recv = p.eq_alloc(ni, EQ_LEN)?;
+        let eq_md = p.eq_alloc(ni, EQ_LEN)?;
+        p.pt_alloc(ni, pt_opt::FLOWCTRL, Some(eq_recv), Some(RECV_PT))?;
+        p.pt_alloc(ni, 0, Some(eq_md), Some(READ_PT))?;
+        p.pt_alloc(ni, 0, None, Some(RMA_PT))?;
+        let slot_len = eager_limit.max(64).next_multiple_of(64);
+        let bounce = p.endpoint().mem_register(slot_len * SLOTS, Perms(0))?;
+        let bounce_md = p.md_bind(
+            ni,
+            &Md {
+                region: bounce.handle,
+                segments: vec![(0, bounce.len() as u64)],
+                options: md_opt::EVENT_SEND_DISABLE,
+                eq: Some(eq_md),
+                ct: None,
+            },
+        )?;
+        let ovf = p
+            .endpoint()
+            .mem_register(OVF_MAX * OVF_LEN, Perms::READ_WRITE)?;
+        let mut st = State {
+            p,
+            ni,
+            limits,
+            rank,
+            size,
+            eq_recv,
+            eq_md,
+            bounce,
+            bounce_md,
+            slot_len,
+            free_slots: (0..SLOTS as u32).rev().collect(),
+            ovf,
+            ovf_linked: [false; OVF_MAX],
+            ovf_n: OVF_N,
+            fh: Firehose::new(regcache as u64, 64),
+            reqs: Vec::new(),
+            free_reqs: Vec::new(),
+            next_send_id: 1,
+            eager_limit,
+            long,
+            ctx_free: [!0; (bits::MAX_CONTEXTS / 2 / 64) as usize],
+            finalized: false,
+            stats: Stats::default(),
+            flow: super::flow::Flow::default(),
+        };
+        st.ctx_free[0] &= !1;
+        for i in 0..OVF_N {
+            st.link_overflow(i)?;
+        }
+        // Unexpected LONG messages: only the header is kept (the entry truncates to nothing).
+        let mut long = Me::new(
+            Buffer {
+                region: st.ovf.handle,
+                offset: 0,
+                len: 0,
+            },
+            bits::LONG << bits::PROTO_SHIFT,
+        );
+        long.options = me_opt::OP_PUT | me_opt::EVENT_LINK_DISABLE;
+        long.ignore_bits = !bits::PROTO_MASK;
+        st.p.me_append(st.ni, RECV_PT, &long, List::Overflow, T_LONGOVF)?;
+        super::flow::open(&mut st)?;
+        Ok(st)
+    }
+
+    pub(super) fn link_overflow(&mut self, i: usize) -> Result<(), MpiError> {
+        let mut e = Me::new(
+            Buffer {
+                region: self.ovf.handle,
+                offset: (i * OVF_LEN) as u64,
+                len: OVF_LEN as u64,
+            },
+            bits::SHORT << bits::PROTO_SHIFT,
+        );
+        e.options =
+            me_opt::OP_PUT | me_opt::MANAGE_LOCAL | me_opt::MAY_ALIGN | me_opt::EVENT_LINK_DISABLE;
+        // SHORT and RNDV (bit 61 ignored), any context, source and tag.
+        e.ignore_bits = !bits::PROTO_MASK | (0b0010 << bits::PROTO_SHIFT);
+        e.min_free = self.eager_limit as u64;
+        self.p
+            .me_append(self.ni, RECV_PT, &e, List::Overflow, T_OVF | i as u64)?;
+        self.ovf_linked[i] = true;
+        Ok(())
+    }
+
+    // ------------------------------------------------------------ requests
+
+    fn new_req(&mut self, r: Req) -> u32 {
+        match self.free_reqs.pop() {
+            Some(i) => {
+                self.reqs[i as usize] = Some(r);
+                i
+            }
+            None => {
+                self.reqs.push(Some(r));
+                (self.reqs.len() - 1) as u32
+            }
+        }
+    }
+
+    fn req(&mut self, i: u32) -> Option<&mut Req> {
+        self.reqs.get_mut(i as usize).and_then(|r| r.as_mut())
+    }
+
+    pub fn is_done(&self, i: u32) -> bool {
+        self.reqs
+            .get(i as usize)
+            .and_then(|r| r.as_ref())
+            .is_none_or(|r| r.done)
+    }
+
+    /// Takes a finished request's outcome; the entry is freed once nothing refers to it.
+    pub fn take(&mut self, i: u32) -> Result<Status, MpiError> {
+        let Some(r) = self.req(i) else {
+            return err(ErrorClass::Intern, "request already completed");
+        };
+        debug_assert!(r.done);
+        let out = match r.err.take() {
+            Some(e) => Err(e),
+            None => Ok(r.status),
+        };
+        r.orphan = true;
+        self.maybe_free(i);
+        out
+    }
+
+    fn maybe_free(&mut self, i: u32) {
+        let free = self
+            .reqs
+            .get(i as usize)
+            .and_then(|r| r.as_ref())
+            .is_some_and(|r| r.orphan && r.done && r.busy == 0);
+        if free {
+            let r = self.reqs[i as usize].take().expect("checked");
+            if let Some(s) = r.slot {
+                self.free_slots.push(s);
+            }
+            if let Some(Landing::Slot(s)) = r.landing {
+                self.free_slots.push(s);
+            }
+            if let Some(c) = r.cached {
+                self.fh.release(c);
+            }
+            if let Some(Landing::Cached { id, .. }) = r.landing {
+                self.fh.release(id);
+            }
+            self.free_reqs.push(i);
+        }
+    }
+
+    fn finish(&mut self, i: u32, e: Option<MpiError>) {
+        if let Some(r) = self.req(i) {
+            if !r.done {
+                r.done = true;
+                if r.err.is_none() {
+                    r.err = e;
+                }
+            }
+        }
+        self.maybe_free(i);
+    }
+
+    /// Whether the library still has operations in the NIC (finalize drains them).
+    pub fn outstanding(&self) -> bool {
+        self.reqs.iter().flatten().any(|r| !r.done || r.busy > 0) || self.flow.busy()
+    }
+
+    // ------------------------------------------------------------ memory
+
+    /// A bounce slot, waiting for one to come back if all are in use.
+    fn slot(&mut self) -> Result<u32, MpiError> {
+        loop {
+            if let Some(s) = self.free_slots.pop() {
+                return Ok(s);
+            }
+            self.wait_event(Duration::from_millis(10))?;
+        }
+    }
+
+    fn slot_ptr(&self, s: u32) -> *mut u8 {
+        // SAFETY: s < SLOTS, the region holds SLOTS slots.
+        unsafe { self.bounce.as_ptr().add(s as usize * self.slot_len) }
+    }
+
+    fn slot_off(&self, s: u32) -> u64 {
+        s as u64 * self.slot_len as u64
+    }
+
+    /// A registration covering the user's `[addr, addr+len)` (process memory the NIC reaches by
+    /// copy): (registration, offset of addr in it, cache use id).
+    pub(crate) fn cached(
+        &mut self,
+        addr: u64,
+        len: u64,
+    ) -> Result<(Registration, u64, u64), MpiError> {
+        if let Some(u) = self.fh.lookup(addr, len.max(1)) {
+            return Ok((u.reg, u.offset, u.id));
+        }
+        let miss = self
+            .fh
+            .plan(addr, len.max(1))
+            .ok_or_else(|| MpiError::new(ErrorClass::Buffer, "buffer wraps the address space"))?;
+        for r in &miss.release {
+            let _ = self.p.md_release(self.ni, r.md);
+            let _ = self.p.endpoint().client().deregister(r.region);
+        }
+        let region = self
+            .p
+            .endpoint()
+            .client()
+            .register_process(miss.start, miss.end - miss.start, Perms::READ_WRITE)
+            .map_err(|e| MpiError::new(ErrorClass::Buffer, format!("registering a buffer: {e}")))?;
+        let md = self.p.md_bind(
+            self.ni,
+            &Md {
+                region: MemHandle(region),
+                segments: vec![(0, miss.end - miss.start)],
+                options: md_opt::EVENT_SEND_DISABLE,
+                eq: Some(self.eq_md),
+                ct: None,
+            },
+        )?;
+        let reg = Registration { region, md };
+        let u = self.fh.insert(miss.start, miss.end, reg, addr);
+        Ok((u.reg, u.offset, u.id))
+    }
+
+    // ------------------------------------------------------------ point-to-point
+
+    /// Starts a send of `[addr, addr+len)` to world rank `dest` with these match bits' context,
+    /// source and tag. Returns the request (done at once for short messages: the bytes were
+    /// copied).
+    pub fn isend(
+        &mut self,
+        addr: u64,
+        len: usize,
+        dest: u32,
+        ctx: u32,
+        src: u32,
+        tag: u32,
+    ) -> Result<u32, MpiError> {
+        if self.finalized {
+            return err(ErrorClass::Other, "MPI is finalized");
+        }
+        let mut r = Req::new();
+        r.addr = addr;
+        r.len = len;
+        if len <= self.eager_limit {
+            let s = self.slot()?;
+            // SAFETY: the caller's buffer is valid for len bytes; the slot holds slot_len >= len.
+            unsafe { std::ptr::copy_nonoverlapping(addr as *const u8, self.slot_ptr(s), len) };
+            r.slot = Some(s);
+            r.done = true;
+            r.busy = 1;
+            let i = self.new_req(r);
+            let m = super::flow::Msg {
+                req: i,
+                dest,
+                md: self.bounce_md,
+                offset: self.slot_off(s),
+                len: len as u64,
+                bits: bits::encode(bits::SHORT, ctx, src, tag),
+                hdr: 0,
+            };
+            super::flow::send(self, m)?;
+            return Ok(i);
+        }
+        let proto = match self.long {
+            LongProtocol::Eager => bits::LONG,
+            LongProtocol::Rendezvous => bits::RNDV,
+        };
+        let (reg, off, id) = self.cached(addr, len as u64)?;
+        r.cached = Some(id);
+        r.total = len as u64;
+        let send_id = self.next_send_id;
+        self.next_send_id = (self.next_send_id + 1) & 0xff_ffff;
+        let i = self.new_req(r);
+        // The buffer is exposed on `read` for this receiver under the send id before the put.
+        let mut me = Me::new(
+            Buffer {
+                region: MemHandle(reg.region),
+                offset: off,
+                len: len as u64,
+            },
+            send_id as u64,
+        );
+        me.options = me_opt::OP_GET
+            | me_opt::USE_ONCE
+            | me_opt::EVENT_LINK_DISABLE
+            | me_opt::EVENT_UNLINK_DISABLE;
+        me.match_id = ProcessId::Logical { rank: dest };
+        let h = self
+            .p
+            .me_append(self.ni, READ_PT, &me, List::Priority, T_READ | i as u64)?;
+        let r = self.req(i).expect("new");
+        r.read_me = Some(h);
+        let first = if proto == bits::RNDV {
+            self.eager_limit as u64
+        } else {
+            len as u64
+        };
+        let m = super::flow::Msg {
+            req: i,
+            dest,
+            md: reg.md,
+            offset: off,
+            len: first,
+            bits: bits::encode(proto, ctx, src, tag),
+            hdr: bits::hdr(send_id, len as u64),
+        };
+        super::flow::send(self, m)?;
+        Ok(i)
+    }
+
+    /// The Portals put of one point-to-point message (first sending or a resend).
+    pub(super) fn bounce_md(&self) -> u32 {
+        self.bounce_md
+    }
+
+    pub(super) fn put_msg(&mut self, m: &super::flow::Msg) -> Result<(), MpiError> {
+        self.p.put(
+            self.ni,
+            m.md,
+            m.offset,
+            m.len,
+            AckReq::Ack,
+            Target {
+                id: ProcessId::Logical { rank: m.dest },
+                pt_index: RECV_PT,
+                match_bits: m.bits,
+                remote_offset: 0,
+            },
+            T_ACK | m.req as u64,
+            m.hdr,
+        )?;
+        Ok(())
+    }
+
+    /// Posts a receive into `[addr, addr+len)` on context `ctx` from `src` (comm rank) with
+    /// `tag` (`None`: any).
+    pub fn irecv(
+        &mut self,
+        addr: u64,
+        len: usize,
+        ctx: u32,
+        src: Option<u32>,
+        tag: Option<u32>,
+    ) -> Result<u32, MpiError> {
+        if self.finalized {
+            return err(ErrorClass::Other, "MPI is finalized");
+        }
+        let mut r = Req::new();
+        r.addr = addr;
+        r.len = len;
+        let (region, offset, landing) = if len <= self.slot_len && !self.free_slots.is_empty() {
+            let s = self.free_slots.pop().expect("checked");
+            (self.bounce.handle, self.slot_off(s), Landing::Slot(s))
+        } else {
+            let (reg, off, id) = self.cached(addr, len as u64)?;
+            (
+                MemHandle(reg.region),
+                off,
+                Landing::Cached {
+                    md: reg.md,
+                    offset: off,
+                    id,
+                },
+            )
+        };
+        r.landing = Some(landing);
+        let i = self.new_req(r);
+        let (match_bits, ignore_bits) = bits::receive(ctx, src, tag);
+        let mut me = Me::new(
+            Buffer {
+                region,
+                offset,
+                len: len as u64,
+            },
+            match_bits,
+        );
+        me.ignore_bits = ignore_bits;
+        me.options = me_opt::OP_PUT
+            | me_opt::USE_ONCE
+            | me_opt::EVENT_LINK_DISABLE
+            | me_opt::EVENT_UNLINK_DISABLE;
+        if let Err(e) = self
+            .p
+            .me_append(self.ni, RECV_PT, &me, List::Priority, T_RECV | i as u64)
+        {
+            self.finish(i, Some(e.into()));
+            self.req(i).expect("kept").orphan = true;
+            self.maybe_free(i);
+            return Err(MpiError::new(ErrorClass::Other, "posting a receive failed"));
+        }
+        Ok(i)
+    }
+
+    /// MPI_Iprobe's search of the unexpected headers: Some(status) if a message matches.
+    pub fn iprobe(
+        &mut self,
+        ctx: u32,
+        src: Option<u32>,
+        tag: Option<u32>,
+    ) -> Result<Option<Status>, MpiError> {
+        self.progress()?;
+        let i = self.new_req(Req::new());
+        let (match_bits, ignore_bits) = bits::receive(ctx, src, tag);
+        let mut me = Me::new(
+            Buffer {
+                region: self.ovf.handle,
+                offset: 0,
+                len: 0,
+            },
+            match_bits,
+        );
+        me.ignore_bits = ignore_bits;
+        me.match_id = ProcessId::Logical { rank: RANK_ANY };
+        self.p.me_search(
+            self.ni,
+            RECV_PT,
+            &me,
+            SearchOp::SearchOnly,
+            T_PROBE | i as u64,
+        )?;
+        while !self.is_done(i) {
+            self.wait_event(Duration::from_millis(10))?;
+        }
+        let found = self.req(i).expect("kept").probe_found;
+        let st = self.take(i)?;
+        Ok(found.then_some(st))
+    }
+
+    // ------------------------------------------------------------ progress
+
+    /// Handles every event waiting; returns whether there was any.
+    pub fn progress(&mut self) -> Result<bool, MpiError> {
+        let mut any = false;
+        for eq in [self.eq_recv, self.eq_md, self.flow.eq] {
+            loop {
+                match self.p.eq_get(self.ni, eq) {
+                    Ok((e, _)) => {
+                        any = true;
+                        self.handle(e)?;
+                    }
+                    Err(PtlError::EqEmpty) => break,
+                    Err(e) => return Err(e.into()),
+                }
+            }
+        }
+        super::flow::tick(self)?;
+        Ok(any)
+    }
+
+    /// Waits (adaptively) for the next event or `max`, and handles what came.
+    pub fn wait_event(&mut self, max: Duration) -> Result<(), MpiError> {
+        if self.progress()? {
+            return Ok(());
+        }
+        let eqs = [self.eq_recv, self.eq_md, self.flow.eq];
+        match self.p.eq_poll(self.ni, &eqs, Some(max)) {
+            Ok((e, _, _)) => self.handle(e)?,
+            Err(crate::portals::PortalsError::Ptl(PtlError::EqEmpty)) => {}
+            Err(e) => return Err(e.into()),
+        }
+        self.progress()?;
+        Ok(())
+    }
+
+    /// Waits for request `i` to complete.
+    pub fn wait(&mut self, i: u32) -> Result<Status, MpiError> {
+        while !self.is_done(i) {
+            self.wait_event(Duration::from_millis(10))?;
+        }
+        self.take(i)
+    }
+
+    fn handle(&mut self, e: Event) -> Result<(), MpiError> {
+        let idx = (e.user_ptr & !TAG_MASK) as u32;
+        match (e.user_ptr & TAG_MASK, e.kind) {
+            (_, EventKind::PtDisabled) => super::flow::pt_disabled(self),
+            (T_RECV, EventKind::Put) => {
+                self.stats.expected += 1;
+                self.arrived(idx, &e, false)
+            }
+            (T_RECV, EventKind::PutOverflow) => {
+                self.stats.unexpected += 1;
+                self.arrived(idx, &e, true)
+            }
+            (T_OVF, EventKind::AutoUnlink) => {
+                if let Some(l) = self.ovf_linked.get_mut(idx as usize) {
+                    *l = false;
+                }
+                Ok(())
+            }
+            (T_OVF, EventKind::AutoFree) => self.link_overflow(idx as usize),
+            (T_OVF | T_LONGOVF, _) => Ok(()),
+            (T_PROBE, EventKind::Search) => {
+                let found = e.ni_fail == NiFail::Ok;
+                if let Some(r) = self.req(idx) {
+                    r.probe_found = found;
+                    if found {
+                        r.status = Status {
+                            source: bits::src(e.match_bits),
+                            tag: bits::tag(e.match_bits),
+                            count: message_len(&e) as usize,
+                        };
+                    }
+                }
+                self.finish(idx, None);
+                Ok(())
+            }
+            (T_ACK, EventKind::Ack) => self.acked(idx, &e),
+            (T_READ, EventKind::Get) => {
+                if let Some(r) = self.req(idx) {
+                    r.read_me = None;
+                }
+                self.finish(idx, None);
+                Ok(())
+            }
+            (T_GET, EventKind::Reply) => {
+                let fail = (e.ni_fail != NiFail::Ok)
+                    .then(|| MpiError::from_fail(e.ni_fail, "fetching a long message"));
+                self.landed(idx, fail);
+                Ok(())
+            }
+            (T_RMA, _) => {
+                super::win::rma_event(self, idx, &e);
+                Ok(())
+            }
+            (super::flow::T_FC, EventKind::Put) => super::flow::notice(self, &e),
+            _ => Ok(()),
+        }
+    }
+
+    /// A send's ACK: a short one frees its slot; a long one delivered whole is done.
+    fn acked(&mut self, i: u32, e: &Event) -> Result<(), MpiError> {
+        if e.ni_fail == NiFail::PtDisabled {
+            return super::flow::refused(self, i);
+        }
+        super::flow::acked(self, i);
+        let Some(r) = self.req(i) else { return Ok(()) };
+        if e.ni_fail != NiFail::Ok {
+            let fail = MpiError::from_fail(e.ni_fail, "a send");
+            if r.slot.is_some() {
+                r.busy = 0;
+            }
+            let me = r.read_me.take();
+            if let Some(h) = me {
+                let _ = self.p.me_unlink(self.ni, h);
+            }
+            self.finish(i, Some(fail));
+            return Ok(());
+        }
+        if r.slot.is_some() {
+            r.busy = 0;
+            self.maybe_free(i);
+        } else if e.mlength == r.total && e.rlength == r.total {
+            // Expected and whole (eager LONG): nobody will fetch it.
+            if let Some(h) = r.read_me.take() {
+                let _ = self.p.me_unlink(self.ni, h);
+            }
+            self.finish(i, None);
+        }
+        Ok(())
+    }
+
+    /// A receive matched a message: in place (`overflow` false) or an unexpected one whose
+    /// first bytes wait in an overflow buffer.
+    fn arrived(&mut self, i: u32, e: &Event, overflow: bool) -> Result<(), MpiError> {
+        let eager = self.eager_limit;
+        let Some(r) = self.req(i) else { return Ok(()) };
+        let landing = r.landing.expect("receives land somewhere");
+        let len = r.len as u64;
+        let r_addr = r.addr;
+        let proto = bits::proto(e.match_bits);
+        let total = message_len(e);
+        r.status = Status {
+            source: bits::src(e.match_bits),
+            tag: bits::tag(e.match_bits),
+            count: total.min(len) as usize,
+        };
+        if total > len {
+            r.err = Some(MpiError::new(
+                ErrorClass::Truncate,
+                format!("a message of {total} bytes for a receive buffer of {len}"),
+            ));
+        }
+        // The first bytes: in place already, or copied out of the overflow buffer.
+        let first = match proto {
+            bits::LONG if overflow => 0,
+            _ => e.mlength.min(len),
+        };
+        if overflow && first > 0 {
+            let dst = match landing {
+                Landing::Slot(s) => self.slot_ptr(s),
+                Landing::Cached { .. } => r_addr as *mut u8,
+            };
+            // SAFETY: the event's bytes lie in the overflow region (the NIC placed them there);
+            // the landing area holds len >= first bytes.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    self.ovf.as_ptr().add(e.start as usize),
+                    dst,
+                    first as usize,
+                )
+            };
+        }
+        let need_get = match proto {
+            bits::SHORT => false,
+            bits::LONG => overflow || e.mlength < total,
+            bits::RNDV => total > eager as u64 || e.mlength < total,
+            _ => false,
+        };
+        if !need_get {
+            self.landed(i, None);
+            return Ok(());
+        }
+        // Fetch the rest from the sender's `read` entry (zero bytes when truncated: that still
+        // tells the sender it may complete).
+        let want = total.min(len).saturating_sub(first);
+        let (md, base) = match landing {
+            Landing::Slot(s) => (self.bounce_md, self.slot_off(s)),
+            Landing::Cached { md, offset, .. } => (md, offset),
+        };
+        let initiator = match e.initiator {
+            ProcessId::Logical { rank } => rank,
+            _ => {
+                return err(
+                    ErrorClass::Intern,
+                    "a physical initiator on a logical interface",
+                )
+            }
+        };
+        self.stats.long_gets += 1;
+        self.p.get(
+            self.ni,
+            md,
+            base + first,
+            want,
+            Target {
+                id: ProcessId::Logical { rank: initiator },
+                pt_index: READ_PT,
+                match_bits: bits::hdr_send_id(e.hdr_data) as u64,
+                remote_offset: first,
+            },
+            T_GET | i as u64,
+        )?;
+        Ok(())
+    }
+
+    /// All of a receive's bytes are in its landing area: copy out of a bounce slot, done.
+    fn landed(&mut self, i: u32, fail: Option<MpiError>) {
+        let Some(r) = self.reqs.get(i as usize).and_then(|r| r.as_ref()) else {
+            return;
+        };
+        if let Some(Landing::Slot(s)) = r.landing {
+            let n = r.status.count.min(r.len);
+            // SAFETY: the slot holds at least len bytes; the user's buffer len bytes.
+            unsafe { std::ptr::copy_nonoverlapping(self.slot_ptr(s), r.addr as *mut u8, n) };
+        }
+        self.finish(i, fail);
+    }
+}
+
+/// A message's whole length as its event tells it (RNDV carries it in hdr_data).
+fn message_len(e: &Event) -> u64 {
+    match bits::proto(e.match_bits) {
+        bits::RNDV | bits::LONG => bits::hdr_total(e.hdr_data),
+        _ => e.rlength,
+    }
+}

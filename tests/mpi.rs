@@ -1,0 +1,512 @@
+//! MPI over Portals through real daemons: point-to-point (short, eager long, rendezvous;
+//! expected and unexpected; wildcards, truncation, probe), flow-control recovery under an
+//! unexpected storm, communicators and collectives, and one-sided windows (fence, locks,
+//! PSCW, atomicity, epoch and range errors). Each test is a job; the ranks run the body.
+
+mod common;
+
+use common::*;
+use softnic::mpi::*;
+
+/// The message `i` from `src` of `len` bytes: its bytes say who sent it and which it is.
+fn msg(src: u32, i: u32, len: usize) -> Vec<u8> {
+    pattern(len, (src as u64) << 20 | i as u64)
+}
+
+const SIZES: [usize; 9] = [0, 1, 8, 100, 8192, 8193, 20_000, 100_000, 1 << 20];
+
+/// Every rank sends every size to every other, tagged by index, half of them before the
+/// receiver posted (unexpected) and half after (expected); ANY_SOURCE receives check order.
+fn exchange_all_sizes(world: &Comm) {
+    let (me, n) = (world.rank(), world.size());
+    for round in 0..2 {
+        // Round 0: receives posted first (expected). Round 1: sends first (unexpected).
+        let mut bufs: Vec<Vec<u8>> = (0..n * SIZES.len() as u32)
+            .map(|k| vec![0u8; SIZES[(k % SIZES.len() as u32) as usize]])
+            .collect();
+        let msgs: Vec<(u32, u32, Vec<u8>)> = (0..n)
+            .filter(|&d| d != me)
+            .flat_map(|d| {
+                SIZES
+                    .iter()
+                    .enumerate()
+                    .map(move |(i, &l)| (d, i as u32, msg(me, i as u32, l)))
+            })
+            .collect();
+        let mut sends = Vec::new();
+        if round == 1 {
+            for (d, i, m) in &msgs {
+                sends.push(world.isend(m, *d as i32, *i as i32).unwrap());
+            }
+            world.barrier().unwrap();
+        }
+        let mut recvs = Vec::new();
+        for (k, b) in bufs.iter_mut().enumerate() {
+            let (src, i) = (k as u32 / SIZES.len() as u32, k as u32 % SIZES.len() as u32);
+            if src != me {
+                recvs.push((src, i, world.irecv(b, src as i32, i as i32).unwrap()));
+            }
+        }
+        if round == 0 {
+            world.barrier().unwrap();
+            for (d, i, m) in &msgs {
+                sends.push(world.isend(m, *d as i32, *i as i32).unwrap());
+            }
+        }
+        for (src, i, r) in recvs {
+            let st = r.wait().unwrap();
+            assert_eq!((st.source, st.tag), (src, i));
+            assert_eq!(st.count, SIZES[i as usize]);
+        }
+        wait_all(sends).unwrap();
+        for (k, b) in bufs.iter().enumerate() {
+            let (src, i) = (k as u32 / SIZES.len() as u32, k as u32 % SIZES.len() as u32);
+            if src != me {
+                assert!(
+                    *b == msg(src, i, b.len()),
+                    "round {round}: message {i} from {src}"
+                );
+            }
+        }
+        world.barrier().unwrap();
+    }
+    // Non-overtaking: many messages, same source and tag, mixed sizes, ANY_SOURCE receives.
+    if me == 0 {
+        for k in 0..60u32 {
+            let l = SIZES[(k as usize * 7) % SIZES.len()];
+            for d in 1..n {
+                world.send(&msg(0, k, l), d as i32, 5).unwrap();
+            }
+        }
+    } else {
+        world.barrier_after_sends_hint();
+        for k in 0..60u32 {
+            let l = SIZES[(k as usize * 7) % SIZES.len()];
+            let mut b = vec![0u8; 1 << 20];
+            let st = world.recv(&mut b, ANY_SOURCE, ANY_TAG).unwrap();
+            assert_eq!(
+                (st.source, st.tag, st.count),
+                (0, 5, l),
+                "message {k} in order"
+            );
+            assert!(b[..l] == msg(0, k, l)[..], "message {k}'s bytes");
+        }
+    }
+    world.barrier().unwrap();
+}
+
+trait Hint {
+    fn barrier_after_sends_hint(&self);
+}
+impl Hint for Comm {
+    /// Lets the sender run ahead so some messages arrive unexpected.
+    fn barrier_after_sends_hint(&self) {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn p2p_sizes_expected_unexpected_in_order_eager() {
+    if !in_job() {
+        return launch_ok_env(
+            "p2p_sizes_expected_unexpected_in_order_eager",
+            4,
+            2,
+            &[],
+            &[("SOFTNIC_MPI_LONG", "eager")],
+        );
+    }
+    let world = Mpi::init().unwrap();
+    exchange_all_sizes(&world);
+}
+
+#[test]
+fn p2p_sizes_expected_unexpected_in_order_rendezvous() {
+    if !in_job() {
+        return launch_ok_env(
+            "p2p_sizes_expected_unexpected_in_order_rendezvous",
+            4,
+            2,
+            &[],
+            &[("SOFTNIC_MPI_LONG", "rendezvous")],
+        );
+    }
+    let world = Mpi::init().unwrap();
+    exchange_all_sizes(&world);
+}
+
+#[test]
+fn p2p_under_loss_both_protocols() {
+    if !in_job() {
+        for proto in ["eager", "rendezvous"] {
+            launch_ok_env(
+                "p2p_under_loss_both_protocols",
+                2,
+                2,
+                &["--fault-drop", "0.1"],
+                &[("SOFTNIC_MPI_LONG", proto)],
+            );
+        }
+        return;
+    }
+    let world = Mpi::init().unwrap();
+    exchange_all_sizes(&world);
+}
+
+#[test]
+fn truncation_probe_and_argument_errors() {
+    if !in_job() {
+        for proto in ["eager", "rendezvous"] {
+            launch_ok_env(
+                "truncation_probe_and_argument_errors",
+                2,
+                2,
+                &[],
+                &[("SOFTNIC_MPI_LONG", proto)],
+            );
+        }
+        return;
+    }
+    let world = Mpi::init().unwrap();
+    let me = world.rank();
+    let peer = 1 - me as i32;
+    // Argument errors, at once.
+    assert_eq!(
+        world.send(b"x", 2, 0).unwrap_err().class(),
+        ErrorClass::Rank
+    );
+    assert_eq!(
+        world.send(b"x", peer, -3).unwrap_err().class(),
+        ErrorClass::Tag
+    );
+    let mut b = [0u8; 4];
+    assert_eq!(
+        world.recv(&mut b, 9, 0).unwrap_err().class(),
+        ErrorClass::Rank
+    );
+    if me == 0 {
+        world.send(&[7u8; 100], 1, 1).unwrap(); // short into 10 bytes
+        world.send(&msg(0, 2, 100_000), 1, 2).unwrap(); // long into 50,000 bytes
+        world.send(&msg(0, 3, 30_000), 1, 3).unwrap(); // still delivered after both
+        world.barrier().unwrap();
+        world.send(&msg(0, 4, 12_345), 1, 4).unwrap();
+        world.barrier().unwrap();
+    } else {
+        let mut small = [0u8; 10];
+        let e = world.recv(&mut small, 0, 1).unwrap_err();
+        assert_eq!(e.class(), ErrorClass::Truncate, "{e}");
+        assert_eq!(small, [7u8; 10]);
+        let mut half = vec![0u8; 50_000];
+        let e = world.recv(&mut half, 0, 2).unwrap_err();
+        assert_eq!(e.class(), ErrorClass::Truncate, "{e}");
+        let mut ok = vec![0u8; 30_000];
+        let st = world.recv(&mut ok, 0, 3).unwrap();
+        assert_eq!(st.count, 30_000);
+        assert!(ok == msg(0, 3, 30_000));
+        // Probe: nothing yet with tag 4 before the sender's barrier.
+        assert!(world.iprobe(0, 4).unwrap().is_none());
+        world.barrier().unwrap();
+        let st = world.probe(ANY_SOURCE, ANY_TAG).unwrap();
+        assert_eq!((st.source, st.tag, st.count), (0, 4, 12_345));
+        assert_eq!(world.iprobe(0, 4).unwrap().map(|s| s.count), Some(12_345));
+        let mut b = vec![0u8; 20_000];
+        let st = world.recv(&mut b, 0, 4).unwrap();
+        assert_eq!(st.count, 12_345);
+        assert_eq!(st.get_count::<u8>(), Some(12_345));
+        assert!(b[..12_345] == msg(0, 4, 12_345)[..]);
+        assert!(world.iprobe(0, 4).unwrap().is_none(), "received: gone");
+        world.barrier().unwrap();
+    }
+}
+
+/// Seven ranks flood rank 0 with more unexpected messages than its 16 MiB of overflow
+/// buffers hold while it does not receive: its portal is disabled, the senders queue, and
+/// after recovery every message arrives once, in order per sender.
+#[test]
+fn unexpected_storm_trips_flow_control_and_delivers_all_in_order() {
+    if !in_job() {
+        return launch_ok(
+            "unexpected_storm_trips_flow_control_and_delivers_all_in_order",
+            8,
+            2,
+            &[],
+        );
+    }
+    const N: u32 = 3000;
+    const LEN: usize = 1024;
+    let world = Mpi::init().unwrap();
+    let me = world.rank();
+    if me == 0 {
+        std::thread::sleep(std::time::Duration::from_millis(1500));
+        let mut next = vec![0u32; world.size() as usize];
+        let mut b = vec![0u8; LEN];
+        for _ in 0..N * (world.size() - 1) {
+            let st = world.recv(&mut b, ANY_SOURCE, 9).unwrap();
+            let s = st.source as usize;
+            assert!(
+                b == msg(st.source, next[s], LEN),
+                "from {s}: message {} out of order",
+                next[s]
+            );
+            next[s] += 1;
+        }
+        assert!(next[1..].iter().all(|&k| k == N));
+        let mut b = [0u8; 1];
+        assert!(world.iprobe(ANY_SOURCE, ANY_TAG).unwrap().is_none());
+        let _ = &mut b;
+    } else {
+        for k in 0..N {
+            world.send(&msg(me, k, LEN), 0, 9).unwrap();
+        }
+    }
+    let refused = [world.stats().pt_disabled];
+    let mut total = [0u64];
+    world.allreduce(&refused, &mut total, Op::Sum).unwrap();
+    assert!(total[0] > 0, "the storm never tripped flow control");
+    if me == 0 {
+        eprintln!("flow control refused {} messages", total[0]);
+    }
+}
+
+#[test]
+fn communicators_and_collectives() {
+    if !in_job() {
+        for n in [2, 3, 8] {
+            launch_ok("communicators_and_collectives", n, 2, &[]);
+        }
+        return;
+    }
+    let world = Mpi::init().unwrap();
+    let (me, n) = (world.rank(), world.size());
+    world.barrier().unwrap();
+    for root in 0..n {
+        let mut v = if me == root {
+            vec![root as i64 + 11; 1000]
+        } else {
+            vec![0i64; 1000]
+        };
+        world.bcast(&mut v, root).unwrap();
+        assert!(v.iter().all(|&x| x == root as i64 + 11));
+        let mut r = [0i64; 2];
+        world
+            .reduce(&[me as i64, 1], &mut r, Op::Sum, root)
+            .unwrap();
+        if me == root {
+            assert_eq!(r, [(n * (n - 1) / 2) as i64, n as i64]);
+        }
+    }
+    let mut r = [0f64; 3];
+    world
+        .allreduce(&[me as f64, -(me as f64), 0.5], &mut r, Op::Max)
+        .unwrap();
+    assert_eq!(r, [(n - 1) as f64, 0.0, 0.5]);
+    let mut s = [0u64; 1];
+    world.allreduce(&[1u64 << me], &mut s, Op::Bor).unwrap();
+    assert_eq!(s[0], (1u64 << n) - 1);
+    let mut all = vec![0u32; 2 * n as usize];
+    world.allgather(&[me, me * me], &mut all).unwrap();
+    for r in 0..n {
+        assert_eq!(&all[2 * r as usize..2 * r as usize + 2], &[r, r * r]);
+    }
+    assert_eq!(
+        world
+            .allreduce(&[1.0f32], &mut [0.0f32], Op::Bxor)
+            .unwrap_err()
+            .class(),
+        ErrorClass::Op
+    );
+    // Split: odd and even, reversed order by key.
+    let sub = world.split((me % 2) as i32, -(me as i32)).unwrap().unwrap();
+    let mine: Vec<u32> = (0..n).filter(|r| r % 2 == me % 2).rev().collect();
+    assert_eq!(sub.group(), mine);
+    assert_eq!(sub.group()[sub.rank() as usize], me);
+    let mut sum = [0u32];
+    sub.allreduce(&[me], &mut sum, Op::Sum).unwrap();
+    assert_eq!(sum[0], mine.iter().sum::<u32>());
+    // Messages on the sub-communicator never match the world's (contexts differ).
+    let dup = world.dup().unwrap();
+    assert_ne!(dup.context_id(), world.context_id());
+    if n >= 2 {
+        if me == 0 {
+            dup.send(b"dup", 1, 3).unwrap();
+            world.send(b"world", 1, 3).unwrap();
+        } else if me == 1 {
+            let mut b = [0u8; 8];
+            let st = world.recv(&mut b, 0, 3).unwrap();
+            assert_eq!(&b[..st.count], b"world");
+            let st = dup.recv(&mut b, 0, 3).unwrap();
+            assert_eq!(&b[..st.count], b"dup");
+        }
+    }
+    let none = world.split(if me == 0 { UNDEFINED } else { 1 }, 0).unwrap();
+    assert_eq!(none.is_none(), me == 0);
+    drop(none);
+    // Exhaustion: a clear error, and freeing gives the ids back.
+    let mut many = Vec::new();
+    let e = loop {
+        match world.dup() {
+            Ok(c) => many.push(c),
+            Err(e) => break e,
+        }
+    };
+    assert_eq!(e.class(), ErrorClass::Other, "{e}");
+    assert!(many.len() > 1000, "{} contexts", many.len());
+    drop(many);
+    let again = world.dup().unwrap();
+    again.barrier().unwrap();
+}
+
+#[test]
+fn one_sided_fence_accumulate_and_atomics() {
+    if !in_job() {
+        launch_ok("one_sided_fence_accumulate_and_atomics", 4, 2, &[]);
+        launch_ok(
+            "one_sided_fence_accumulate_and_atomics",
+            2,
+            2,
+            &["--fault-drop", "0.1"],
+        );
+        return;
+    }
+    let world = Mpi::init().unwrap();
+    let (me, n) = (world.rank(), world.size());
+    let mut win = Win::allocate(&world, 1 << 20).unwrap();
+    // Outside any epoch: an error, nothing sent.
+    assert_eq!(
+        win.put(b"x", 0, 0).unwrap_err().class(),
+        ErrorClass::RmaSync
+    );
+    win.fence().unwrap();
+    let right = (me + 1) % n;
+    let data = msg(me, 0, 300_000);
+    win.put(&data, right, 1000).unwrap();
+    win.fence().unwrap();
+    let left = (me + n - 1) % n;
+    assert!(win.local()[1000..301_000] == msg(left, 0, 300_000)[..]);
+    let mut back = vec![0u8; 300_000];
+    win.get(&mut back, right, 1000).unwrap();
+    assert!(back == data);
+    // Range and rank errors.
+    assert_eq!(
+        win.put(b"xy", right, (1 << 20) - 1).unwrap_err().class(),
+        ErrorClass::RmaRange
+    );
+    assert_eq!(win.put(b"x", n, 0).unwrap_err().class(), ErrorClass::Rank);
+    win.fence().unwrap();
+    // Accumulate: every rank adds to rank 0's words 10 times; exact sums.
+    for _ in 0..10 {
+        win.accumulate(&[1i64, me as i64, -2], 0, 8, Op::Sum)
+            .unwrap();
+    }
+    win.accumulate(&[me as f64], 0, 64, Op::Max).unwrap();
+    win.fence().unwrap();
+    if me == 0 {
+        let w =
+            |k: usize| i64::from_le_bytes(win.local()[8 + 8 * k..16 + 8 * k].try_into().unwrap());
+        assert_eq!(
+            (w(0), w(1), w(2)),
+            (10 * n as i64, 10 * (n * (n - 1) / 2) as i64, -20 * n as i64)
+        );
+        let f = f64::from_le_bytes(win.local()[64..72].try_into().unwrap());
+        assert_eq!(f, (n - 1) as f64);
+    }
+    // Tickets: fetch_and_op gives distinct values; NO_OP reads; REPLACE swaps.
+    let mut mine = Vec::new();
+    for _ in 0..50 {
+        mine.push(win.fetch_and_op(1u64, 0, 128, Op::Sum).unwrap());
+    }
+    win.fence().unwrap();
+    let mut all = vec![0u64; 50 * n as usize];
+    world.allgather(&mine, &mut all).unwrap();
+    all.sort();
+    assert!(
+        all.iter().enumerate().all(|(i, &t)| t == i as u64),
+        "tickets distinct and dense"
+    );
+    assert_eq!(
+        win.fetch_and_op(0u64, 0, 128, Op::NoOp).unwrap(),
+        50 * n as u64
+    );
+    win.fence().unwrap();
+    // Compare-and-swap: exactly one rank wins.
+    let old = win.compare_and_swap(me as u64 + 1, 0u64, 0, 256).unwrap();
+    let won = [(old == 0) as u32];
+    let mut wins = [0u32];
+    world.allreduce(&won, &mut wins, Op::Sum).unwrap();
+    assert_eq!(wins[0], 1);
+    win.fence().unwrap();
+    win.free().unwrap();
+}
+
+#[test]
+fn one_sided_locks_pscw_and_epoch_errors() {
+    if !in_job() {
+        launch_ok("one_sided_locks_pscw_and_epoch_errors", 8, 2, &[]);
+        return;
+    }
+    let world = Mpi::init().unwrap();
+    let (me, n) = (world.rank(), world.size());
+    let mut win = Win::allocate(&world, 4096).unwrap();
+    assert_eq!(win.unlock(0).unwrap_err().class(), ErrorClass::RmaSync);
+    // Exclusive locks never overlap: a non-atomic read-modify-write of a counter stays exact.
+    const ITERS: u64 = 20;
+    for _ in 0..ITERS {
+        win.lock(LockType::Exclusive, 0, 0).unwrap();
+        let mut b = [0u8; 8];
+        win.get(&mut b, 0, 0).unwrap();
+        let v = u64::from_le_bytes(b) + 1;
+        win.put(&v.to_le_bytes(), 0, 0).unwrap();
+        win.unlock(0).unwrap();
+    }
+    assert_eq!(
+        win.lock(LockType::Shared, 1, 0)
+            .and_then(|_| win.lock(LockType::Shared, 1, 0))
+            .unwrap_err()
+            .class(),
+        ErrorClass::RmaSync
+    );
+    win.unlock(1).unwrap();
+    world.barrier().unwrap();
+    if me == 0 {
+        win.lock(LockType::Shared, 0, 0).unwrap();
+        let mut b = [0u8; 8];
+        win.get(&mut b, 0, 0).unwrap();
+        assert_eq!(u64::from_le_bytes(b), ITERS * n as u64);
+        win.unlock(0).unwrap();
+    }
+    // lock_all + flush: each rank writes its slot at every rank.
+    win.lock_all(0).unwrap();
+    for t in 0..n {
+        win.put(&[me as u8 + 1], t, 100 + me as u64).unwrap();
+        win.flush(t).unwrap();
+    }
+    win.unlock_all().unwrap();
+    world.barrier().unwrap();
+    assert!(win.local()[100..100 + n as usize]
+        .iter()
+        .enumerate()
+        .all(|(r, &b)| b == r as u8 + 1));
+    // PSCW: even ranks expose to odd ones, which put into them.
+    world.barrier().unwrap();
+    if me % 2 == 0 {
+        let origins: Vec<u32> = (0..n).filter(|r| r % 2 == 1).collect();
+        win.post(&origins).unwrap();
+        win.wait().unwrap();
+        for &o in &origins {
+            assert_eq!(win.local()[1000 + o as usize], 0xa0 + o as u8);
+        }
+        assert_eq!(win.complete().unwrap_err().class(), ErrorClass::RmaSync);
+    } else {
+        let targets: Vec<u32> = (0..n).filter(|r| r % 2 == 0).collect();
+        win.start(&targets).unwrap();
+        for &t in &targets {
+            win.put(&[0xa0 + me as u8], t, 1000 + me as u64).unwrap();
+        }
+        win.complete().unwrap();
+        assert_eq!(
+            win.put(b"x", 0, 0).unwrap_err().class(),
+            ErrorClass::RmaSync
+        );
+    }
+    win.free().unwrap();
+}
