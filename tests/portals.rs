@@ -1432,3 +1432,104 @@ fn an_md_over_private_process_memory_is_reached_by_copy() {
     }
     s.p.endpoint().barrier().unwrap();
 }
+
+/// A list entry over the process's own (private) memory: remote puts land in it and remote
+/// gets read it, by copy; an atomic on it is refused with PTL_NI_OP_VIOLATION and changes
+/// nothing (the NIC cannot act on it atomically with its owner).
+#[test]
+fn a_list_entry_over_private_process_memory_takes_puts_and_gets_not_atomics() {
+    if !in_job() {
+        return launch_ok(
+            "a_list_entry_over_private_process_memory_takes_puts_and_gets_not_atomics",
+            2,
+            2,
+            &[],
+        );
+    }
+    let mut s = setup();
+    let me = my_rank(&s);
+    let n = 200_000usize;
+    let pt = s.p.pt_alloc(s.ni, 0, Some(s.eq), Some(30)).unwrap();
+    let mut private = vec![0u8; n];
+    let mem = s.p.endpoint().mem_register(n, Perms::READ_WRITE).unwrap();
+    let md =
+        s.p.md_bind(
+            s.ni,
+            &Md {
+                region: mem.handle,
+                segments: vec![(0, n as u64)],
+                options: 0,
+                eq: Some(s.eq),
+                ct: None,
+            },
+        )
+        .unwrap();
+    if me == 1 {
+        let r =
+            s.p.endpoint()
+                .client()
+                .register_process(private.as_mut_ptr() as u64, n as u64, Perms::READ_WRITE)
+                .unwrap();
+        let e = Me::new(
+            Buffer {
+                region: softnic::gni::MemHandle(r),
+                offset: 0,
+                len: n as u64,
+            },
+            5,
+        );
+        s.p.me_append(s.ni, pt, &e, List::Priority, 0).unwrap();
+    }
+    s.p.endpoint().barrier().unwrap();
+    if me == 0 {
+        let src = pattern(n, 77);
+        mem.bytes().copy_from_slice(&src);
+        s.p.put(
+            s.ni,
+            md,
+            0,
+            n as u64,
+            AckReq::Ack,
+            target(1, pt, 5, 0),
+            1,
+            0,
+        )
+        .unwrap();
+        let ack = wait_kind(&mut s, EventKind::Ack);
+        assert_eq!((ack.ni_fail, ack.mlength), (NiFail::Ok, n as u64));
+        mem.bytes().fill(0);
+        s.p.get(s.ni, md, 0, n as u64, target(1, pt, 5, 0), 2)
+            .unwrap();
+        let reply = wait_kind(&mut s, EventKind::Reply);
+        assert_eq!((reply.ni_fail, reply.mlength), (NiFail::Ok, n as u64));
+        assert!(
+            mem.bytes()[..] == src[..],
+            "the get read back what the put wrote"
+        );
+        s.p.atomic(
+            s.ni,
+            md,
+            0,
+            8,
+            AckReq::Ack,
+            target(1, pt, 5, 0),
+            3,
+            0,
+            AtomicOp::Sum,
+            Datatype::Uint64,
+        )
+        .unwrap();
+        let ack = wait_kind(&mut s, EventKind::Ack);
+        assert_eq!(ack.ni_fail, NiFail::OpViolation);
+    }
+    s.p.endpoint().barrier().unwrap();
+    if me == 1 {
+        let got: Vec<u8> = (0..n)
+            .map(|i| unsafe { std::ptr::read_volatile(private.as_ptr().add(i)) })
+            .collect();
+        assert!(
+            got == pattern(n, 77),
+            "the put landed in private memory, the atomic did not"
+        );
+    }
+}
