@@ -8,6 +8,7 @@ mod extoll_bench;
 mod gasnet_bench;
 mod gasnet_ra;
 mod gni_bench;
+mod mpi_bench;
 mod plot;
 mod portals_bench;
 mod randomaccess;
@@ -253,6 +254,20 @@ fn main() -> anyhow::Result<()> {
         // Single-threaded here: nothing else reads the environment concurrently.
         std::env::set_var("SOFTNIC_CONDUIT", &conduit);
         return run_gasnet(&args, &ctx);
+    }
+    if args.api.as_deref() == Some("mpi") {
+        let (lat_sizes, bw_sizes) = args.sizes();
+        let (lat, bw) = match args.bench {
+            Bench::Pingpong => (true, false),
+            Bench::Bw => (false, true),
+            Bench::Compare => (true, true),
+            _ => anyhow::bail!("--api mpi runs pingpong, bw or compare"),
+        };
+        let rows = mpi_bench::run(&ctx, lat, bw, &lat_sizes, &bw_sizes)?;
+        if ctx.job.rank == 0 {
+            report::emit(&rows, args.json)?;
+        }
+        return Ok(());
     }
     let sel = args
         .conduit

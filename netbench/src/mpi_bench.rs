@@ -1,0 +1,223 @@
+//! MPI over Portals (seed 003's figures): send/recv ping-pong and streaming, one-sided
+//! operation latency by the seed's method (a lock epoch with one operation minus an empty
+//! one), synchronisation overhead, collectives.
+
+use std::time::Instant;
+
+use softnic::mpi::{Comm, LockType, Op, Win};
+
+use crate::report::Row;
+use crate::Ctx;
+
+fn variant(size: usize) -> String {
+    if size <= softnic::mpi::EAGER_LIMIT {
+        "short".into()
+    } else {
+        match std::env::var("SOFTNIC_MPI_LONG").as_deref() {
+            Ok("rendezvous") => "rendezvous".into(),
+            _ => "eager".into(),
+        }
+    }
+}
+
+fn row(ctx: &Ctx, bench: &str, op: &str, size: usize) -> Row {
+    let mut r = ctx.row(bench, "mpi", "portals", op, size);
+    r.variant = Some(variant(size));
+    r
+}
+
+/// `send_recv`: rank 0 sends, rank 1 receives and sends back; `lat_us` is half the round trip.
+pub fn pingpong(ctx: &Ctx, w: &Comm, size: usize) -> anyhow::Result<Option<Row>> {
+    w.barrier()?;
+    let mut out = vec![7u8; size];
+    let mut inn = vec![0u8; size];
+    let mut samples = Vec::with_capacity(ctx.iters);
+    let warm = ctx.warmup();
+    if w.rank() < 2 {
+        let peer = 1 - w.rank() as i32;
+        for i in 0..warm + ctx.iters {
+            if size >= 8 {
+                out[..8].copy_from_slice(&(i as u64).to_le_bytes());
+            }
+            let t = Instant::now();
+            if w.rank() == 0 {
+                w.send(&out, peer, 1)?;
+                w.recv(&mut inn, peer, 1)?;
+                if i >= warm {
+                    samples.push(t.elapsed().as_secs_f64() * 1e6 / 2.0);
+                }
+            } else {
+                w.recv(&mut inn, peer, 1)?;
+                w.send(&out, peer, 1)?;
+            }
+            if size >= 8 {
+                anyhow::ensure!(inn[..8] == (i as u64).to_le_bytes(), "message {i} garbled");
+            }
+        }
+    }
+    w.barrier()?;
+    Ok((w.rank() == 0).then(|| row(ctx, "pingpong", "send_recv", size).with_latency(&mut samples)))
+}
+
+/// Streaming: rank 0 keeps 64 sends in flight to rank 1, which has receives posted.
+pub fn bw(ctx: &Ctx, w: &Comm, size: usize) -> anyhow::Result<Option<Row>> {
+    const WINDOW: usize = 64;
+    let reps = (ctx.iters / 4).max(4);
+    let out = vec![3u8; size];
+    let mut inn: Vec<Vec<u8>> = (0..WINDOW).map(|_| vec![0u8; size]).collect();
+    w.barrier()?;
+    let t = Instant::now();
+    if w.rank() == 0 {
+        for _ in 0..reps {
+            let reqs = (0..WINDOW)
+                .map(|_| w.isend(&out, 1, 2))
+                .collect::<Result<Vec<_>, _>>()?;
+            softnic::mpi::wait_all(reqs)?;
+            w.recv(&mut [], 1, 3)?;
+        }
+    } else if w.rank() == 1 {
+        for _ in 0..reps {
+            let reqs = inn
+                .iter_mut()
+                .map(|b| w.irecv(b, 0, 2))
+                .collect::<Result<Vec<_>, _>>()?;
+            softnic::mpi::wait_all(reqs)?;
+            w.send(&[], 0, 3)?;
+        }
+    }
+    let secs = t.elapsed().as_secs_f64();
+    w.barrier()?;
+    Ok((w.rank() == 0).then(|| {
+        let mut r = row(ctx, "bw", "send_recv", size);
+        let msgs = (reps * WINDOW) as f64;
+        r.mb_s = Some(msgs * size as f64 / secs / 1e6);
+        r.mops = Some(msgs / secs / 1e6);
+        r
+    }))
+}
+
+/// One-sided latency by the seed's method: a shared-lock epoch to rank 1 holding one
+/// operation, minus an empty epoch, on rank 0 (rank 1 idle in a barrier).
+pub fn rma(
+    ctx: &Ctx,
+    w: &Comm,
+    win: &mut Win,
+    op: &str,
+    size: usize,
+) -> anyhow::Result<Option<Row>> {
+    w.barrier()?;
+    let mut samples = Vec::new();
+    if w.rank() == 0 {
+        let warm = ctx.warmup();
+        let origin = vec![1u8; size];
+        let mut back = vec![0u8; size];
+        let words = vec![1u64; (size / 8).max(1)];
+        let mut empty = Vec::with_capacity(ctx.iters);
+        for i in 0..warm + ctx.iters {
+            let t = Instant::now();
+            win.lock(LockType::Shared, 1, 0)?;
+            win.unlock(1)?;
+            let e = t.elapsed().as_secs_f64() * 1e6;
+            let t = Instant::now();
+            win.lock(LockType::Shared, 1, 0)?;
+            match op {
+                "put" => win.put(&origin, 1, 0)?,
+                "get" => win.get(&mut back, 1, 0)?,
+                "accumulate" => win.accumulate(&words, 1, 0, Op::Sum)?,
+                "fetch_and_op" => {
+                    win.fetch_and_op(1u64, 1, 0, Op::Sum)?;
+                }
+                "compare_and_swap" => {
+                    win.compare_and_swap(1u64, 0u64, 1, 0)?;
+                }
+                _ => anyhow::bail!("unknown one-sided op {op}"),
+            }
+            win.unlock(1)?;
+            let full = t.elapsed().as_secs_f64() * 1e6;
+            if i >= warm {
+                samples.push(full);
+                empty.push(e);
+            }
+        }
+        let (e, _) = crate::report::median_p99(&mut empty);
+        for s in samples.iter_mut() {
+            *s = (*s - e).max(0.0);
+        }
+    }
+    w.barrier()?;
+    Ok((w.rank() == 0).then(|| {
+        let mut r = ctx.row("pingpong", "mpi", "portals", op, size);
+        r.variant = Some("lock_shared".into());
+        r.with_latency(&mut samples)
+    }))
+}
+
+/// One-sided bandwidth: puts of `size` in one lock_all epoch, flushed every 64.
+pub fn rma_bw(ctx: &Ctx, w: &Comm, win: &mut Win, size: usize) -> anyhow::Result<Option<Row>> {
+    let reps = (ctx.iters / 4).max(4) * 64;
+    let origin = vec![5u8; size];
+    w.barrier()?;
+    let t = Instant::now();
+    if w.rank() == 0 {
+        win.lock_all(softnic::mpi::mode::NOCHECK)?;
+        for k in 0..reps {
+            win.put(&origin, 1, 0)?;
+            if k % 64 == 63 {
+                win.flush(1)?;
+            }
+        }
+        win.unlock_all()?;
+    }
+    let secs = t.elapsed().as_secs_f64();
+    w.barrier()?;
+    Ok((w.rank() == 0).then(|| {
+        let mut r = ctx.row("bw", "mpi", "portals", "put", size);
+        r.mb_s = Some(reps as f64 * size as f64 / secs / 1e6);
+        r.mops = Some(reps as f64 / secs / 1e6);
+        r
+    }))
+}
+
+/// Every row `--api mpi` makes for this bench.
+pub fn run(
+    ctx: &Ctx,
+    lat: bool,
+    bw_on: bool,
+    lat_sizes: &[usize],
+    bw_sizes: &[usize],
+) -> anyhow::Result<Vec<Row>> {
+    let w = softnic::mpi::Mpi::init()?;
+    anyhow::ensure!(w.size() >= 2, "MPI benchmarks need at least 2 ranks");
+    let max = lat_sizes
+        .iter()
+        .chain(bw_sizes)
+        .copied()
+        .max()
+        .unwrap_or(8)
+        .max(8);
+    let mut win = Win::allocate(&w, max)?;
+    let mut rows = Vec::new();
+    if lat {
+        for &s in lat_sizes {
+            rows.extend(pingpong(ctx, &w, s)?);
+        }
+        for op in ["put", "get", "accumulate"] {
+            for &s in lat_sizes {
+                rows.extend(rma(ctx, &w, &mut win, op, s.max(8))?);
+            }
+        }
+        for op in ["fetch_and_op", "compare_and_swap"] {
+            rows.extend(rma(ctx, &w, &mut win, op, 8)?);
+        }
+    }
+    if bw_on {
+        for &s in bw_sizes {
+            rows.extend(bw(ctx, &w, s)?);
+        }
+        for &s in bw_sizes {
+            rows.extend(rma_bw(ctx, &w, &mut win, s)?);
+        }
+    }
+    win.free()?;
+    Ok(rows)
+}
