@@ -166,13 +166,14 @@ pub fn pt_disabled(st: &mut State) -> Result<(), MpiError> {
     st.flow.recovering = true;
     st.flow.epoch += 1;
     st.flow.readies = 0;
-    tracing::debug!(
-        rank = st.rank,
-        epoch = st.flow.epoch,
-        "flow control: recovering"
-    );
+    tell_all(st, STOP)
+}
+
+/// Tells every rank (this one too: its own sends to itself take part) about our recovery.
+fn tell_all(st: &mut State, kind: u64) -> Result<(), MpiError> {
+    tracing::debug!(rank = st.rank, epoch = st.flow.epoch, kind, "flow control");
     for r in 0..st.size {
-        tell(st, r, STOP, st.flow.epoch)?;
+        tell(st, r, kind, st.flow.epoch)?;
     }
     Ok(())
 }
@@ -227,13 +228,5 @@ pub fn tick(st: &mut State) -> Result<(), MpiError> {
     }
     st.p.pt_enable(st.ni, RECV_PT)?;
     st.flow.recovering = false;
-    tracing::debug!(
-        rank = st.rank,
-        epoch = st.flow.epoch,
-        "flow control: resumed"
-    );
-    for r in 0..st.size {
-        tell(st, r, RESUME, st.flow.epoch)?;
-    }
-    Ok(())
+    tell_all(st, RESUME)
 }

@@ -301,6 +301,17 @@ impl State {
 
     // ------------------------------------------------------------ requests
 
+    /// A request on the user's `[addr, addr+len)`, unless MPI was finalized.
+    fn req_on(&self, addr: u64, len: usize) -> Result<Req, MpiError> {
+        if self.finalized {
+            return err(ErrorClass::Other, "MPI is finalized");
+        }
+        let mut r = Req::new();
+        r.addr = addr;
+        r.len = len;
+        Ok(r)
+    }
+
     fn new_req(&mut self, r: Req) -> u32 {
         match self.free_reqs.pop() {
             Some(i) => {
@@ -455,12 +466,7 @@ impl State {
         src: u32,
         tag: u32,
     ) -> Result<u32, MpiError> {
-        if self.finalized {
-            return err(ErrorClass::Other, "MPI is finalized");
-        }
-        let mut r = Req::new();
-        r.addr = addr;
-        r.len = len;
+        let mut r = self.req_on(addr, len)?;
         if len <= self.eager_limit {
             let s = self.slot()?;
             // SAFETY: the caller's buffer is valid for len bytes; the slot holds slot_len >= len.
@@ -562,12 +568,7 @@ impl State {
         src: Option<u32>,
         tag: Option<u32>,
     ) -> Result<u32, MpiError> {
-        if self.finalized {
-            return err(ErrorClass::Other, "MPI is finalized");
-        }
-        let mut r = Req::new();
-        r.addr = addr;
-        r.len = len;
+        let mut r = self.req_on(addr, len)?;
         let (region, offset, landing) = if len <= self.slot_len && !self.free_slots.is_empty() {
             let s = self.free_slots.pop().expect("checked");
             (self.bounce.handle, self.slot_off(s), Landing::Slot(s))
@@ -603,10 +604,14 @@ impl State {
             .p
             .me_append(self.ni, RECV_PT, &me, List::Priority, T_RECV | i as u64)
         {
-            self.finish(i, Some(e.into()));
+            // Nothing was posted: the request and its landing area go at once.
+            self.finish(i, None);
             self.req(i).expect("kept").orphan = true;
             self.maybe_free(i);
-            return Err(MpiError::new(ErrorClass::Other, "posting a receive failed"));
+            return Err(MpiError::new(
+                ErrorClass::Other,
+                format!("posting a receive: {e}"),
+            ));
         }
         Ok(i)
     }
