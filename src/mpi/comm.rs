@@ -354,7 +354,10 @@ impl Comm {
 impl Drop for Comm {
     fn drop(&mut self) {
         if self.world {
-            let _ = self.finalize();
+            // A panicking rank leaves at once: a barrier would hold the job until it timed out.
+            if !std::thread::panicking() {
+                let _ = self.finalize();
+            }
             return;
         }
         let mut st = self.st.borrow_mut();
