@@ -240,13 +240,11 @@ impl Comm {
         let mut mask = 1;
         while mask < n {
             let peer = self.rank ^ mask;
-            let mine = acc.to_vec();
-            self.coll_exchange(&mine, peer, &mut tmp, peer, ALLREDUCE)?;
+            self.coll_exchange(acc, peer, &mut tmp, peer, ALLREDUCE)?;
             // Lower rank's value first: every rank combines in the same order.
             if peer < self.rank {
-                let mut t = tmp.clone();
-                combine(&mut t, &mine, op, dt)?;
-                acc.copy_from_slice(&t);
+                combine(&mut tmp, acc, op, dt)?;
+                acc.copy_from_slice(&tmp);
             } else {
                 combine(acc, &tmp, op, dt)?;
             }

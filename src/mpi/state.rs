@@ -48,7 +48,6 @@ const T_PROBE: u64 = 4 << 60;
 const T_ACK: u64 = 5 << 60;
 const T_READ: u64 = 6 << 60;
 const T_GET: u64 = 7 << 60;
-const T_RMA: u64 = 8 << 60;
 const TAG_MASK: u64 = 0xf << 60;
 
 /// What a completed receive (or a probe) found.
@@ -742,10 +741,6 @@ impl State {
                 let fail = (e.ni_fail != NiFail::Ok)
                     .then(|| MpiError::from_fail(e.ni_fail, "fetching a long message"));
                 self.landed(idx, fail);
-                Ok(())
-            }
-            (T_RMA, _) => {
-                super::win::rma_event(self, idx, &e);
                 Ok(())
             }
             (super::flow::T_FC, EventKind::Put) => super::flow::notice(self, &e),

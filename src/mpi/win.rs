@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use crate::client::MemRegion;
 use crate::nic::memory::Perms;
 use crate::portals::{
-    md_opt, me_opt, AckReq, AtomicOp, Buffer, Datatype, Event, List, Md, Me, ProcessId, Target,
+    md_opt, me_opt, AckReq, AtomicOp, Buffer, Datatype, List, Md, Me, ProcessId, Target,
 };
 
 use super::coll::{bytes, bytes_mut, Op, Type};
@@ -73,9 +73,6 @@ pub struct Win {
     completes_seen: u64,
     freed: bool,
 }
-
-/// Completion of request-based operations (none yet ride on full events).
-pub(super) fn rma_event(_st: &mut State, _idx: u32, _e: &Event) {}
 
 impl Win {
     /// MPI_Win_allocate: `size` bytes at every member (sizes may differ), zeroed. Collective.
