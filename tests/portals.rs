@@ -708,6 +708,21 @@ fn bad_handles_and_arguments_get_return_codes() {
         Some(PtlError::ArgInvalid),
         "past the region"
     );
+    // A one-way append cannot answer: its refusal arrives as a failed link event.
+    while s.p.eq_get(s.ni, s.eq).is_ok() {}
+    s.p.me_append_oneway(s.ni, pt, &big, List::Priority, 77)
+        .unwrap();
+    let link = wait_kind(&mut s, EventKind::Link);
+    assert_eq!((link.user_ptr, link.ni_fail), (77, NiFail::ArgInvalid));
+    let free = s.p.pt_alloc(s.ni, 0, None, Some(4)).unwrap();
+    assert_eq!(
+        ptl(s
+            .p
+            .me_append_oneway(s.ni, free, &Me::new(whole(&mem), 0), List::Priority, 0)),
+        Some(PtlError::ArgInvalid),
+        "a portal without an event queue has nowhere to report"
+    );
+    s.p.pt_free(s.ni, free).unwrap();
     let md = md_all(&mut s, &mem, 0, None);
     assert_eq!(
         ptl(s

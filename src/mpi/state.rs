@@ -599,9 +599,10 @@ impl State {
             | me_opt::USE_ONCE
             | me_opt::EVENT_LINK_DISABLE
             | me_opt::EVENT_UNLINK_DISABLE;
-        if let Err(e) = self
-            .p
-            .me_append(self.ni, RECV_PT, &me, List::Priority, T_RECV | i as u64)
+        // One-way: a refusal comes back as a failed link event (see `handle`).
+        if let Err(e) =
+            self.p
+                .me_append_oneway(self.ni, RECV_PT, &me, List::Priority, T_RECV | i as u64)
         {
             // Nothing was posted: the request and its landing area go at once.
             self.finish(i, None);
@@ -701,6 +702,14 @@ impl State {
             (T_RECV, EventKind::Put) => {
                 self.stats.expected += 1;
                 self.arrived(idx, &e, false)
+            }
+            (T_RECV, EventKind::Link) if e.ni_fail != NiFail::Ok => {
+                let what = match e.ni_fail {
+                    NiFail::NoSpace => "the NIC has no room for another receive",
+                    _ => "the NIC refused the receive's list entry",
+                };
+                self.finish(idx, Some(MpiError::new(ErrorClass::Other, what)));
+                Ok(())
             }
             (T_RECV, EventKind::PutOverflow) => {
                 self.stats.unexpected += 1;

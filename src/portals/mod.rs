@@ -110,6 +110,8 @@ struct NiInfo {
     ct_mem: MemRegion,
     free_ct_slots: Vec<u64>,
     mds: HashMap<u32, (u64, u32)>,
+    /// Allocated portal table entries and their event queues.
+    pts: HashMap<u32, Option<u32>>,
     /// PtlSetMap's mapping (logical index → physical id), if one was set.
     map: Option<Vec<ProcessId>>,
 }
@@ -221,6 +223,7 @@ impl Portals {
                 ct_mem,
                 free_ct_slots: (0..CT_SLOTS as u64).rev().collect(),
                 mds: HashMap::default(),
+                pts: HashMap::default(),
                 map: None,
             });
         }
@@ -625,18 +628,21 @@ impl Portals {
         index: Option<u32>,
     ) -> Result<u32, PortalsError> {
         let wni = self.wire_ni(ni)?;
-        self.call(&PtlCall::PtAlloc {
+        let idx = self.call(&PtlCall::PtAlloc {
             ni: wni,
             options,
             eq,
             index,
-        })
-        .map(|v| v as u32)
+        })? as u32;
+        self.info_mut(ni)?.pts.insert(idx, eq);
+        Ok(idx)
     }
 
     pub fn pt_free(&mut self, ni: NiHandle, index: u32) -> Result<(), PortalsError> {
         let wni = self.wire_ni(ni)?;
-        self.call(&PtlCall::PtFree { ni: wni, index }).map(|_| ())
+        self.call(&PtlCall::PtFree { ni: wni, index })?;
+        self.info_mut(ni)?.pts.remove(&index);
+        Ok(())
     }
 
     pub fn pt_enable(&mut self, ni: NiHandle, index: u32) -> Result<(), PortalsError> {
@@ -702,6 +708,34 @@ impl Portals {
             me: args,
         })
         .map(|h| h as u32)
+    }
+
+    /// PtlMEAppend without waiting for the NIC's answer (softnic's extension): the entry has
+    /// no handle, so it can only leave its list by being used up (USE_ONCE, MANAGE_LOCAL) or
+    /// by the portal's freeing. If the NIC refuses it, a PTL_EVENT_LINK with `ni_fail`
+    /// NoSpace or ArgInvalid and this `user_ptr` arrives on the portal's event queue, which
+    /// the portal must therefore have.
+    pub fn me_append_oneway(
+        &mut self,
+        ni: NiHandle,
+        pt: u32,
+        me: &Me,
+        list: List,
+        user_ptr: u64,
+    ) -> Result<(), PortalsError> {
+        let wni = self.wire_ni(ni)?;
+        let info = self.info(ni)?;
+        if !matches!(info.pts.get(&pt), Some(Some(_))) {
+            return Err(PtlError::ArgInvalid.into());
+        }
+        let args = self.me_args(info.logical, me)?;
+        self.oneway(&PtlCall::Append {
+            ni: wni,
+            pt,
+            overflow: list == List::Overflow,
+            user_ptr,
+            me: args,
+        })
     }
 
     /// PtlLEAppend: a list entry on a non-matching interface (match fields ignored).

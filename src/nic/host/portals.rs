@@ -206,10 +206,15 @@ impl HostCore {
         inline: &[u8],
     ) -> Flow {
         let r = match PtlCall::decode(inline) {
-            Ok(call) => self.ptl_call(job, rank, call),
+            Ok(call) => self.ptl_call(job, rank, call, client_req == 0),
             Err(_) => Err(PtlError::ArgInvalid),
         };
-        if client_req != 0 {
+        if client_req == 0 {
+            if let Err(e) = r {
+                // Nobody waits for the answer: the call's own failure is all there is to say.
+                tracing::debug!(job, rank, error = %e, "a one-way Portals call failed");
+            }
+        } else {
             self.raw_completions.push((
                 session,
                 CqEntry {
@@ -222,7 +227,15 @@ impl HostCore {
         Flow::Done
     }
 
-    fn ptl_call(&mut self, job: u32, rank: u32, call: PtlCall) -> Result<u64, PtlError> {
+    /// One Portals call; `oneway` when nobody waits for its answer (an append then reports a
+    /// refusal as an event).
+    fn ptl_call(
+        &mut self,
+        job: u32,
+        rank: u32,
+        call: PtlCall,
+        oneway: bool,
+    ) -> Result<u64, PtlError> {
         let r = match call {
             PtlCall::NiInit { ni, matching } => {
                 let p = self.portals.entry((job, rank)).or_default();
@@ -353,16 +366,25 @@ impl HostCore {
                 user_ptr,
                 me,
             } => {
-                let e = self.match_entry(job, rank, &me)?;
+                let e = match self.match_entry(job, rank, &me) {
+                    Ok(e) => e,
+                    Err(err) if oneway => {
+                        let n = &mut self.ni_state(job, rank, ni)?.ni;
+                        return n.link_refused(pt, user_ptr, err).map(|_| 0);
+                    }
+                    Err(err) => return Err(err),
+                };
                 let list = if overflow {
                     List::Overflow
                 } else {
                     List::Priority
                 };
-                self.ni_state(job, rank, ni)?
-                    .ni
-                    .append(pt, e, list, user_ptr)
-                    .map(u64::from)
+                let n = &mut self.ni_state(job, rank, ni)?.ni;
+                if oneway {
+                    n.append_oneway(pt, e, list, user_ptr).map(|_| 0)
+                } else {
+                    n.append(pt, e, list, user_ptr).map(u64::from)
+                }
             }
             PtlCall::Unlink { ni, handle } => {
                 self.ni_state(job, rank, ni)?.ni.unlink(handle).map(|_| 0)

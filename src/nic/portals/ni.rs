@@ -506,6 +506,38 @@ impl PortalsNi {
         Ok(h)
     }
 
+    /// A one-way append (nobody waits for the call's answer): a refusal is reported as a
+    /// PTL_EVENT_LINK with a failure on the portal's event queue, even when the entry asked for
+    /// no link event. Without a portal (or its queue) the refusal is returned to the caller.
+    pub fn append_oneway(
+        &mut self,
+        idx: u32,
+        e: MatchEntry,
+        list: List,
+        user_ptr: u64,
+    ) -> Result<(), PtlError> {
+        match self.append(idx, e, list, user_ptr) {
+            Ok(_) => Ok(()),
+            Err(err) => self.link_refused(idx, user_ptr, err),
+        }
+    }
+
+    /// Reports a one-way append's refusal `err` as a failed PTL_EVENT_LINK (see
+    /// [`PortalsNi::append_oneway`]).
+    pub fn link_refused(&mut self, idx: u32, user_ptr: u64, err: PtlError) -> Result<(), PtlError> {
+        let fail = match err {
+            PtlError::NoSpace | PtlError::ListTooLong => NiFail::NoSpace,
+            _ => NiFail::ArgInvalid,
+        };
+        match self.pt(idx).ok().and_then(|p| p.eq) {
+            Some(eq) => {
+                self.post(Some(eq), Event::bare(EventKind::Link, idx, user_ptr, fail));
+                Ok(())
+            }
+            None => Err(err),
+        }
+    }
+
     /// Hands up to `max` unexpected headers matching entry `h` to it (PTL_EVENT_*_OVERFLOW),
     /// removing them; returns how many.
     fn consume_unexpected(&mut self, idx: u32, h: u32, max: usize) -> usize {

@@ -685,6 +685,48 @@ fn non_matching_interface_list_entries_take_every_message() {
 }
 
 #[test]
+fn a_refused_one_way_append_is_reported_by_a_failed_link_event() {
+    let limits = Limits {
+        max_list_size: 1,
+        ..Limits::default()
+    };
+    let mut n = PortalsNi::new(true, limits);
+    let eq = n.eq_alloc(8).unwrap();
+    n.pt_alloc(0, Some(eq), Some(0)).unwrap();
+    let r = region(16);
+    let quiet = ME_ALL | me::EVENT_LINK_DISABLE;
+    n.append_oneway(0, entry(&r, 0, 16, quiet, 1, 0), List::Priority, 10)
+        .unwrap();
+    assert!(events(&mut n, eq).is_empty(), "a linked entry stays quiet");
+    n.append_oneway(0, entry(&r, 0, 16, quiet, 2, 0), List::Priority, 11)
+        .unwrap();
+    n.append_oneway(0, entry(&r, 8, 16, quiet, 3, 0), List::Overflow, 12)
+        .unwrap();
+    let got: Vec<_> = events(&mut n, eq)
+        .iter()
+        .map(|e| (e.kind, e.user_ptr, e.ni_fail))
+        .collect();
+    assert_eq!(
+        got,
+        [
+            (EventKind::Link, 11, NiFail::NoSpace),
+            (EventKind::Link, 12, NiFail::ArgInvalid)
+        ],
+        "a full list, then an entry past its region's end"
+    );
+    assert_eq!(
+        n.deliver(&put(0, 1, b"x")).ni_fail,
+        NiFail::Ok,
+        "the linked entry works"
+    );
+    assert_eq!(
+        n.append_oneway(5, entry(&r, 0, 16, quiet, 1, 0), List::Priority, 0),
+        Err(PtlError::ArgInvalid),
+        "no portal, no queue to report on: the caller hears it"
+    );
+}
+
+#[test]
 fn bad_arguments_get_the_specified_return_codes() {
     let mut n = PortalsNi::new(true, Limits::default());
     let eq = n.eq_alloc(8).unwrap();

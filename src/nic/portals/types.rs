@@ -76,6 +76,12 @@ pub enum NiFail {
     OpViolation = 5,
     Segv = 6,
     NoMatch = 7,
+    /// In a PTL_EVENT_LINK: the entry of a one-way append was not linked, for want of list
+    /// or entry space (the call's PTL_NO_SPACE / PTL_LIST_TOO_LONG).
+    NoSpace = 8,
+    /// In a PTL_EVENT_LINK: the entry of a one-way append was refused as malformed (the
+    /// call's PTL_ARG_INVALID: a bad region, counter or portal option).
+    ArgInvalid = 9,
 }
 
 /// Which list an entry goes on (`ptl_list_t`).

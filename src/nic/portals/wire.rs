@@ -297,6 +297,8 @@ pub fn ni_fail_from(v: u8) -> NiFail {
         4 => NiFail::PermViolation,
         5 => NiFail::OpViolation,
         6 => NiFail::Segv,
+        8 => NiFail::NoSpace,
+        9 => NiFail::ArgInvalid,
         _ => NiFail::NoMatch,
     }
 }
