@@ -260,14 +260,47 @@ fn unexpected_storm_trips_flow_control_and_delivers_all_in_order() {
 #[test]
 fn communicators_and_collectives() {
     if !in_job() {
+        // Offloaded and point-to-point (the default) collectives, also under loss.
+        let offload = [("SOFTNIC_MPI_COLL", "triggered")];
         for n in [2, 3, 8] {
-            launch_ok("communicators_and_collectives", n, 2, &[]);
+            launch_ok_env("communicators_and_collectives", n, 2, &[], &offload);
         }
+        launch_ok("communicators_and_collectives", 5, 2, &[]);
+        launch_ok_env(
+            "communicators_and_collectives",
+            6,
+            2,
+            &["--fault-drop", "0.1"],
+            &offload,
+        );
         return;
     }
     let world = Mpi::init().unwrap();
     let (me, n) = (world.rank(), world.size());
     world.barrier().unwrap();
+    // Back-to-back small collectives with moving roots: the offloaded trees reuse their
+    // buffers every other epoch, and a fast rank runs ahead into the next one.
+    for i in 0..300u64 {
+        let root = (i % n as u64) as u32;
+        let mut v = [0u64; 5];
+        if me == root {
+            v = [i, i + 1, i + 2, i + 3, root as u64];
+        }
+        world.bcast(&mut v, root).unwrap();
+        assert_eq!(v, [i, i + 1, i + 2, i + 3, root as u64], "bcast {i}");
+        let mut s = [0u64; 2];
+        world
+            .allreduce(&[i + me as u64, 1], &mut s, Op::Sum)
+            .unwrap();
+        assert_eq!(
+            s,
+            [n as u64 * i + (n * (n - 1) / 2) as u64, n as u64],
+            "allreduce {i}"
+        );
+        if i % 3 == 0 {
+            world.barrier().unwrap();
+        }
+    }
     for root in 0..n {
         let mut v = if me == root {
             vec![root as i64 + 11; 1000]

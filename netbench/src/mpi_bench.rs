@@ -152,6 +152,42 @@ pub fn rma(
     }))
 }
 
+/// Collective latency on every rank of the job (`bench: "coll"`): barrier and an 8-byte
+/// allreduce, offloaded (`triggered`) and point-to-point (`p2p`); rank 0's median.
+pub fn coll(ctx: &Ctx, w: &Comm) -> anyhow::Result<Vec<Row>> {
+    use softnic::mpi::CollMode;
+    let mut rows = Vec::new();
+    for (mode, name) in [(CollMode::Triggered, "triggered"), (CollMode::P2p, "p2p")] {
+        w.set_coll_mode(mode);
+        for (op, size) in [("barrier", 0usize), ("allreduce", 8)] {
+            w.barrier()?;
+            let mut samples = Vec::with_capacity(ctx.iters);
+            let mut out = [0u64];
+            for i in 0..ctx.warmup() + ctx.iters {
+                let t = Instant::now();
+                if size == 0 {
+                    w.barrier()?;
+                } else {
+                    w.allreduce(&[i as u64], &mut out, Op::Sum)?;
+                }
+                if i >= ctx.warmup() {
+                    samples.push(t.elapsed().as_secs_f64() * 1e6);
+                }
+            }
+            if w.rank() == 0 {
+                let mut r = ctx.row("coll", "mpi", "portals", op, size);
+                r.variant = Some(name.into());
+                rows.push(r.with_latency(&mut samples));
+            }
+        }
+    }
+    w.set_coll_mode(match std::env::var("SOFTNIC_MPI_COLL").as_deref() {
+        Ok("triggered") => CollMode::Triggered,
+        _ => CollMode::P2p,
+    });
+    Ok(rows)
+}
+
 /// One-sided bandwidth: puts of `size` in one lock_all epoch, flushed every 64.
 pub fn rma_bw(ctx: &Ctx, w: &Comm, win: &mut Win, size: usize) -> anyhow::Result<Option<Row>> {
     let reps = (ctx.iters / 4).max(4) * 64;
@@ -209,6 +245,7 @@ pub fn run(
         for op in ["fetch_and_op", "compare_and_swap"] {
             rows.extend(rma(ctx, &w, &mut win, op, 8)?);
         }
+        rows.extend(coll(ctx, &w)?);
     }
     if bw_on {
         for &s in bw_sizes {

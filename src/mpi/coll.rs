@@ -1,4 +1,6 @@
-//! Collectives over point-to-point messages on each communicator's collective context:
+//! Collectives. Barrier, and broadcast and allreduce of up to one staging slot, run as trees
+//! of triggered operations in the NIC (`triggered`) unless `SOFTNIC_MPI_COLL=p2p`; the rest,
+//! and everything under p2p, go over point-to-point messages on the collective context:
 //! dissemination barrier, binomial broadcast and reduce, recursive-doubling allreduce (reduce
 //! then broadcast when the size is not a power of two), ring allgather. Reductions apply the
 //! same element operations the NIC's atomics do (`nic::portals::atomic`).
@@ -7,6 +9,8 @@ use crate::nic::portals::atomic::{self, AtomicOp, Datatype};
 
 use super::comm::Comm;
 use super::error::{err, ErrorClass, MpiError};
+use super::state::CollMode;
+use super::triggered;
 
 /// Elements MPI can move and reduce: the machine's integers and floats.
 ///
@@ -120,8 +124,43 @@ impl Comm {
         r.wait().map(|_| ())
     }
 
-    /// MPI_Barrier (dissemination: ⌈log2 n⌉ rounds of empty messages).
+    /// Whether this collective of `len` bytes runs offloaded (`SOFTNIC_MPI_COLL`; every
+    /// rank decides alike: same mode, same counts).
+    fn offloaded(&self, len: usize, reduction: bool) -> bool {
+        let st = self.st.borrow();
+        let max = if reduction {
+            triggered::SLOT.min(st.limits.max_atomic_size as usize)
+        } else {
+            triggered::SLOT
+        };
+        st.coll == CollMode::Triggered && len <= max && (len > 0 || !reduction)
+    }
+
+    /// Before the first offloaded collective: this rank's entries, then a point-to-point
+    /// barrier so every member has them.
+    fn ensure_tree(&self) -> Result<(), MpiError> {
+        if self.st.borrow().has_tree(self.coll_ctx()) {
+            return Ok(());
+        }
+        self.st.borrow_mut().open_tree_for(self.coll_ctx())?;
+        self.p2p_barrier()
+    }
+
+    /// MPI_Barrier: a tree of triggered puts, or (p2p) dissemination, ⌈log2 n⌉ rounds of
+    /// empty messages.
     pub fn barrier(&self) -> Result<(), MpiError> {
+        self.check_open()?;
+        if self.offloaded(0, false) {
+            self.ensure_tree()?;
+            return self
+                .st
+                .borrow_mut()
+                .tree_barrier(self.coll_ctx(), &self.group, self.rank);
+        }
+        self.p2p_barrier()
+    }
+
+    fn p2p_barrier(&self) -> Result<(), MpiError> {
         let n = self.size();
         let mut k = 1;
         while k < n {
@@ -150,6 +189,16 @@ impl Comm {
     }
 
     fn bcast_bytes(&self, buf: &mut [u8], root: u32, tag: u32) -> Result<(), MpiError> {
+        if self.offloaded(buf.len(), false) {
+            self.ensure_tree()?;
+            return self.st.borrow_mut().tree_bcast(
+                self.coll_ctx(),
+                &self.group,
+                self.rank,
+                buf,
+                root,
+            );
+        }
         let n = self.size();
         let vr = (self.rank + n - root) % n;
         let mut mask = 1;
@@ -231,6 +280,17 @@ impl Comm {
     }
 
     fn allreduce_bytes(&self, acc: &mut [u8], op: AtomicOp, dt: Datatype) -> Result<(), MpiError> {
+        if self.offloaded(acc.len(), true) {
+            self.ensure_tree()?;
+            return self.st.borrow_mut().tree_allreduce(
+                self.coll_ctx(),
+                &self.group,
+                self.rank,
+                acc,
+                op,
+                dt,
+            );
+        }
         let n = self.size();
         if !n.is_power_of_two() {
             self.reduce_bytes(acc, op, dt, 0, ALLREDUCE)?;

@@ -119,12 +119,19 @@ impl Comm {
         self.ctx
     }
 
+    /// How collectives run from now on, for every communicator of this rank: the control
+    /// variable behind `SOFTNIC_MPI_COLL` (as an MPI_T cvar). Every rank must choose alike
+    /// before its next collective.
+    pub fn set_coll_mode(&self, mode: super::state::CollMode) {
+        self.st.borrow_mut().coll = mode;
+    }
+
     /// Library counters (unexpected messages, flow-control refusals and resends…).
     pub fn stats(&self) -> super::state::Stats {
         self.st.borrow().stats
     }
 
-    fn check_open(&self) -> Result<(), MpiError> {
+    pub(super) fn check_open(&self) -> Result<(), MpiError> {
         if self.st.borrow().finalized {
             return err(
                 ErrorClass::Comm,
@@ -361,6 +368,7 @@ impl Drop for Comm {
             return;
         }
         let mut st = self.st.borrow_mut();
+        st.close_tree(2 * self.ctx + 1);
         st.ctx_free[(self.ctx / 64) as usize] |= 1 << (self.ctx % 64);
     }
 }
@@ -373,6 +381,10 @@ impl Comm {
         }
         let r = self.barrier();
         let mut st = self.st.borrow_mut();
+        let ctxs: Vec<u32> = st.trees.keys().copied().collect();
+        for c in ctxs {
+            st.close_tree(c);
+        }
         let deadline = std::time::Instant::now() + Duration::from_secs(30);
         while st.outstanding() && std::time::Instant::now() < deadline {
             st.wait_event(Duration::from_millis(10))?;

@@ -25,12 +25,13 @@ mod comm;
 mod error;
 mod flow;
 mod state;
+mod triggered;
 mod win;
 
 pub use self::coll::{Op, Type};
 pub use self::comm::{wait_all, Comm, Request, ANY_SOURCE, ANY_TAG, TAG_UB, UNDEFINED};
 pub use self::error::{ErrorClass, MpiError};
-pub use self::state::{LongProtocol, Stats, Status};
+pub use self::state::{CollMode, LongProtocol, Stats, Status};
 pub use self::win::{mode, LockType, Win};
 
 use crate::portals::Portals;

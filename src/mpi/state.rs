@@ -13,6 +13,8 @@
 
 use std::time::Duration;
 
+use rustc_hash::FxHashMap as HashMap;
+
 use crate::client::{MemHandle, MemRegion};
 use crate::gasnet::conduit::portals::firehose::{Firehose, Registration};
 use crate::nic::memory::Perms;
@@ -117,6 +119,15 @@ impl Req {
     }
 }
 
+/// How collectives run (`SOFTNIC_MPI_COLL`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CollMode {
+    /// Trees of triggered operations in the NIC (barrier, small bcast and allreduce).
+    Triggered,
+    /// Point-to-point messages between the processes.
+    P2p,
+}
+
 /// Which long protocol sends beyond the eager limit.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LongProtocol {
@@ -163,6 +174,11 @@ pub struct State {
     /// Flow control: senders whose messages the target's disabled portal refused, waiting to
     /// go again in order (see `flow`).
     pub(super) flow: super::flow::Flow,
+    pub coll: CollMode,
+    /// Offloaded collectives' state per collective context (see `triggered`).
+    pub(super) trees: HashMap<u32, super::triggered::Tree>,
+    /// Whether the collective portal is allocated.
+    pub(super) coll_pt: bool,
 }
 
 pub(crate) fn env_size(name: &str) -> Result<Option<usize>, MpiError> {
@@ -207,6 +223,17 @@ impl State {
                 return err(
                     ErrorClass::Arg,
                     format!("SOFTNIC_MPI_LONG={v:?}: eager or rendezvous"),
+                )
+            }
+        };
+        let coll = match std::env::var("SOFTNIC_MPI_COLL").as_deref() {
+            Ok("triggered") => CollMode::Triggered,
+            // The default: measured faster at 2–4 ranks here (docs/performance.md).
+            Err(_) | Ok("p2p") => CollMode::P2p,
+            Ok(v) => {
+                return err(
+                    ErrorClass::Arg,
+                    format!("SOFTNIC_MPI_COLL={v:?}: triggered or p2p"),
                 )
             }
         };
@@ -257,6 +284,9 @@ impl State {
             finalized: false,
             stats: Stats::default(),
             flow: super::flow::Flow::default(),
+            coll,
+            trees: HashMap::default(),
+            coll_pt: false,
         };
         st.ctx_free[0] &= !1;
         for i in 0..OVF_N {
@@ -670,6 +700,11 @@ impl State {
         }
         super::flow::tick(self)?;
         Ok(any)
+    }
+
+    /// The event queues progress watches.
+    pub(super) fn eqs(&self) -> [u32; 3] {
+        [self.eq_recv, self.eq_md, self.flow.eq]
     }
 
     /// Waits (adaptively) for the next event or `max`, and handles what came.

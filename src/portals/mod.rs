@@ -910,11 +910,14 @@ impl Portals {
             op,
             trigger,
         };
-        if trigger.is_some() {
-            self.call(&call).map(|_| ())
-        } else {
-            self.oneway(&call)
+        // Triggered ones too go one-way once their counter is known to be ours: the NIC
+        // counts a failure on it if it has no room to arm the operation.
+        if let Some((ct, _)) = trigger {
+            if !self.info(ni)?.cts.contains_key(&ct) {
+                return Err(PtlError::ArgInvalid.into());
+            }
         }
+        self.oneway(&call)
     }
 
     /// PtlPut.
@@ -1042,7 +1045,9 @@ impl Portals {
         Ok(())
     }
 
-    /// PtlTriggeredPut: issued by the NIC once `ct` reaches `threshold`.
+    /// PtlTriggeredPut: issued by the NIC once `ct` reaches `threshold`. Like every triggered
+    /// call here it is posted without waiting for the NIC: an operation the NIC has no room
+    /// to arm (`max_triggered_ops`) counts one failure on `ct` instead of a PTL_NO_SPACE.
     #[allow(clippy::too_many_arguments)]
     pub fn triggered_put(
         &mut self,

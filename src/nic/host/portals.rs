@@ -439,11 +439,24 @@ impl HostCore {
                 trigger,
             } => {
                 match trigger {
-                    Some((ct, threshold)) => self
-                        .ni_state(job, rank, ni)?
-                        .ni
-                        .triggered(ct, threshold, TriggeredAction::Op(spec))
-                        .map(|_| 0),
+                    Some((ct, threshold)) => {
+                        let n = &mut self.ni_state(job, rank, ni)?.ni;
+                        match n.triggered(ct, threshold, TriggeredAction::Op(spec)) {
+                            // Nobody hears a one-way call's answer: an operation the NIC
+                            // could not arm counts a failure on its trigger counter, which
+                            // the process watches (so its wait ends instead of hanging).
+                            Err(e) if oneway => n
+                                .ct_inc(
+                                    ct,
+                                    CtEvent {
+                                        success: 0,
+                                        failure: 1,
+                                    },
+                                )
+                                .map_or(Err(e), |_| Ok(0)),
+                            r => r.map(|_| 0),
+                        }
+                    }
                     None => match self.ptl_start(job, rank, ni, spec) {
                         // Started: what it released is run where its counts change
                         // (`ptl_start`, `ptl_complete`), so the scan below has nothing to
