@@ -260,18 +260,24 @@ fn unexpected_storm_trips_flow_control_and_delivers_all_in_order() {
 #[test]
 fn communicators_and_collectives() {
     if !in_job() {
-        // Offloaded and point-to-point (the default) collectives, also under loss.
+        // Offloaded and point-to-point collectives, also under loss (the default, auto,
+        // offloads beyond two ranks).
         let offload = [("SOFTNIC_MPI_COLL", "triggered")];
         for n in [2, 3, 8] {
             launch_ok_env("communicators_and_collectives", n, 2, &[], &offload);
         }
-        launch_ok("communicators_and_collectives", 5, 2, &[]);
         launch_ok_env(
+            "communicators_and_collectives",
+            5,
+            2,
+            &[],
+            &[("SOFTNIC_MPI_COLL", "p2p")],
+        );
+        launch_ok(
             "communicators_and_collectives",
             6,
             2,
             &["--fault-drop", "0.1"],
-            &offload,
         );
         return;
     }

@@ -183,7 +183,8 @@ pub fn coll(ctx: &Ctx, w: &Comm) -> anyhow::Result<Vec<Row>> {
     }
     w.set_coll_mode(match std::env::var("SOFTNIC_MPI_COLL").as_deref() {
         Ok("triggered") => CollMode::Triggered,
-        _ => CollMode::P2p,
+        Ok("p2p") => CollMode::P2p,
+        _ => CollMode::Auto,
     });
     Ok(rows)
 }

@@ -133,7 +133,12 @@ impl Comm {
         } else {
             triggered::SLOT
         };
-        st.coll == CollMode::Triggered && len <= max && (len > 0 || !reduction)
+        let on = match st.coll {
+            CollMode::Triggered => true,
+            CollMode::P2p => false,
+            CollMode::Auto => self.size() > 2,
+        };
+        on && len <= max && (len > 0 || !reduction)
     }
 
     /// Before the first offloaded collective: this rank's entries, then a point-to-point

@@ -126,6 +126,8 @@ pub enum CollMode {
     Triggered,
     /// Point-to-point messages between the processes.
     P2p,
+    /// Point-to-point on two ranks (one exchange beats a tree's two hops), offloaded beyond.
+    Auto,
 }
 
 /// Which long protocol sends beyond the eager limit.
@@ -227,13 +229,13 @@ impl State {
             }
         };
         let coll = match std::env::var("SOFTNIC_MPI_COLL").as_deref() {
+            Err(_) | Ok("auto") => CollMode::Auto,
             Ok("triggered") => CollMode::Triggered,
-            // The default: measured faster at 2–4 ranks here (docs/performance.md).
-            Err(_) | Ok("p2p") => CollMode::P2p,
+            Ok("p2p") => CollMode::P2p,
             Ok(v) => {
                 return err(
                     ErrorClass::Arg,
-                    format!("SOFTNIC_MPI_COLL={v:?}: triggered or p2p"),
+                    format!("SOFTNIC_MPI_COLL={v:?}: auto, triggered or p2p"),
                 )
             }
         };
