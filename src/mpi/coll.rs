@@ -157,10 +157,14 @@ impl Comm {
         self.check_open()?;
         if self.offloaded(0, false) {
             self.ensure_tree()?;
-            return self
-                .st
-                .borrow_mut()
-                .tree_barrier(self.coll_ctx(), &self.group, self.rank);
+            return self.st.borrow_mut().tree_bcast(
+                self.coll_ctx(),
+                &self.group,
+                self.rank,
+                &mut [],
+                0,
+                true,
+            );
         }
         self.p2p_barrier()
     }
@@ -202,6 +206,7 @@ impl Comm {
                 self.rank,
                 buf,
                 root,
+                false,
             );
         }
         let n = self.size();

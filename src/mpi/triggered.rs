@@ -6,7 +6,7 @@
 //!
 //! Each communicator gets four list entries on the collective portal, each counting into its
 //! own counting event (thresholds are cumulative, so nothing is ever reset):
-//! - `UP`: empty puts from children (barrier arrival, "ready" for a broadcast);
+//! - `UP`: empty puts from children ("ready": a barrier is an empty broadcast);
 //! - `DOWN`: from the parent (barrier release, broadcast data, allreduce result);
 //! - `SLOT`: children's partial reductions, one slot each;
 //! - `ACC`: this rank's own atomics combining those slots into its accumulator.
@@ -338,40 +338,9 @@ impl State {
         t.issued_at[p] = t.issued;
     }
 
-    /// Barrier: arrivals go up the tree, the root's release comes down, all in the NIC.
-    pub(super) fn tree_barrier(
-        &mut self,
-        ctx: u32,
-        group: &[u32],
-        rank: u32,
-    ) -> Result<(), MpiError> {
-        let node = Node::new(rank, group.len() as u32, 0);
-        let kids = node.children();
-        let p = self.epoch(ctx)?;
-        let t = self.trees.get_mut(&ctx).expect("open");
-        t.up.want += kids.len() as u64;
-        let up = t.up;
-        let parent = node.parent();
-        if parent.is_some() {
-            t.down.want += 1;
-        }
-        let down = t.down;
-        let release = if parent.is_some() { down } else { up };
-        for &c in &kids {
-            self.tree_put(ctx, 0, 0, group[c as usize], DOWN, 0, Some(release))?;
-        }
-        if let Some(pa) = parent {
-            let on = (!kids.is_empty()).then_some(up);
-            self.tree_put(ctx, 0, 0, group[pa as usize], UP, 0, on)?;
-        }
-        let watch = self.watch(ctx);
-        self.wait_ct(release.ct, release.want, &watch)?;
-        self.end_epoch(ctx, p);
-        Ok(())
-    }
-
     /// Broadcast of at most SLOT bytes: each subtree says "ready" up the tree; the root's
-    /// data goes down once its children are ready, forwarded by each NIC as it lands.
+    /// data goes down once its children are ready, forwarded by each NIC as it lands. With
+    /// no bytes from rank 0 and `barrier` it is the barrier: arrivals up, the release down.
     pub(super) fn tree_bcast(
         &mut self,
         ctx: u32,
@@ -379,6 +348,7 @@ impl State {
         rank: u32,
         buf: &mut [u8],
         root: u32,
+        barrier: bool,
     ) -> Result<(), MpiError> {
         let node = Node::new(rank, group.len() as u32, root);
         let kids = node.children();
@@ -407,13 +377,18 @@ impl State {
                 Some(go),
             )?;
         }
-        if let Some(pa) = parent {
-            let on = (!kids.is_empty()).then_some(up);
-            self.tree_put(ctx, 0, 0, group[pa as usize], UP, 0, on)?;
-            let watch = self.watch(ctx);
-            self.wait_ct(down.ct, down.want, &watch)?;
-            let t = &self.trees[&ctx];
-            buf.copy_from_slice(&t.mem.bytes()[down_off(p) as usize..][..len]);
+        let watch = self.watch(ctx);
+        match parent {
+            Some(pa) => {
+                let on = (!kids.is_empty()).then_some(up);
+                self.tree_put(ctx, 0, 0, group[pa as usize], UP, 0, on)?;
+                self.wait_ct(down.ct, down.want, &watch)?;
+                let t = &self.trees[&ctx];
+                buf.copy_from_slice(&t.mem.bytes()[down_off(p) as usize..][..len]);
+            }
+            // A barrier's root leaves once everyone arrived; a broadcast's root at once.
+            None if barrier => self.wait_ct(up.ct, up.want, &watch)?,
+            None => {}
         }
         self.end_epoch(ctx, p);
         Ok(())

@@ -698,16 +698,25 @@ impl Portals {
         list: List,
         user_ptr: u64,
     ) -> Result<u32, PortalsError> {
-        let wni = self.wire_ni(ni)?;
-        let args = self.me_args(self.info(ni)?.logical, me)?;
-        self.call(&PtlCall::Append {
-            ni: wni,
+        let c = self.append_call(ni, pt, me, list, user_ptr)?;
+        self.call(&c).map(|h| h as u32)
+    }
+
+    fn append_call(
+        &self,
+        ni: NiHandle,
+        pt: u32,
+        me: &Me,
+        list: List,
+        user_ptr: u64,
+    ) -> Result<PtlCall, PtlError> {
+        Ok(PtlCall::Append {
+            ni: self.wire_ni(ni)?,
             pt,
             overflow: list == List::Overflow,
             user_ptr,
-            me: args,
+            me: self.me_args(self.info(ni)?.logical, me)?,
         })
-        .map(|h| h as u32)
     }
 
     /// PtlMEAppend without waiting for the NIC's answer (softnic's extension): the entry has
@@ -723,19 +732,11 @@ impl Portals {
         list: List,
         user_ptr: u64,
     ) -> Result<(), PortalsError> {
-        let wni = self.wire_ni(ni)?;
-        let info = self.info(ni)?;
-        if !matches!(info.pts.get(&pt), Some(Some(_))) {
+        if !matches!(self.info(ni)?.pts.get(&pt), Some(Some(_))) {
             return Err(PtlError::ArgInvalid.into());
         }
-        let args = self.me_args(info.logical, me)?;
-        self.oneway(&PtlCall::Append {
-            ni: wni,
-            pt,
-            overflow: list == List::Overflow,
-            user_ptr,
-            me: args,
-        })
+        let c = self.append_call(ni, pt, me, list, user_ptr)?;
+        self.oneway(&c)
     }
 
     /// PtlLEAppend: a list entry on a non-matching interface (match fields ignored).
