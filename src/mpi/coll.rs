@@ -1,6 +1,6 @@
 //! Collectives. Barrier, and broadcast and allreduce of up to one staging slot, run as trees
-//! of triggered operations in the NIC (`triggered`) unless `SOFTNIC_MPI_COLL=p2p`; the rest,
-//! and everything under p2p, go over point-to-point messages on the collective context:
+//! of triggered operations in the NIC (`triggered`) as `SOFTNIC_MPI_COLL` says (`auto`:
+//! beyond two ranks); the rest go over point-to-point messages on the collective context:
 //! dissemination barrier, binomial broadcast and reduce, recursive-doubling allreduce (reduce
 //! then broadcast when the size is not a power of two), ring allgather. Reductions apply the
 //! same element operations the NIC's atomics do (`nic::portals::atomic`).
@@ -125,7 +125,7 @@ impl Comm {
     }
 
     /// Whether this collective of `len` bytes runs offloaded (`SOFTNIC_MPI_COLL`; every
-    /// rank decides alike: same mode, same counts).
+    /// rank decides alike: same mode, same size, same counts).
     fn offloaded(&self, len: usize, reduction: bool) -> bool {
         let st = self.st.borrow();
         let max = if reduction {
