@@ -265,16 +265,9 @@ impl State {
                 );
             }
             self.progress()?;
-            spins += 1;
-            if spins < 256 {
-                std::hint::spin_loop();
-            } else if start.elapsed() < Duration::from_micros(500) {
-                self.p.endpoint().client().yield_now();
-            } else {
-                let eqs = self.eqs();
-                self.p
-                    .sleep(self.ni, &eqs, &[ct], &[want], Duration::from_millis(2))?;
-            }
+            let eqs = self.eqs();
+            self.p
+                .idle(&mut spins, start, Some((self.ni, &eqs, &[ct], &[want])))?;
         }
     }
 
@@ -312,6 +305,26 @@ impl State {
             Some(c) => self
                 .p
                 .triggered_put(self.ni, md, off, len as u64, ack, t, 0, 0, c.ct, c.want)?,
+        }
+        Ok(())
+    }
+
+    /// Arms the puts of `len` bytes at `src` of the staging region into each child's DOWN
+    /// buffer of parity `p`, fired when `on` reaches its threshold.
+    #[allow(clippy::too_many_arguments)]
+    fn forward_down(
+        &mut self,
+        ctx: u32,
+        group: &[u32],
+        kids: &[u32],
+        src: u64,
+        p: usize,
+        len: usize,
+        on: Counter,
+    ) -> Result<(), MpiError> {
+        for &c in kids {
+            let to = group[c as usize];
+            self.tree_put(ctx, src, len, to, DOWN, down_off(p), Some(on))?;
         }
         Ok(())
     }
@@ -366,17 +379,7 @@ impl State {
         let down = t.down;
         // The root sends when its children are ready; others forward what lands.
         let go = if parent.is_some() { down } else { up };
-        for &c in &kids {
-            self.tree_put(
-                ctx,
-                down_off(p),
-                len,
-                group[c as usize],
-                DOWN,
-                down_off(p),
-                Some(go),
-            )?;
-        }
+        self.forward_down(ctx, group, &kids, down_off(p), p, len, go)?;
         let watch = self.watch(ctx);
         match parent {
             Some(pa) => {
@@ -445,33 +448,13 @@ impl State {
                 let slot = part_off(p, node.index()) - part_off(0, 0);
                 let on = (!kids.is_empty()).then_some(accd);
                 self.tree_put(ctx, acc_off(p), len, group[pa as usize], PART, slot, on)?;
-                for &c in &kids {
-                    self.tree_put(
-                        ctx,
-                        down_off(p),
-                        len,
-                        group[c as usize],
-                        DOWN,
-                        down_off(p),
-                        Some(down),
-                    )?;
-                }
+                self.forward_down(ctx, group, &kids, down_off(p), p, len, down)?;
                 let watch = self.watch(ctx);
                 self.wait_ct(down.ct, down.want, &watch)?;
                 acc.copy_from_slice(&self.trees[&ctx].mem.bytes()[down_off(p) as usize..][..len]);
             }
             None => {
-                for &c in &kids {
-                    self.tree_put(
-                        ctx,
-                        acc_off(p),
-                        len,
-                        group[c as usize],
-                        DOWN,
-                        down_off(p),
-                        Some(accd),
-                    )?;
-                }
+                self.forward_down(ctx, group, &kids, acc_off(p), p, len, accd)?;
                 let watch = self.watch(ctx);
                 self.wait_ct(accd.ct, accd.want, &watch)?;
                 acc.copy_from_slice(&self.trees[&ctx].mem.bytes()[acc_off(p) as usize..][..len]);

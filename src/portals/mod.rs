@@ -120,7 +120,7 @@ const CT_SLOTS: usize = 4096;
 
 /// What a sleeping wait watches: an interface, its event queues, counting events and their
 /// tests.
-type WaitOn<'a> = (NiHandle, &'a [u32], &'a [u32], &'a [u64]);
+pub(crate) type WaitOn<'a> = (NiHandle, &'a [u32], &'a [u32], &'a [u64]);
 
 /// A process's Portals library.
 pub struct Portals {
@@ -402,8 +402,9 @@ impl Portals {
     }
 
     /// Adaptive waiting: spin, yield, then sleep on the NIC's doorbell (not missing events
-    /// that land in `eqs` meanwhile).
-    fn idle(
+    /// that land in `eqs` meanwhile). Libraries on Portals with waits of their own (MPI's)
+    /// take their turns through it too.
+    pub(crate) fn idle(
         &mut self,
         spins: &mut u32,
         start: Instant,
