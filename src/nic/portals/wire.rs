@@ -340,7 +340,7 @@ mod tests {
         for (x, y) in fa.iter().zip(&fb) {
             for op in [x, y] {
                 if let Some(w) = asm.request(0, op) {
-                    let (h, _, _, data) = w.as_ref().ok().expect("not dropped").parts();
+                    let (h, _, _, data) = w.as_ref().expect("not dropped").parts();
                     whole.push((h.src_rank, data.to_vec()));
                 }
             }
