@@ -1546,5 +1546,174 @@ fn a_list_entry_over_private_process_memory_takes_puts_and_gets_not_atomics() {
             got == pattern(n, 77),
             "the put landed in private memory, the atomic did not"
         );
+        assert_eq!(
+            s.p.ni_status(s.ni, StatusRegister::OperationViolations)
+                .unwrap(),
+            1,
+            "PtlNIStatus counts the refused atomic"
+        );
     }
+}
+
+/// PtlNIStatus counts what the interface dropped; PtlNIFini takes the interface with
+/// everything on it (old handles fail), and a fresh one starts from nothing.
+#[test]
+fn ni_status_counts_drops_and_ni_fini_releases_everything() {
+    if !in_job() {
+        return launch_ok(
+            "ni_status_counts_drops_and_ni_fini_releases_everything",
+            2,
+            2,
+            &[],
+        );
+    }
+    let mut s = setup();
+    let me = my_rank(&s);
+    let mem = s.p.endpoint().mem_register(64, Perms::READ_WRITE).unwrap();
+    let pt = s.p.pt_alloc(s.ni, 0, Some(s.eq), Some(12)).unwrap();
+    let ct = s.p.ct_alloc(s.ni).unwrap();
+    let md = md_all(&mut s, &mem, md_opt::EVENT_CT_ACK, Some(ct));
+    s.p.endpoint().barrier().unwrap();
+    if me == 0 {
+        // Nothing is linked at rank 1: three puts are dropped there.
+        for _ in 0..3 {
+            s.p.put(s.ni, md, 0, 8, AckReq::CtAck, target(1, pt, 1, 0), 0, 0)
+                .unwrap();
+        }
+        assert_eq!(s.p.ct_wait(s.ni, ct, 3).unwrap().failure, 3);
+    }
+    s.p.endpoint().barrier().unwrap();
+    let want = if me == 1 { 3 } else { 0 };
+    assert_eq!(
+        s.p.ni_status(s.ni, StatusRegister::DropCount).unwrap(),
+        want
+    );
+    assert_eq!(
+        s.p.ni_status(s.ni, StatusRegister::PermissionViolations)
+            .unwrap(),
+        0
+    );
+    s.p.ni_fini(s.ni).unwrap();
+    assert!(matches!(s.p.eq_get(s.ni, s.eq), Err(PtlError::ArgInvalid)));
+    assert!(s.p.ni_status(s.ni, StatusRegister::DropCount).is_err());
+    assert!(s.p.ni_fini(s.ni).is_err(), "a finished interface is gone");
+    let (ni, _) = s.p.ni_init(true, true).unwrap();
+    let eq = s.p.eq_alloc(ni, 16).unwrap();
+    assert_eq!(
+        s.p.pt_alloc(ni, 0, Some(eq), Some(12)).unwrap(),
+        12,
+        "the old interface's portal went with it"
+    );
+    assert_eq!(s.p.ni_status(ni, StatusRegister::DropCount).unwrap(), 0);
+    s.p.endpoint().barrier().unwrap();
+}
+
+/// max_ordered_size: operations up to it from one initiator to overlapping memory land in
+/// issue order, whatever the network does — a put of many datagrams then a small put over
+/// its start, and a run of put-then-add pairs on one word, under loss and duplication.
+#[test]
+fn operations_up_to_max_ordered_size_land_in_issue_order_under_faults() {
+    if !in_job() {
+        return launch_ok(
+            "operations_up_to_max_ordered_size_land_in_issue_order_under_faults",
+            2,
+            2,
+            &[
+                "--fault-drop",
+                "0.1",
+                "--fault-duplicate",
+                "0.05",
+                "--fault-seed",
+                "11",
+            ],
+        );
+    }
+    let (mut p, ni, limits) = {
+        let mut p = Portals::init().unwrap();
+        let (ni, limits) = p.ni_init(true, true).unwrap();
+        (p, ni, limits)
+    };
+    let n = 300_000usize;
+    assert!(limits.max_ordered_size >= n as u64);
+    let me = match p.get_id(ni).unwrap() {
+        ProcessId::Logical { rank } => rank,
+        _ => unreachable!(),
+    };
+    // Rank 0's MD: the big put's source [0, n), then the small put's 0x55 bytes, the
+    // addend 7 and the value each pair puts.
+    let mem = p
+        .endpoint()
+        .mem_register(n + 64, Perms::READ_WRITE)
+        .unwrap();
+    let pt = p.pt_alloc(ni, 0, None, Some(13)).unwrap();
+    if me == 1 {
+        let mut e = Me::new(
+            Buffer {
+                region: mem.handle,
+                offset: 0,
+                len: n as u64,
+            },
+            3,
+        );
+        e.options |= me_opt::EVENT_COMM_DISABLE;
+        p.me_append(ni, pt, &e, List::Priority, 0).unwrap();
+    }
+    p.endpoint().barrier().unwrap();
+    if me == 0 {
+        let ct = p.ct_alloc(ni).unwrap();
+        let md = p
+            .md_bind(
+                ni,
+                &Md {
+                    region: mem.handle,
+                    segments: vec![(0, n as u64 + 64)],
+                    options: md_opt::EVENT_CT_ACK | md_opt::EVENT_SEND_DISABLE,
+                    eq: None,
+                    ct: Some(ct),
+                },
+            )
+            .unwrap();
+        let b = mem.bytes();
+        b[..n].fill(0xAA);
+        b[n..n + 8].fill(0x55);
+        b[n + 8..n + 16].copy_from_slice(&7u64.to_le_bytes());
+        let t = target(1, pt, 3, 0);
+        p.put(ni, md, 0, n as u64, AckReq::CtAck, t, 0, 0).unwrap();
+        p.put(ni, md, n as u64, 8, AckReq::CtAck, t, 0, 0).unwrap();
+        let mut issued = 2;
+        let w = Target {
+            remote_offset: 8,
+            ..t
+        };
+        for k in 0..300u64 {
+            // A put of 10k to word 8, then +7: in order, the word ends 10k + 7.
+            b[n + 16..n + 24].copy_from_slice(&(k * 10).to_le_bytes());
+            p.put(ni, md, n as u64 + 16, 8, AckReq::CtAck, w, 0, 0)
+                .unwrap();
+            p.atomic(
+                ni,
+                md,
+                n as u64 + 8,
+                8,
+                AckReq::CtAck,
+                w,
+                0,
+                0,
+                AtomicOp::Sum,
+                Datatype::Uint64,
+            )
+            .unwrap();
+            issued += 2;
+            // The value word changes for the next pair only once these were sent.
+            assert_eq!(p.ct_wait(ni, ct, issued).unwrap().failure, 0);
+        }
+    }
+    p.endpoint().barrier().unwrap();
+    if me == 1 {
+        let b = mem.bytes();
+        assert_eq!(&b[..8], &[0x55; 8], "the small put came after the big one");
+        assert_eq!(u64::from_le_bytes(b[8..16].try_into().unwrap()), 2997);
+        assert!(b[16..n].iter().all(|&x| x == 0xAA));
+    }
+    p.endpoint().barrier().unwrap();
 }

@@ -24,6 +24,7 @@ pub use crate::nic::portals::initiator::md as md_opt;
 pub use crate::nic::portals::types::{me as me_opt, pt as pt_opt, NID_ANY, PID_ANY, RANK_ANY};
 pub use crate::nic::portals::{
     AckReq, CtEvent, Event, EventKind, Limits, List, NiFail, ProcessId, PtlError, SearchOp,
+    StatusRegister,
 };
 
 #[derive(Debug, thiserror::Error)]
@@ -229,6 +230,31 @@ impl Portals {
         }
         let h = NiHandle(idx as u8);
         Ok((h, self.info(h)?.limits))
+    }
+
+    /// PtlNIFini: the interface goes, with every event queue, counting event, portal, entry
+    /// and descriptor allocated on it; its handle (and theirs) become invalid. A later
+    /// `ni_init` opens it afresh.
+    pub fn ni_fini(&mut self, ni: NiHandle) -> Result<(), PortalsError> {
+        let wni = self.wire_ni(ni)?;
+        self.call(&PtlCall::NiFini { ni: wni })?;
+        let info = self.nis[ni.0 as usize & 0x7f]
+            .take()
+            .ok_or(PtlError::ArgInvalid)?;
+        for (_, (_, mem)) in info.eqs {
+            self.ep.mem_deregister(&mem)?;
+        }
+        self.ep.mem_deregister(&info.ct_mem)?;
+        Ok(())
+    }
+
+    /// PtlNIStatus: the value of one of the interface's status registers.
+    pub fn ni_status(&mut self, ni: NiHandle, r: StatusRegister) -> Result<u64, PortalsError> {
+        let wni = self.wire_ni(ni)?;
+        self.call(&PtlCall::NiStatus {
+            ni: wni,
+            register: r as u32,
+        })
     }
 
     /// PtlGetId: this process as its interface addresses it.

@@ -141,6 +141,15 @@ pub enum PtlCall {
         ni: u8,
         ranks: Vec<u32>,
     },
+    /// PtlNIFini: the interface and everything allocated on it go.
+    NiFini {
+        ni: u8,
+    },
+    /// PtlNIStatus: one status register's value.
+    NiStatus {
+        ni: u8,
+        register: u32,
+    },
 }
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -375,6 +384,8 @@ impl PtlCall {
                 &mut w
             }
             PtlCall::MdRelease { ni, md } => w.u8(17).u8(*ni).u32(*md),
+            PtlCall::NiFini { ni } => w.u8(20).u8(*ni),
+            PtlCall::NiStatus { ni, register } => w.u8(21).u8(*ni).u32(*register),
             PtlCall::SetMap { ni, ranks } => {
                 w.u8(19).u8(*ni).u32(ranks.len() as u32);
                 for r in ranks {
@@ -497,6 +508,11 @@ impl PtlCall {
                 }
             }
             17 => PtlCall::MdRelease { ni, md: r.u32()? },
+            20 => PtlCall::NiFini { ni },
+            21 => PtlCall::NiStatus {
+                ni,
+                register: r.u32()?,
+            },
             19 => {
                 let n = r.u32()? as usize;
                 if n > r.0.len() / 4 {
@@ -594,6 +610,8 @@ mod tests {
                 ni: 1,
                 matching: true,
             },
+            PtlCall::NiFini { ni: 2 },
+            PtlCall::NiStatus { ni: 0, register: 1 },
             PtlCall::EqAlloc {
                 ni: 0,
                 count: 64,

@@ -11,6 +11,7 @@ use crate::nic::portals::wire::{encode_kind, request_ops, response_ops, Whole};
 use crate::nic::portals::ReqKind;
 use crate::nic::portals::{
     CtEvent, List, MatchEntry, NiFail, OpSpec, PortalsNi, ProcessId, PtlError, Response, SearchOp,
+    StatusRegister,
 };
 use crate::shm::event_ring::{CtSlot, EventRing};
 use crate::shm::ptl_call::{status_of, MeArgs, PtlCall, MAX_NIS};
@@ -423,6 +424,23 @@ impl HostCore {
             }
             PtlCall::MdRelease { ni, md } => {
                 self.ni_state(job, rank, ni)?.ni.md_release(md).map(|_| 0)
+            }
+            PtlCall::NiFini { ni } => {
+                // Everything allocated on the interface goes with it; messages still arriving
+                // for it find no interface and are dropped.
+                self.ni_state(job, rank, ni)?;
+                if let Some(slot) = self
+                    .portals
+                    .get_mut(&(job, rank))
+                    .and_then(|p| p.nis.get_mut((ni & 0x7f) as usize))
+                {
+                    *slot = None;
+                }
+                Ok(0)
+            }
+            PtlCall::NiStatus { ni, register } => {
+                let r = StatusRegister::from_u32(register).ok_or(PtlError::ArgInvalid)?;
+                Ok(self.ni_state(job, rank, ni)?.ni.status(r))
             }
             PtlCall::SetMap { ni, ranks } => {
                 let s = self.ni_state(job, rank, ni)?;

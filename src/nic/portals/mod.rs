@@ -20,7 +20,7 @@ pub use initiator::{AckReq, OpSpec};
 pub use matching::{MatchEntry, ReqKind};
 pub use ni::{PortalsNi, Request, Response};
 pub use triggered::TriggeredAction;
-pub use types::{Event, EventKind, List, NiFail, ProcessId, PtlError, SearchOp};
+pub use types::{Event, EventKind, List, NiFail, ProcessId, PtlError, SearchOp, StatusRegister};
 
 #[cfg(test)]
 mod tests;

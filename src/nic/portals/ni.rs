@@ -17,7 +17,9 @@ use super::events::{CtEvent, EventQueue, Limits};
 use super::initiator::{Md, OpSpec, Outgoing};
 use super::matching::{Linked, MatchEntry, ReqKind};
 use super::triggered::Triggered;
-use super::types::{me, pt, Event, EventKind, List, NiFail, ProcessId, PtlError, SearchOp};
+use super::types::{
+    me, pt, Event, EventKind, List, NiFail, ProcessId, PtlError, SearchOp, StatusRegister,
+};
 
 /// An incoming message as the target NIC sees it.
 #[derive(Debug, Clone, Copy)]
@@ -176,9 +178,10 @@ pub struct PortalsNi {
     /// Full events posted and counting-event changes so far: what the process can notice.
     notices: u64,
     unexpected_total: usize,
-    /// PtlNIStatus: messages dropped, permission violations.
+    /// PtlNIStatus: messages dropped, permission and operation violations.
     pub dropped: u64,
     pub perm_violations: u64,
+    pub op_violations: u64,
     /// Where the last atomic landed: (portal index, address of its entry's start, entry
     /// length), to prefetch the targets of the atomics queued behind it (see
     /// [`PortalsNi::prefetch_atomic`]). Kept as an address: it may go stale, which costs a
@@ -226,6 +229,7 @@ impl PortalsNi {
             unexpected_total: 0,
             dropped: 0,
             perm_violations: 0,
+            op_violations: 0,
             atomic_hint: None,
         }
     }
@@ -233,6 +237,15 @@ impl PortalsNi {
     // ------------------------------------------------------------------ EQ and CT
 
     /// PtlEQAlloc.
+    /// PtlNIStatus: one status register.
+    pub fn status(&self, r: StatusRegister) -> u64 {
+        match r {
+            StatusRegister::DropCount => self.dropped,
+            StatusRegister::PermissionViolations => self.perm_violations,
+            StatusRegister::OperationViolations => self.op_violations,
+        }
+    }
+
     pub fn eq_alloc(&mut self, count: usize) -> Result<u32, PtlError> {
         if count == 0 {
             return Err(PtlError::ArgInvalid);
@@ -792,6 +805,9 @@ impl PortalsNi {
         let e = &l.entry;
         let (opts, ct, user_ptr) = (e.options, e.ct, l.user_ptr);
         let fail = |this: &mut Self, f: NiFail| {
+            if f == NiFail::OpViolation {
+                this.op_violations += 1;
+            }
             if let Some(c) = ct.filter(|_| opts & me::EVENT_CT_COMM != 0) {
                 this.bump_ct(
                     c,

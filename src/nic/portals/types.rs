@@ -84,6 +84,30 @@ pub enum NiFail {
     ArgInvalid = 9,
 }
 
+/// PtlNIStatus's registers (`ptl_sr_index_t`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u32)]
+pub enum StatusRegister {
+    /// PTL_SR_DROP_COUNT: messages that matched nothing, or found the portal disabled.
+    DropCount = 0,
+    /// PTL_SR_PERMISSION_VIOLATIONS: messages refused for their user id.
+    PermissionViolations = 1,
+    /// PTL_SR_OPERATION_VIOLATIONS: messages the matched entry does not allow (or an atomic
+    /// on memory the NIC reaches by copy).
+    OperationViolations = 2,
+}
+
+impl StatusRegister {
+    pub fn from_u32(v: u32) -> Option<StatusRegister> {
+        Some(match v {
+            0 => StatusRegister::DropCount,
+            1 => StatusRegister::PermissionViolations,
+            2 => StatusRegister::OperationViolations,
+            _ => return None,
+        })
+    }
+}
+
 /// Which list an entry goes on (`ptl_list_t`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum List {
