@@ -538,3 +538,257 @@ fn one_sided_locks_pscw_and_epoch_errors() {
     }
     win.free().unwrap();
 }
+
+#[test]
+fn one_sided_requests_alloc_mem_dynamic_windows_and_minloc() {
+    if !in_job() {
+        launch_ok(
+            "one_sided_requests_alloc_mem_dynamic_windows_and_minloc",
+            4,
+            2,
+            &[],
+        );
+        launch_ok(
+            "one_sided_requests_alloc_mem_dynamic_windows_and_minloc",
+            2,
+            2,
+            &["--fault-drop", "0.1"],
+        );
+        return;
+    }
+    let world = Mpi::init().unwrap();
+    let (me, n) = (world.rank(), world.size());
+    let (right, left) = ((me + 1) % n, (me + n - 1) % n);
+    // Win::create over alloc_mem memory: request-based put and get.
+    let mem = world.alloc_mem(256 * 1024).unwrap();
+    let mut win = Win::create(&world, &mem, WinInfo::default()).unwrap();
+    win.fence().unwrap();
+    let data = msg(me, 1, 100_000);
+    let r = win.rput(&data, right, 64).unwrap();
+    r.wait().unwrap();
+    win.fence().unwrap();
+    assert!(mem.bytes()[64..100_064] == msg(left, 1, 100_000)[..]);
+    let mut back = vec![0u8; 100_000];
+    let mut small = [0u8; 8];
+    {
+        let r1 = win.rget(&mut back, right, 64).unwrap();
+        let mut r2 = win.rget(&mut small, right, 64).unwrap();
+        while !r2.test().unwrap() {}
+        r1.wait().unwrap();
+    }
+    assert!(back == data);
+    assert_eq!(&small[..], &data[..8]);
+    // Raccumulate (20 requests in flight) and atomics on created-window memory.
+    win.fence().unwrap();
+    let reqs: Vec<_> = (0..20)
+        .map(|_| win.raccumulate(&[1i64, 2], 0, 200_000, Op::Sum).unwrap())
+        .collect();
+    for r in reqs {
+        r.wait().unwrap();
+    }
+    win.fence().unwrap();
+    if me == 0 {
+        let b = &mem.bytes()[200_000..200_016];
+        let w = |k: usize| i64::from_le_bytes(b[8 * k..8 * k + 8].try_into().unwrap());
+        assert_eq!((w(0), w(1)), (20 * n as i64, 40 * n as i64));
+    }
+    // Get_accumulate: the first elements are distinct dense tickets; the second rises by 2s.
+    let mut mine = Vec::new();
+    for _ in 0..30 {
+        let mut old = [0u64; 2];
+        win.get_accumulate(&[1u64, 2], &mut old, 0, 210_000, Op::Sum)
+            .unwrap();
+        assert_eq!(old[1], 2 * old[0]);
+        mine.push(old[0]);
+    }
+    win.fence().unwrap();
+    let mut all = vec![0u64; 30 * n as usize];
+    world.allgather(&mine, &mut all).unwrap();
+    all.sort();
+    assert!(all.iter().enumerate().all(|(i, &t)| t == i as u64));
+    let mut now = [0u64; 2];
+    win.get_accumulate(&[], &mut now, 0, 210_000, Op::NoOp)
+        .unwrap();
+    assert_eq!(now, [30 * n as u64, 60 * n as u64]);
+    assert_eq!(
+        win.get_accumulate(&[1u64], &mut now, 0, 210_000, Op::Sum)
+            .unwrap_err()
+            .class(),
+        ErrorClass::Count
+    );
+    win.fence().unwrap();
+    // A long get_accumulate (many max_atomic_size pieces) and its request form: REPLACE
+    // swaps in this rank's array, each rank in turn, at the right-hand neighbour.
+    let k = 3000usize;
+    for turn in 0..n {
+        if turn == me {
+            let mine: Vec<u32> = (0..k as u32).map(|i| i + 1000 * me).collect();
+            let mut old = vec![0u32; k];
+            if me % 2 == 0 {
+                win.get_accumulate(&mine, &mut old, right, 220_000, Op::Replace)
+                    .unwrap();
+            } else {
+                win.rget_accumulate(&mine, &mut old, right, 220_000, Op::Replace)
+                    .unwrap()
+                    .wait()
+                    .unwrap();
+            }
+            assert!(old.iter().all(|&v| v == 0), "fresh memory before the swap");
+        }
+        win.fence().unwrap();
+    }
+    let got: Vec<u32> = mem.bytes()[220_000..220_000 + 4 * k]
+        .chunks(4)
+        .map(|c| u32::from_le_bytes(c.try_into().unwrap()))
+        .collect();
+    assert!(got
+        .iter()
+        .enumerate()
+        .all(|(i, &v)| v == i as u32 + 1000 * left));
+    // MINLOC under fence, MAXLOC from everyone at once under lock_all.
+    if me == 0 {
+        let low = Loc {
+            value: -1e9f64,
+            index: -1,
+        };
+        let init = [
+            Loc {
+                value: 1e9f64,
+                index: -1,
+            },
+            low,
+            low,
+        ];
+        mem.bytes()[230_000..230_048].copy_from_slice(&Loc::encode(&init));
+    }
+    win.fence().unwrap();
+    let v = ((me * 7) % 3) as f64;
+    win.accumulate_loc(
+        &[Loc {
+            value: v,
+            index: me as i32,
+        }],
+        0,
+        230_000,
+        Op::MinLoc,
+    )
+    .unwrap();
+    win.fence().unwrap();
+    win.lock_all(0).unwrap();
+    for k in 0..10 {
+        let p = Loc {
+            value: (me * 10 + k) as f64,
+            index: me as i32,
+        };
+        win.accumulate_loc(&[p, p], 0, 230_016, Op::MaxLoc).unwrap();
+    }
+    assert_eq!(
+        win.accumulate(&[1u32], 0, 0, Op::MinLoc)
+            .unwrap_err()
+            .class(),
+        ErrorClass::Op
+    );
+    win.unlock_all().unwrap();
+    world.barrier().unwrap();
+    if me == 0 {
+        let mut out = [Loc::<f64>::default(); 3];
+        Loc::decode(&mem.bytes()[230_000..230_048], &mut out);
+        assert_eq!(
+            out[0],
+            Loc {
+                value: 0.0,
+                index: 0
+            },
+            "MINLOC: smallest value, then index"
+        );
+        let top = Loc {
+            value: ((n - 1) * 10 + 9) as f64,
+            index: n as i32 - 1,
+        };
+        assert_eq!((out[1], out[2]), (top, top), "MAXLOC");
+    }
+    win.free().unwrap();
+    // MINLOC/MAXLOC as reductions.
+    let send = [
+        Loc {
+            value: (me % 2) as i32,
+            index: me as i32,
+        },
+        Loc {
+            value: me as i32,
+            index: me as i32,
+        },
+    ];
+    let mut recv = [Loc::default(); 2];
+    world.allreduce_loc(&send, &mut recv, Op::MinLoc).unwrap();
+    assert_eq!(
+        recv,
+        [Loc { value: 0, index: 0 }, Loc { value: 0, index: 0 }]
+    );
+    world
+        .reduce_loc(&send, &mut recv, Op::MaxLoc, 1 % n)
+        .unwrap();
+    if me == 1 % n {
+        let top = Loc {
+            value: n as i32 - 1,
+            index: n as i32 - 1,
+        };
+        assert_eq!(
+            recv,
+            [
+                Loc {
+                    value: (n > 1) as i32,
+                    index: (n > 1) as i32
+                },
+                top
+            ]
+        );
+    }
+    // A dynamic window: segments attached, addressed by address, detached.
+    let mut dynw = Win::create_dynamic(&world, WinInfo::default()).unwrap();
+    let seg = world.alloc_mem(4096).unwrap();
+    dynw.attach(&seg).unwrap();
+    assert_eq!(dynw.attach(&seg).unwrap_err().class(), ErrorClass::Arg);
+    let mut addrs = vec![0u64; n as usize];
+    world.allgather(&[seg.address()], &mut addrs).unwrap();
+    dynw.fence().unwrap();
+    dynw.put(&msg(me, 2, 1000), right, addrs[right as usize] + 8)
+        .unwrap();
+    assert_eq!(
+        dynw.put(b"x", right, addrs[right as usize] + 4096)
+            .unwrap_err()
+            .class(),
+        ErrorClass::RmaRange,
+        "past the segment's end"
+    );
+    dynw.fence().unwrap();
+    assert!(seg.bytes()[8..1008] == msg(left, 2, 1000)[..]);
+    assert_eq!(
+        dynw.fetch_and_op(5u64, right, addrs[right as usize] + 2048, Op::Sum)
+            .unwrap(),
+        0
+    );
+    dynw.fence().unwrap();
+    assert_eq!(
+        u64::from_le_bytes(seg.bytes()[2048..2056].try_into().unwrap()),
+        5
+    );
+    // Detached: operations aimed at it fail; a new segment is found by its address.
+    dynw.detach(&seg).unwrap();
+    assert_eq!(dynw.detach(&seg).unwrap_err().class(), ErrorClass::Arg);
+    let seg2 = world.alloc_mem(8192).unwrap();
+    dynw.attach(&seg2).unwrap();
+    let mut addrs2 = vec![0u64; n as usize];
+    world.allgather(&[seg2.address()], &mut addrs2).unwrap();
+    world.barrier().unwrap();
+    let stale = dynw
+        .put(b"stale", right, addrs[right as usize] + 8)
+        .and_then(|()| dynw.flush_all());
+    assert_eq!(stale.unwrap_err().class(), ErrorClass::RmaRange);
+    dynw.put(&msg(me, 3, 5000), right, addrs2[right as usize] + 100)
+        .unwrap();
+    dynw.fence().unwrap();
+    assert!(seg2.bytes()[100..5100] == msg(left, 3, 5000)[..]);
+    assert!(seg.bytes()[8..13] != b"stale"[..]);
+    dynw.free().unwrap();
+}

@@ -9,6 +9,7 @@ use crate::nic::portals::atomic::{self, AtomicOp, Datatype};
 
 use super::comm::Comm;
 use super::error::{err, ErrorClass, MpiError};
+use super::loc::{Loc, LocOp};
 use super::state::CollMode;
 use super::triggered;
 
@@ -43,6 +44,9 @@ pub enum Op {
     Replace,
     /// MPI_NO_OP (get_accumulate and fetch_and_op only).
     NoOp,
+    /// MPI_MINLOC and MPI_MAXLOC, on (value, index) pairs ([`Loc`]).
+    MinLoc,
+    MaxLoc,
 }
 
 impl Op {
@@ -62,11 +66,49 @@ impl Op {
             Op::Replace | Op::NoOp => {
                 return err(ErrorClass::Op, format!("{self:?} is not a reduction"))
             }
+            Op::MinLoc | Op::MaxLoc => {
+                return err(
+                    ErrorClass::Op,
+                    format!("{self:?} reduces (value, index) pairs: the *_loc calls take them"),
+                )
+            }
         };
         if !a.supports(dt) {
             return err(ErrorClass::Op, format!("{self:?} is not defined on {dt:?}"));
         }
         Ok(a)
+    }
+
+    /// MINLOC or MAXLOC, or ERR_OP.
+    pub(super) fn loc(self) -> Result<LocOp, MpiError> {
+        match self {
+            Op::MinLoc => Ok(LocOp::Min),
+            Op::MaxLoc => Ok(LocOp::Max),
+            _ => err(
+                ErrorClass::Op,
+                format!("{self:?} is not defined on (value, index) pairs: MINLOC or MAXLOC"),
+            ),
+        }
+    }
+}
+
+/// How a reduction combines two buffers: an element operation the NIC also applies (and so
+/// may run offloaded), or MINLOC/MAXLOC on pairs of one value type.
+#[derive(Clone, Copy)]
+pub(super) enum Combiner {
+    Nic(AtomicOp, Datatype),
+    Loc(fn(&mut [u8], &[u8], LocOp), LocOp),
+}
+
+impl Combiner {
+    fn apply(self, acc: &mut [u8], other: &[u8]) -> Result<(), MpiError> {
+        match self {
+            Combiner::Nic(op, dt) => combine(acc, other, op, dt),
+            Combiner::Loc(f, op) => {
+                f(acc, other, op);
+                Ok(())
+            }
+        }
     }
 }
 
@@ -243,9 +285,30 @@ impl Comm {
             return err(ErrorClass::Count, "reduce: send and receive counts differ");
         }
         let mut acc = bytes(send).to_vec();
-        self.reduce_bytes(&mut acc, a, T::DT, root, REDUCE)?;
+        self.reduce_bytes(&mut acc, Combiner::Nic(a, T::DT), root, REDUCE)?;
         if self.rank == root {
             bytes_mut(recv).copy_from_slice(&acc);
+        }
+        Ok(())
+    }
+
+    /// MPI_Reduce with MINLOC or MAXLOC; `recv` is written at the root only.
+    pub fn reduce_loc<V: Type + PartialOrd>(
+        &self,
+        send: &[Loc<V>],
+        recv: &mut [Loc<V>],
+        op: Op,
+        root: u32,
+    ) -> Result<(), MpiError> {
+        self.check_root(root)?;
+        let l = op.loc()?;
+        if self.rank == root && recv.len() != send.len() {
+            return err(ErrorClass::Count, "reduce: send and receive counts differ");
+        }
+        let mut acc = Loc::encode(send);
+        self.reduce_bytes(&mut acc, Combiner::Loc(Loc::<V>::combine, l), root, REDUCE)?;
+        if self.rank == root {
+            Loc::decode(&acc, recv);
         }
         Ok(())
     }
@@ -253,8 +316,7 @@ impl Comm {
     fn reduce_bytes(
         &self,
         acc: &mut [u8],
-        op: AtomicOp,
-        dt: Datatype,
+        how: Combiner,
         root: u32,
         tag: u32,
     ) -> Result<(), MpiError> {
@@ -268,7 +330,7 @@ impl Comm {
             }
             if vr + mask < n {
                 self.coll_recv(&mut tmp, (vr + mask + root) % n, tag)?;
-                combine(acc, &tmp, op, dt)?;
+                how.apply(acc, &tmp)?;
             }
             mask <<= 1;
         }
@@ -286,11 +348,31 @@ impl Comm {
         }
         let out = bytes_mut(recv);
         out.copy_from_slice(bytes(send));
-        self.allreduce_bytes(out, a, T::DT)
+        self.allreduce_bytes(out, Combiner::Nic(a, T::DT))
     }
 
-    fn allreduce_bytes(&self, acc: &mut [u8], op: AtomicOp, dt: Datatype) -> Result<(), MpiError> {
-        if self.offloaded(acc.len(), true) {
+    /// MPI_Allreduce with MINLOC or MAXLOC (point-to-point: the NIC has no pair atomics).
+    pub fn allreduce_loc<V: Type + PartialOrd>(
+        &self,
+        send: &[Loc<V>],
+        recv: &mut [Loc<V>],
+        op: Op,
+    ) -> Result<(), MpiError> {
+        let l = op.loc()?;
+        if recv.len() != send.len() {
+            return err(
+                ErrorClass::Count,
+                "allreduce: send and receive counts differ",
+            );
+        }
+        let mut acc = Loc::encode(send);
+        self.allreduce_bytes(&mut acc, Combiner::Loc(Loc::<V>::combine, l))?;
+        Loc::decode(&acc, recv);
+        Ok(())
+    }
+
+    fn allreduce_bytes(&self, acc: &mut [u8], how: Combiner) -> Result<(), MpiError> {
+        if let (Combiner::Nic(op, dt), true) = (how, self.offloaded(acc.len(), true)) {
             self.ensure_tree()?;
             return self.st.borrow_mut().tree_allreduce(
                 self.coll_ctx(),
@@ -303,7 +385,7 @@ impl Comm {
         }
         let n = self.size();
         if !n.is_power_of_two() {
-            self.reduce_bytes(acc, op, dt, 0, ALLREDUCE)?;
+            self.reduce_bytes(acc, how, 0, ALLREDUCE)?;
             return self.bcast_bytes(acc, 0, ALLREDUCE);
         }
         let mut tmp = vec![0u8; acc.len()];
@@ -313,10 +395,10 @@ impl Comm {
             self.coll_exchange(acc, peer, &mut tmp, peer, ALLREDUCE)?;
             // Lower rank's value first: every rank combines in the same order.
             if peer < self.rank {
-                combine(&mut tmp, acc, op, dt)?;
+                how.apply(&mut tmp, acc)?;
                 acc.copy_from_slice(&tmp);
             } else {
-                combine(acc, &tmp, op, dt)?;
+                how.apply(acc, &tmp)?;
             }
             mask <<= 1;
         }
@@ -329,7 +411,10 @@ impl Comm {
         out: &mut [u64],
     ) -> Result<(), MpiError> {
         out.copy_from_slice(mine);
-        self.allreduce_bytes(bytes_mut(out), AtomicOp::Band, Datatype::Uint64)
+        self.allreduce_bytes(
+            bytes_mut(out),
+            Combiner::Nic(AtomicOp::Band, Datatype::Uint64),
+        )
     }
 
     /// MPI_Allgather: rank r's `send` lands at `recv[r * send.len()..]` everywhere (ring).

@@ -24,6 +24,8 @@ mod coll;
 mod comm;
 mod error;
 mod flow;
+mod loc;
+mod mem;
 mod state;
 mod triggered;
 mod win;
@@ -31,8 +33,10 @@ mod win;
 pub use self::coll::{Op, Type};
 pub use self::comm::{wait_all, Comm, Request, ANY_SOURCE, ANY_TAG, TAG_UB, UNDEFINED};
 pub use self::error::{ErrorClass, MpiError};
+pub use self::loc::Loc;
+pub use self::mem::AllocMem;
 pub use self::state::{CollMode, LongProtocol, Stats, Status};
-pub use self::win::{mode, LockType, Win};
+pub use self::win::{mode, LockType, RmaRequest, Win, WinInfo};
 
 use crate::portals::Portals;
 

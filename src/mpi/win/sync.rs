@@ -1,0 +1,347 @@
+//! Synchronisation: flushes, fence, passive-target locks and PSCW.
+
+use std::time::{Duration, Instant};
+
+use crate::portals::{AckReq, AtomicOp, Datatype};
+
+use super::super::error::{err, ErrorClass, MpiError};
+use super::mode;
+use super::{Access, LockType, Win, COMPLETE, EXCL, LOCK, POST};
+
+impl Win {
+    /// Waits until every operation issued so far completed at its target (CT = counter),
+    /// and every request-based one took its event (fetched results copied out), so staging
+    /// is free again.
+    pub(super) fn flush_all_inner(&mut self) -> Result<(), MpiError> {
+        let (ct, issued) = (self.ct, self.issued);
+        // Not PtlCTWait: it returns at the first failure, and this waits for every
+        // operation, failed or not.
+        let v = self.with_st(|st| {
+            let (ni, start, mut spins) = (st.ni, Instant::now(), 0);
+            loop {
+                let v = st.p.ct_get(ni, ct)?;
+                if v.success + v.failure >= issued {
+                    return Ok(v);
+                }
+                st.p.idle(&mut spins, start, Some((ni, &[], &[ct], &[issued])))?;
+            }
+        })?;
+        self.rq.borrow_mut().settle()?;
+        self.staged = 0;
+        let new = v.failure - self.failures.min(v.failure);
+        self.failures = v.failure;
+        if new > 0 {
+            return err(
+                ErrorClass::RmaRange,
+                format!("{new} one-sided operations failed at their targets"),
+            );
+        }
+        Ok(())
+    }
+
+    /// MPI_Win_flush_all (remote completion of everything issued).
+    pub fn flush_all(&mut self) -> Result<(), MpiError> {
+        if self.freed {
+            return err(ErrorClass::Win, "the window was freed");
+        }
+        self.flush_all_inner()
+    }
+
+    /// MPI_Win_flush: completion at `rank` (one counting event: everything completes).
+    pub fn flush(&mut self, rank: u32) -> Result<(), MpiError> {
+        self.check_epoch(rank)?;
+        self.flush_all()
+    }
+
+    /// MPI_Win_flush_local: the origin buffers are reusable (they always are: operations are
+    /// staged) and, as the seed does, remote completion too.
+    pub fn flush_local(&mut self, rank: u32) -> Result<(), MpiError> {
+        self.flush(rank)
+    }
+
+    fn check_epoch(&self, rank: u32) -> Result<(), MpiError> {
+        if rank >= self.comm.size() {
+            return err(
+                ErrorClass::Rank,
+                format!("rank {rank} is not in this window's group"),
+            );
+        }
+        if self.access[rank as usize] == Access::None && !self.fence && self.started.is_none() {
+            return err(
+                ErrorClass::RmaSync,
+                format!("no passive-target epoch to rank {rank}"),
+            );
+        }
+        Ok(())
+    }
+
+    /// MPI_Win_fence: everything issued completes, then a barrier. Opens (or continues) an
+    /// active-target epoch on every member.
+    pub fn fence(&mut self) -> Result<(), MpiError> {
+        if self.freed {
+            return err(ErrorClass::Win, "the window was freed");
+        }
+        if self.access.iter().any(|a| *a != Access::None) || self.started.is_some() {
+            return err(ErrorClass::RmaSync, "fence inside a lock or PSCW epoch");
+        }
+        self.flush_all_inner()?;
+        self.comm.barrier()?;
+        self.fence = true;
+        Ok(())
+    }
+
+    fn ctrl_atomic(&mut self, rank: u32, off: u64, v: u64, op: AtomicOp) -> Result<u64, MpiError> {
+        let t = self.ctrl_target(rank, off);
+        let old = self.fetch_one(t, &v.to_le_bytes(), &[], op, Datatype::Uint64)?;
+        Ok(u64::from_le_bytes(old.try_into().expect("8 bytes")))
+    }
+
+    fn ctrl_add(&mut self, rank: u32, off: u64, v: u64) -> Result<(), MpiError> {
+        let at = self.stage(8)?;
+        self.staging.bytes()[at as usize..at as usize + 8].copy_from_slice(&v.to_le_bytes());
+        let t = self.ctrl_target(rank, off);
+        let md = self.md;
+        self.issue(None, |st| {
+            st.p.atomic(
+                st.ni,
+                md,
+                at,
+                8,
+                AckReq::CtAck,
+                t,
+                0,
+                0,
+                AtomicOp::Sum,
+                Datatype::Uint64,
+            )
+        })
+    }
+
+    fn acquire(&mut self, kind: LockType, rank: u32) -> Result<(), MpiError> {
+        self.retry(rank, "the lock", |w| match kind {
+            LockType::Shared => {
+                let old = w.ctrl_atomic(rank, LOCK, 1, AtomicOp::Sum)?;
+                if old >= EXCL {
+                    w.ctrl_add(rank, LOCK, u64::MAX)?;
+                    Ok(false)
+                } else {
+                    Ok(true)
+                }
+            }
+            LockType::Exclusive => {
+                let t = w.ctrl_target(rank, LOCK);
+                let old = w.fetch_one(
+                    t,
+                    &EXCL.to_le_bytes(),
+                    &0u64.to_le_bytes(),
+                    AtomicOp::Cswap,
+                    Datatype::Uint64,
+                )?;
+                Ok(u64::from_le_bytes(old.try_into().expect("8 bytes")) == 0)
+            }
+        })
+    }
+
+    fn release(&mut self, kind: LockType, rank: u32) -> Result<(), MpiError> {
+        match kind {
+            LockType::Shared => self.ctrl_add(rank, LOCK, u64::MAX)?,
+            LockType::Exclusive => {
+                // MSWAP with mask 2^32: bit 32 takes the data's (0), the rest stays.
+                let t = self.ctrl_target(rank, LOCK);
+                self.fetch_one(
+                    t,
+                    &0u64.to_le_bytes(),
+                    &EXCL.to_le_bytes(),
+                    AtomicOp::Mswap,
+                    Datatype::Uint64,
+                )?;
+            }
+        }
+        self.flush_all_inner()
+    }
+
+    /// MPI_Win_lock: a passive-target epoch to `rank`.
+    pub fn lock(&mut self, kind: LockType, rank: u32, assert: u32) -> Result<(), MpiError> {
+        if self.freed {
+            return err(ErrorClass::Win, "the window was freed");
+        }
+        if rank >= self.comm.size() {
+            return err(
+                ErrorClass::Rank,
+                format!("rank {rank} is not in this window's group"),
+            );
+        }
+        if self.access[rank as usize] != Access::None {
+            return err(
+                ErrorClass::RmaSync,
+                format!("rank {rank} is already locked"),
+            );
+        }
+        if assert & mode::NOCHECK == 0 {
+            self.acquire(kind, rank)?;
+        }
+        self.access[rank as usize] = if assert & mode::NOCHECK == 0 {
+            Access::Lock(kind)
+        } else {
+            Access::All
+        };
+        self.fence = false;
+        Ok(())
+    }
+
+    /// MPI_Win_unlock: everything to `rank` completes, then the lock goes.
+    pub fn unlock(&mut self, rank: u32) -> Result<(), MpiError> {
+        if rank >= self.comm.size() {
+            return err(
+                ErrorClass::Rank,
+                format!("rank {rank} is not in this window's group"),
+            );
+        }
+        let a = self.access[rank as usize];
+        if self.lock_all.is_some() {
+            return err(
+                ErrorClass::RmaSync,
+                "unlock inside lock_all: use unlock_all",
+            );
+        }
+        self.flush_all_inner()?;
+        match a {
+            Access::None => {
+                return err(ErrorClass::RmaSync, format!("rank {rank} is not locked"));
+            }
+            Access::Lock(k) => self.release(k, rank)?,
+            Access::All => {}
+        }
+        self.access[rank as usize] = Access::None;
+        Ok(())
+    }
+
+    /// MPI_Win_lock_all: a shared lock at every member (none with NOCHECK).
+    pub fn lock_all(&mut self, assert: u32) -> Result<(), MpiError> {
+        if self.lock_all.is_some() || self.access.iter().any(|a| *a != Access::None) {
+            return err(ErrorClass::RmaSync, "lock_all inside another passive epoch");
+        }
+        let check = assert & mode::NOCHECK == 0;
+        for r in 0..self.comm.size() {
+            if check {
+                self.acquire(LockType::Shared, r)?;
+            }
+            self.access[r as usize] = Access::All;
+        }
+        self.lock_all = Some(check);
+        self.fence = false;
+        Ok(())
+    }
+
+    /// MPI_Win_unlock_all.
+    pub fn unlock_all(&mut self) -> Result<(), MpiError> {
+        let Some(check) = self.lock_all.take() else {
+            return err(ErrorClass::RmaSync, "unlock_all without lock_all");
+        };
+        self.flush_all_inner()?;
+        for r in 0..self.comm.size() {
+            if check {
+                self.ctrl_add(r, LOCK, u64::MAX)?;
+            }
+            self.access[r as usize] = Access::None;
+        }
+        self.flush_all_inner()
+    }
+
+    fn check_group(&self, group: &[u32]) -> Result<(), MpiError> {
+        if let Some(r) = group.iter().find(|&&r| r >= self.comm.size()) {
+            return err(
+                ErrorClass::Group,
+                format!("rank {r} is not in this window's group"),
+            );
+        }
+        Ok(())
+    }
+
+    /// MPI_Win_post: exposes this window to `group` (each origin's post counter goes up).
+    pub fn post(&mut self, group: &[u32]) -> Result<(), MpiError> {
+        self.check_group(group)?;
+        if self.posted.is_some() {
+            return err(
+                ErrorClass::RmaSync,
+                "post inside an exposure epoch: wait first",
+            );
+        }
+        for &r in group {
+            self.ctrl_add(r, POST, 1)?;
+        }
+        self.flush_all_inner()?;
+        self.posted = Some(group.to_vec());
+        Ok(())
+    }
+
+    /// MPI_Win_start: an access epoch to `group`, once each of them posted.
+    pub fn start(&mut self, group: &[u32]) -> Result<(), MpiError> {
+        self.check_group(group)?;
+        if self.started.is_some() {
+            return err(
+                ErrorClass::RmaSync,
+                "start inside an access epoch: complete first",
+            );
+        }
+        self.posts_seen += group.len() as u64;
+        let want = self.posts_seen;
+        self.wait_word(POST, want)?;
+        self.started = Some(group.to_vec());
+        self.fence = false;
+        Ok(())
+    }
+
+    /// MPI_Win_complete: the access epoch's operations complete, then each target is told.
+    pub fn complete(&mut self) -> Result<(), MpiError> {
+        let Some(group) = self.started.take() else {
+            return err(ErrorClass::RmaSync, "complete without start");
+        };
+        self.flush_all_inner()?;
+        for r in group {
+            self.ctrl_add(r, COMPLETE, 1)?;
+        }
+        self.flush_all_inner()
+    }
+
+    /// MPI_Win_wait: the exposure epoch ends once every origin completed.
+    pub fn wait(&mut self) -> Result<(), MpiError> {
+        let Some(group) = self.posted.take() else {
+            return err(ErrorClass::RmaSync, "wait without post");
+        };
+        self.completes_seen += group.len() as u64;
+        self.wait_word(COMPLETE, self.completes_seen)
+    }
+
+    /// MPI_Win_test: whether `wait` would return at once (and if so, it has ended the epoch).
+    pub fn test(&mut self) -> Result<bool, MpiError> {
+        let Some(group) = self.posted.as_ref() else {
+            return err(ErrorClass::RmaSync, "test without post");
+        };
+        let want = self.completes_seen + group.len() as u64;
+        if self.ctrl.read_u64(COMPLETE as usize) >= want {
+            self.posted = None;
+            self.completes_seen = want;
+            return Ok(true);
+        }
+        Ok(false)
+    }
+
+    fn wait_word(&mut self, off: u64, want: u64) -> Result<(), MpiError> {
+        let start = Instant::now();
+        let mut spins = 0u32;
+        while self.ctrl.read_u64(off as usize) < want {
+            spins += 1;
+            if spins > 1000 {
+                self.with_st(|st| st.wait_event(Duration::from_micros(200)))?;
+            }
+            if start.elapsed() > Duration::from_secs(120) {
+                return err(
+                    ErrorClass::RmaSync,
+                    "PSCW: the peers did not post/complete in 120 s",
+                );
+            }
+        }
+        Ok(())
+    }
+}
