@@ -216,11 +216,12 @@ fn truncation_probe_and_argument_errors() {
 #[test]
 fn unexpected_storm_trips_flow_control_and_delivers_all_in_order() {
     if !in_job() {
-        return launch_ok(
+        return launch_ok_env(
             "unexpected_storm_trips_flow_control_and_delivers_all_in_order",
             8,
             2,
             &[],
+            &[("SOFTNIC_MPI_FLOW", "recovery")],
         );
     }
     const N: u32 = 3000;
@@ -255,6 +256,58 @@ fn unexpected_storm_trips_flow_control_and_delivers_all_in_order() {
     if me == 0 {
         eprintln!("flow control refused {} messages", total[0]);
     }
+}
+
+/// The same storm under static credits (`SOFTNIC_MPI_FLOW=credit`, 32 per pair): the senders
+/// wait for credits, the receiver's portal is never disabled, and every message arrives
+/// once, in order; credits come back as rank 0 receives.
+#[test]
+fn unexpected_storm_under_static_credits_never_disables_the_portal() {
+    if !in_job() {
+        return launch_ok_env(
+            "unexpected_storm_under_static_credits_never_disables_the_portal",
+            8,
+            2,
+            &[],
+            &[
+                ("SOFTNIC_MPI_FLOW", "credit"),
+                ("SOFTNIC_MPI_CREDITS", "32"),
+            ],
+        );
+    }
+    const N: u32 = 3000;
+    const LEN: usize = 1024;
+    let world = Mpi::init().unwrap();
+    let me = world.rank();
+    if me == 0 {
+        std::thread::sleep(std::time::Duration::from_millis(1000));
+        let mut next = vec![0u32; world.size() as usize];
+        let mut b = vec![0u8; LEN];
+        for _ in 0..N * (world.size() - 1) {
+            let st = world.recv(&mut b, ANY_SOURCE, 9).unwrap();
+            let s = st.source as usize;
+            assert!(
+                b == msg(st.source, next[s], LEN),
+                "from {s}: message {} out of order",
+                next[s]
+            );
+            next[s] += 1;
+        }
+        assert!(next[1..].iter().all(|&k| k == N));
+        assert!(world.stats().credit_returns >= (N as u64 / 16) * 7);
+    } else {
+        for k in 0..N {
+            world.send(&msg(me, k, LEN), 0, 9).unwrap();
+        }
+        assert!(
+            world.stats().credit_waits > 0,
+            "the sender never ran out of credits"
+        );
+    }
+    let refused = [world.stats().pt_disabled];
+    let mut total = [0u64];
+    world.allreduce(&refused, &mut total, Op::Sum).unwrap();
+    assert_eq!(total[0], 0, "credits kept the receiver's portal enabled");
 }
 
 #[test]

@@ -52,6 +52,10 @@ struct Peer {
 #[derive(Default)]
 pub struct Flow {
     pub eq: u32,
+    /// Static credits, when that scheme is on (`credit`).
+    pub credit: Option<super::credit::Credits>,
+    /// Messages waiting in any peer's queue.
+    queued: usize,
     peers: HashMap<u32, Peer>,
     /// Puts awaiting their ACK: request → (sequence, message).
     inflight: HashMap<u32, (u64, Msg)>,
@@ -63,7 +67,7 @@ pub struct Flow {
 
 impl Flow {
     pub fn busy(&self) -> bool {
-        self.recovering || self.peers.values().any(|p| !p.queue.is_empty())
+        self.recovering || self.queued > 0
     }
 }
 
@@ -109,18 +113,63 @@ fn tell(st: &mut State, to: u32, kind: u64, epoch: u64) -> Result<(), MpiError> 
     Ok(())
 }
 
-/// Sends `m` now, or queues it behind its destination's recovery.
+/// Sends `m` now, or queues it behind its destination's recovery, the messages queued
+/// before it, or (static credits) until a credit for it comes back.
 pub fn send(st: &mut State, m: Msg) -> Result<(), MpiError> {
+    let credit = st
+        .flow
+        .credit
+        .as_ref()
+        .is_none_or(|c| c.available(m.dest) > 0);
     let p = st.flow.peers.entry(m.dest).or_default();
     let seq = p.next_seq;
     p.next_seq += 1;
-    if p.stalled || !p.queue.is_empty() {
+    if p.stalled || !p.queue.is_empty() || !credit {
+        if !credit && !p.stalled && p.queue.is_empty() {
+            st.stats.credit_waits += 1;
+        }
         p.queue.push_back((seq, m));
+        st.flow.queued += 1;
         return Ok(());
     }
-    p.inflight += 1;
+    go(st, seq, m)
+}
+
+fn go(st: &mut State, seq: u64, m: Msg) -> Result<(), MpiError> {
+    if let Some(c) = st.flow.credit.as_mut() {
+        c.take(m.dest);
+    }
+    st.flow.peers.entry(m.dest).or_default().inflight += 1;
     st.flow.inflight.insert(m.req, (seq, m));
     st.put_msg(&m)
+}
+
+/// Sends what waits in the queues of peers that are not recovering, in order, as far as
+/// credits allow.
+fn pump(st: &mut State) -> Result<(), MpiError> {
+    if st.flow.queued == 0 {
+        return Ok(());
+    }
+    let dests: Vec<u32> = st
+        .flow
+        .peers
+        .iter()
+        .filter(|(_, p)| !p.stalled && !p.queue.is_empty())
+        .map(|(d, _)| *d)
+        .collect();
+    for d in dests {
+        loop {
+            if st.flow.credit.as_ref().is_some_and(|c| c.available(d) == 0) {
+                break;
+            }
+            let Some((seq, m)) = st.flow.peers.get_mut(&d).and_then(|p| p.queue.pop_front()) else {
+                break;
+            };
+            st.flow.queued -= 1;
+            go(st, seq, m)?;
+        }
+    }
+    Ok(())
 }
 
 /// A send's ACK came back (any outcome but a refusal).
@@ -138,11 +187,15 @@ pub fn refused(st: &mut State, req: u32) -> Result<(), MpiError> {
     let Some((seq, m)) = st.flow.inflight.remove(&req) else {
         return Ok(());
     };
+    if let Some(c) = st.flow.credit.as_mut() {
+        c.give_back(m.dest);
+    }
     let p = st.flow.peers.entry(m.dest).or_default();
     p.inflight -= 1;
     p.stalled = true;
     let at = p.queue.partition_point(|(s, _)| *s < seq);
     p.queue.insert(at, (seq, m));
+    st.flow.queued += 1;
     owe_ready(st, m.dest)
 }
 
@@ -198,22 +251,17 @@ pub fn notice(st: &mut State, e: &Event) -> Result<(), MpiError> {
         RESUME => {
             let p = st.flow.peers.entry(from).or_default();
             p.stalled = false;
-            let queued: Vec<(u64, Msg)> = p.queue.drain(..).collect();
-            for (seq, m) in queued {
-                st.stats.resent += 1;
-                let p = st.flow.peers.entry(m.dest).or_default();
-                p.inflight += 1;
-                st.flow.inflight.insert(m.req, (seq, m));
-                st.put_msg(&m)?;
-            }
-            Ok(())
+            st.stats.resent += p.queue.len() as u64;
+            pump(st)
         }
         _ => Ok(()),
     }
 }
 
-/// Ends our recovery once every rank is READY and an overflow buffer has room.
+/// Sends what credits now allow; ends our recovery once every rank is READY and an overflow
+/// buffer has room.
 pub fn tick(st: &mut State) -> Result<(), MpiError> {
+    pump(st)?;
     if !st.flow.recovering || st.flow.readies < st.size {
         return Ok(());
     }

@@ -22,6 +22,7 @@
 mod bits;
 mod coll;
 mod comm;
+mod credit;
 mod error;
 mod flow;
 mod loc;
@@ -32,6 +33,7 @@ mod win;
 
 pub use self::coll::{Op, Type};
 pub use self::comm::{wait_all, Comm, Request, ANY_SOURCE, ANY_TAG, TAG_UB, UNDEFINED};
+pub use self::credit::FlowScheme;
 pub use self::error::{ErrorClass, MpiError};
 pub use self::loc::Loc;
 pub use self::mem::AllocMem;

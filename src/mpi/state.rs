@@ -24,6 +24,7 @@ use crate::portals::{
 };
 
 use super::bits;
+use super::credit::{Credits, FlowScheme};
 use super::error::{err, ErrorClass, MpiError};
 
 pub const RECV_PT: u32 = 20;
@@ -39,6 +40,9 @@ const OVF_LEN: usize = 1 << 20;
 /// Bounce slots (for small sends and small receive buffers).
 const SLOTS: usize = 512;
 const EQ_LEN: usize = 1 << 16;
+/// Static credits: unexpected messages each rank may have at each receiver
+/// (`SOFTNIC_MPI_CREDITS`).
+const CREDITS: usize = 64;
 /// Registration cache budget (`SOFTNIC_MPI_REGCACHE`, bytes).
 const REGCACHE: usize = 256 << 20;
 
@@ -145,6 +149,9 @@ pub struct Stats {
     pub long_gets: u64,
     pub pt_disabled: u64,
     pub resent: u64,
+    /// Static credits: sends that waited for one; batches this rank gave back.
+    pub credit_waits: u64,
+    pub credit_returns: u64,
 }
 
 pub struct State {
@@ -239,6 +246,39 @@ impl State {
                 )
             }
         };
+        let scheme = match std::env::var("SOFTNIC_MPI_FLOW").as_deref() {
+            Err(_) | Ok("recovery") => FlowScheme::Recovery,
+            Ok("credit") => FlowScheme::Credit,
+            Ok(v) => {
+                return err(
+                    ErrorClass::Arg,
+                    format!("SOFTNIC_MPI_FLOW={v:?}: recovery or credit"),
+                )
+            }
+        };
+        let per_peer = env_size("SOFTNIC_MPI_CREDITS")?.unwrap_or(CREDITS) as u64;
+        if per_peer == 0 {
+            return err(ErrorClass::Arg, "SOFTNIC_MPI_CREDITS=0: at least 1");
+        }
+        let slot = eager_limit.max(64).next_multiple_of(64);
+        // Credits: room for every rank's allowance of unexpected messages of the eager limit
+        // (a locally managed buffer retires once less than that is left), up to the reserve.
+        let ovf_initial = match scheme {
+            FlowScheme::Recovery => OVF_N,
+            FlowScheme::Credit => {
+                let per_buf = ((OVF_LEN - eager_limit) / slot).max(1) as u64;
+                let need = (per_peer * size as u64).div_ceil(per_buf) as usize + 1;
+                if need > OVF_MAX {
+                    return err(
+                        ErrorClass::Arg,
+                        format!(
+                            "SOFTNIC_MPI_CREDITS={per_peer} for {size} ranks needs {need} MiB of unexpected-message buffers, more than the {OVF_MAX} MiB reserved: fewer credits or a smaller SOFTNIC_MPI_EAGER_LIMIT"
+                        ),
+                    );
+                }
+                need.max(OVF_N)
+            }
+        };
         let regcache = env_size("SOFTNIC_MPI_REGCACHE")?.unwrap_or(REGCACHE);
         let (ni, limits) = p.ni_init(true, true)?;
         let eq_recv = p.eq_alloc(ni, EQ_LEN)?;
@@ -275,7 +315,7 @@ impl State {
             free_slots: (0..SLOTS as u32).rev().collect(),
             ovf,
             ovf_linked: [false; OVF_MAX],
-            ovf_n: OVF_N,
+            ovf_n: ovf_initial,
             fh: Firehose::new(regcache as u64, 64),
             reqs: Vec::new(),
             free_reqs: Vec::new(),
@@ -291,7 +331,7 @@ impl State {
             coll_pt: false,
         };
         st.ctx_free[0] &= !1;
-        for i in 0..OVF_N {
+        for i in 0..ovf_initial {
             st.link_overflow(i)?;
         }
         // Unexpected LONG messages: only the header is kept (the entry truncates to nothing).
@@ -307,6 +347,9 @@ impl State {
         long.ignore_bits = !bits::PROTO_MASK;
         st.p.me_append(st.ni, RECV_PT, &long, List::Overflow, T_LONGOVF)?;
         super::flow::open(&mut st)?;
+        if scheme == FlowScheme::Credit {
+            st.flow.credit = Some(Credits::open(&mut st, per_peer)?);
+        }
         Ok(st)
     }
 
@@ -688,7 +731,7 @@ impl State {
     /// Handles every event waiting; returns whether there was any.
     pub fn progress(&mut self) -> Result<bool, MpiError> {
         let mut any = false;
-        for eq in [self.eq_recv, self.eq_md, self.flow.eq] {
+        for eq in self.eqs() {
             loop {
                 match self.p.eq_get(self.ni, eq) {
                     Ok((e, _)) => {
@@ -705,8 +748,10 @@ impl State {
     }
 
     /// The event queues progress watches.
-    pub(super) fn eqs(&self) -> [u32; 3] {
-        [self.eq_recv, self.eq_md, self.flow.eq]
+    pub(super) fn eqs(&self) -> [u32; 4] {
+        let credit = self.flow.credit.as_ref().map_or(self.flow.eq, |c| c.eq);
+        // Without credits the last is the flow-control queue again (looking twice is free).
+        [self.eq_recv, self.eq_md, self.flow.eq, credit]
     }
 
     /// Waits (adaptively) for the next event or `max`, and handles what came.
@@ -714,7 +759,7 @@ impl State {
         if self.progress()? {
             return Ok(());
         }
-        let eqs = [self.eq_recv, self.eq_md, self.flow.eq];
+        let eqs = self.eqs();
         match self.p.eq_poll(self.ni, &eqs, Some(max)) {
             Ok((e, _, _)) => self.handle(e)?,
             Err(crate::portals::PortalsError::Ptl(PtlError::EqEmpty)) => {}
@@ -829,6 +874,9 @@ impl State {
     /// A receive matched a message: in place (`overflow` false) or an unexpected one whose
     /// first bytes wait in an overflow buffer.
     fn arrived(&mut self, i: u32, e: &Event, overflow: bool) -> Result<(), MpiError> {
+        if let ProcessId::Logical { rank } = e.initiator {
+            super::credit::consumed(self, rank)?;
+        }
         let eager = self.eager_limit;
         let Some(r) = self.req(i) else { return Ok(()) };
         let landing = r.landing.expect("receives land somewhere");
