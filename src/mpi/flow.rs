@@ -1,8 +1,10 @@
 //! Flow control by recovery (seed 003 §3.1.3, after Barrett et al.): when unexpected messages
 //! exhaust a receiver's overflow buffers or headers, its NIC disables the `recv` portal and
 //! refuses what arrives (ACK with PTL_NI_PT_DISABLED). Then:
-//! 1. the receiver tells every rank (STOP) and drains: its receives consume unexpected
-//!    messages, freed overflow buffers go back, one more is linked if none is;
+//! 1. the receiver tells every rank (STOP: one counter increment fires the triggered puts armed
+//!    for this epoch, one per rank, so the NIC fans the notice out) and drains: its receives
+//!    consume unexpected messages, freed overflow buffers go back, one more is linked if none
+//!    is;
 //! 2. each rank queues its sends to that receiver, in order, and once none is in flight to it
 //!    any more answers READY (refused messages rejoin the queue in their original order);
 //! 3. with every READY in, no message to the receiver is in flight anywhere: it re-enables the
@@ -14,7 +16,9 @@ use std::collections::VecDeque;
 
 use rustc_hash::FxHashMap as HashMap;
 
-use crate::portals::{me_opt, AckReq, Buffer, Event, List, Me, ProcessId, Target, RANK_ANY};
+use crate::portals::{
+    me_opt, AckReq, Buffer, CtEvent, Event, List, Me, ProcessId, Target, RANK_ANY,
+};
 
 use super::error::MpiError;
 use super::state::{State, OVF_MAX, RECV_PT};
@@ -59,6 +63,8 @@ pub struct Flow {
     peers: HashMap<u32, Peer>,
     /// Puts awaiting their ACK: request → (sequence, message).
     inflight: HashMap<u32, (u64, Msg)>,
+    /// The counter whose increments fire the STOP notices armed for the next epoch.
+    stop_ct: u32,
     /// This rank's own recovery: its epoch and the READYs collected.
     recovering: bool,
     epoch: u64,
@@ -90,6 +96,41 @@ pub fn open(st: &mut State) -> Result<(), MpiError> {
     me.ignore_bits = !0;
     me.match_id = ProcessId::Logical { rank: RANK_ANY };
     st.p.me_append(st.ni, FC_PT, &me, List::Priority, T_FC)?;
+    st.flow.stop_ct = st.p.ct_alloc(st.ni)?;
+    arm_stops(st, 1)
+}
+
+fn notice_target(to: u32) -> Target {
+    Target {
+        id: ProcessId::Logical { rank: to },
+        pt_index: FC_PT,
+        match_bits: 0,
+        remote_offset: 0,
+    }
+}
+
+fn notice_hdr(kind: u64, epoch: u64) -> u64 {
+    kind << 56 | (epoch & ((1 << 56) - 1))
+}
+
+/// Arms the STOP notices of recovery `epoch`: one triggered put per rank (this one too),
+/// fired when the stop counter reaches the epoch.
+fn arm_stops(st: &mut State, epoch: u64) -> Result<(), MpiError> {
+    let (md, ct) = (st.bounce_md(), st.flow.stop_ct);
+    for r in 0..st.size {
+        st.p.triggered_put(
+            st.ni,
+            md,
+            0,
+            0,
+            AckReq::NoAck,
+            notice_target(r),
+            0,
+            notice_hdr(STOP, epoch),
+            ct,
+            epoch,
+        )?;
+    }
     Ok(())
 }
 
@@ -101,14 +142,9 @@ fn tell(st: &mut State, to: u32, kind: u64, epoch: u64) -> Result<(), MpiError> 
         0,
         0,
         AckReq::NoAck,
-        Target {
-            id: ProcessId::Logical { rank: to },
-            pt_index: FC_PT,
-            match_bits: 0,
-            remote_offset: 0,
-        },
+        notice_target(to),
         0,
-        kind << 56 | (epoch & ((1 << 56) - 1)),
+        notice_hdr(kind, epoch),
     )?;
     Ok(())
 }
@@ -219,10 +255,19 @@ pub fn pt_disabled(st: &mut State) -> Result<(), MpiError> {
     st.flow.recovering = true;
     st.flow.epoch += 1;
     st.flow.readies = 0;
-    tell_all(st, STOP)
+    tracing::debug!(rank = st.rank, epoch = st.flow.epoch, "flow control: STOP");
+    st.p.ct_inc(
+        st.ni,
+        st.flow.stop_ct,
+        CtEvent {
+            success: 1,
+            failure: 0,
+        },
+    )?;
+    arm_stops(st, st.flow.epoch + 1)
 }
 
-/// Tells every rank (this one too: its own sends to itself take part) about our recovery.
+/// Tells every rank (this one too: its own sends to itself take part) that our recovery ended.
 fn tell_all(st: &mut State, kind: u64) -> Result<(), MpiError> {
     tracing::debug!(rank = st.rank, epoch = st.flow.epoch, kind, "flow control");
     for r in 0..st.size {
