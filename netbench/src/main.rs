@@ -39,6 +39,11 @@ enum Bench {
     Strided,
     /// Non-blocking put rate vs operations outstanding (DMAPP Fig. 4): `--outstanding`.
     Nbrate,
+    /// MPI synchronisation overhead vs processes (fence, PSCW, locks, lock_all, flush) and
+    /// collectives, one job per `--sync-ranks`; needs `--api mpi`.
+    Sync,
+    /// MPI put latency vs puts per lock epoch (`--per-epoch`); needs `--api mpi`.
+    Epoch,
     /// Everything above over raw-udp, gni, dmapp, portals and both GASNet conduits (one job
     /// each), plus RandomAccess at every `--ra-ranks` and the DMAPP figures at their rank
     /// counts; one table, JSON lines and figures in `--out`.
@@ -112,6 +117,16 @@ struct Args {
     /// `strided`: target strides in elements.
     #[arg(long, value_delimiter = ',', default_value = "1,2,4,8,16,32,64")]
     strides: Vec<u64>,
+    /// `sync`: the job sizes (ranks) to measure synchronisation at, one job each.
+    #[arg(long, value_delimiter = ',', default_value = "2,4,8")]
+    sync_ranks: Vec<u32>,
+    /// `epoch`: operations per lock epoch.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "1,2,4,8,16,32,64,128,256"
+    )]
+    per_epoch: Vec<u32>,
     /// `strided`: elements per call.
     #[arg(long, value_delimiter = ',', default_value = "8,64,512,1024")]
     nelems: Vec<u64>,
@@ -223,6 +238,10 @@ fn main() -> anyhow::Result<()> {
         args.bench != Bench::Am || args.api.as_deref() == Some("gasnet"),
         "the am benchmark is GASNet's: add --api gasnet --conduit udp|portals"
     );
+    anyhow::ensure!(
+        !matches!(args.bench, Bench::Sync | Bench::Epoch) || args.api.as_deref() == Some("mpi"),
+        "the sync and epoch benchmarks are MPI's: add --api mpi"
+    );
     if !JobInfo::in_job() {
         std::process::exit(suite::run(&args)?);
     }
@@ -257,13 +276,21 @@ fn main() -> anyhow::Result<()> {
     }
     if args.api.as_deref() == Some("mpi") {
         let (lat_sizes, bw_sizes) = args.sizes();
-        let (lat, bw) = match args.bench {
-            Bench::Pingpong => (true, false),
-            Bench::Bw => (false, true),
-            Bench::Compare => (true, true),
-            _ => anyhow::bail!("--api mpi runs pingpong, bw or compare"),
+        let p = mpi_bench::Parts::default();
+        let parts = match args.bench {
+            Bench::Pingpong => mpi_bench::Parts { lat: true, ..p },
+            Bench::Bw => mpi_bench::Parts { bw: true, ..p },
+            Bench::Sync => mpi_bench::Parts { sync: true, ..p },
+            Bench::Epoch => mpi_bench::Parts { epoch: true, ..p },
+            Bench::Compare => mpi_bench::Parts {
+                lat: true,
+                bw: true,
+                sync: true,
+                epoch: true,
+            },
+            _ => anyhow::bail!("--api mpi runs pingpong, bw, sync, epoch or compare"),
         };
-        let rows = mpi_bench::run(&ctx, lat, bw, &lat_sizes, &bw_sizes)?;
+        let rows = mpi_bench::run(&ctx, parts, &lat_sizes, &bw_sizes, &args.per_epoch)?;
         if ctx.job.rank == 0 {
             report::emit(&rows, args.json)?;
         }
@@ -305,7 +332,9 @@ fn main() -> anyhow::Result<()> {
         Bench::Bw => (false, true, false),
         Bench::Randomaccess => (false, false, true),
         Bench::Compare => (true, true, true),
-        Bench::Am | Bench::Amo | Bench::Strided | Bench::Nbrate => (false, false, false),
+        Bench::Am | Bench::Amo | Bench::Strided | Bench::Nbrate | Bench::Sync | Bench::Epoch => {
+            (false, false, false)
+        }
     };
     if (lat || bw) && want("raw-udp") && ctx.job.size >= 2 {
         // Ranks 0 and 1 run it; every rank joins the barriers that keep sizes apart.
@@ -390,6 +419,9 @@ fn main() -> anyhow::Result<()> {
         if lat {
             for &sz in &lat_sizes {
                 rows.extend(portals_bench::put_pingpong(&ctx, &mut portals, &s, sz)?);
+            }
+            for &sz in &lat_sizes {
+                rows.extend(portals_bench::put_blocking(&ctx, &mut portals, &s, sz)?);
             }
             for &sz in &lat_sizes {
                 rows.extend(portals_bench::get_like(&ctx, &mut portals, &s, sz, false)?);
@@ -551,6 +583,9 @@ fn run_gasnet(args: &Args, ctx: &Ctx) -> anyhow::Result<()> {
         Bench::Compare => (true, true, true, true),
         Bench::Amo | Bench::Strided | Bench::Nbrate => {
             anyhow::bail!("the amo, strided and nbrate benchmarks are DMAPP's: use --api dmapp")
+        }
+        Bench::Sync | Bench::Epoch => {
+            anyhow::bail!("the sync and epoch benchmarks are MPI's: use --api mpi")
         }
     };
     let (lat_sizes, bw_sizes) = args.sizes();

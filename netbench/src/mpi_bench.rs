@@ -1,6 +1,6 @@
 //! MPI over Portals (seed 003's figures): send/recv ping-pong and streaming, one-sided
 //! operation latency by the seed's method (a lock epoch with one operation minus an empty
-//! one), synchronisation overhead, collectives.
+//! one), synchronisation overhead vs processes, latency vs operations per epoch, collectives.
 
 use std::time::Instant;
 
@@ -215,14 +215,137 @@ pub fn rma_bw(ctx: &Ctx, w: &Comm, win: &mut Win, size: usize) -> anyhow::Result
     }))
 }
 
+/// The median over the ranks of each rank's median (every rank reports its own epochs).
+fn across_ranks(w: &Comm, samples: &mut [f64]) -> anyhow::Result<f64> {
+    let (m, _) = crate::report::median_p99(samples);
+    let mut all = vec![0u64; w.size() as usize];
+    w.allgather(&[m.to_bits()], &mut all)?;
+    let mut v: Vec<f64> = all.into_iter().map(f64::from_bits).collect();
+    Ok(crate::report::median_p99(&mut v).0)
+}
+
+/// Synchronisation overhead (`bench: "sync"`, seed 003's figure): the time of an empty
+/// epoch with every rank targeting rank 0 — fence, PSCW (rank 0 exposes to all), shared and
+/// exclusive lock, lock_all, and an empty flush inside lock_all; `lat_us` is the median
+/// over the ranks of each rank's median. Then the collectives (`bench: "coll"`).
+pub fn sync(ctx: &Ctx, w: &Comm, win: &mut Win) -> anyhow::Result<Vec<Row>> {
+    let mut rows = Vec::new();
+    let (me, n) = (w.rank(), w.size());
+    let others: Vec<u32> = (1..n).collect();
+    for op in [
+        "fence",
+        "pscw",
+        "lock_shared",
+        "lock_exclusive",
+        "lock_all",
+        "flush",
+    ] {
+        w.barrier()?;
+        if op == "flush" {
+            win.lock_all(0)?;
+        }
+        let mut samples = Vec::with_capacity(ctx.iters);
+        for i in 0..ctx.warmup() + ctx.iters {
+            let t = Instant::now();
+            match op {
+                "fence" => win.fence()?,
+                "pscw" if me == 0 => {
+                    win.post(&others)?;
+                    win.wait()?;
+                }
+                "pscw" => {
+                    win.start(&[0])?;
+                    win.complete()?;
+                }
+                "lock_shared" | "lock_exclusive" => {
+                    let k = if op == "lock_shared" {
+                        LockType::Shared
+                    } else {
+                        LockType::Exclusive
+                    };
+                    win.lock(k, 0, 0)?;
+                    win.unlock(0)?;
+                }
+                "lock_all" => {
+                    win.lock_all(0)?;
+                    win.unlock_all()?;
+                }
+                _ => win.flush(0)?,
+            }
+            if i >= ctx.warmup() {
+                samples.push(t.elapsed().as_secs_f64() * 1e6);
+            }
+        }
+        if op == "flush" {
+            win.unlock_all()?;
+        }
+        if op == "fence" {
+            // Leave the fence epoch before the next kind of synchronisation.
+            w.barrier()?;
+        }
+        let m = across_ranks(w, &mut samples)?;
+        if me == 0 {
+            let mut r = ctx.row("sync", "mpi", "portals", op, 0);
+            r.lat_us = Some(m);
+            rows.push(r);
+        }
+    }
+    rows.extend(coll(ctx, w)?);
+    Ok(rows)
+}
+
+/// Per-operation latency vs operations per lock epoch (`bench: "epoch"`, field `per_epoch`):
+/// rank 0 puts `k` × 8 bytes to rank 1 inside one shared-lock epoch; `lat_us` is the epoch's
+/// time over `k`.
+pub fn epoch(ctx: &Ctx, w: &Comm, win: &mut Win, per_epoch: &[u32]) -> anyhow::Result<Vec<Row>> {
+    let mut rows = Vec::new();
+    for &k in per_epoch {
+        w.barrier()?;
+        let mut samples = Vec::new();
+        if w.rank() == 0 {
+            let origin = [1u8; 8];
+            let reps = (ctx.iters / k.max(1) as usize).max(20);
+            for i in 0..reps + reps / 10 + 2 {
+                let t = Instant::now();
+                win.lock(LockType::Shared, 1, 0)?;
+                for j in 0..k {
+                    win.put(&origin, 1, 8 * (j as u64 % 64))?;
+                }
+                win.unlock(1)?;
+                if i >= reps / 10 + 2 {
+                    samples.push(t.elapsed().as_secs_f64() * 1e6 / k as f64);
+                }
+            }
+        }
+        w.barrier()?;
+        if w.rank() == 0 {
+            let mut r = ctx.row("epoch", "mpi", "portals", "put", 8);
+            r.per_epoch = Some(k);
+            r.variant = Some("lock_shared".into());
+            rows.push(r.with_latency(&mut samples));
+        }
+    }
+    Ok(rows)
+}
+
+/// What `--api mpi` runs.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Parts {
+    pub lat: bool,
+    pub bw: bool,
+    pub sync: bool,
+    pub epoch: bool,
+}
+
 /// Every row `--api mpi` makes for this bench.
 pub fn run(
     ctx: &Ctx,
-    lat: bool,
-    bw_on: bool,
+    parts: Parts,
     lat_sizes: &[usize],
     bw_sizes: &[usize],
+    per_epoch: &[u32],
 ) -> anyhow::Result<Vec<Row>> {
+    let (lat, bw_on) = (parts.lat, parts.bw);
     let w = softnic::mpi::Mpi::init()?;
     anyhow::ensure!(w.size() >= 2, "MPI benchmarks need at least 2 ranks");
     let max = lat_sizes
@@ -232,7 +355,7 @@ pub fn run(
         .max()
         .unwrap_or(8)
         .max(8);
-    let mut win = Win::allocate(&w, max)?;
+    let mut win = Win::allocate(&w, max.max(512))?;
     let mut rows = Vec::new();
     if lat {
         for &s in lat_sizes {
@@ -246,7 +369,15 @@ pub fn run(
         for op in ["fetch_and_op", "compare_and_swap"] {
             rows.extend(rma(ctx, &w, &mut win, op, 8)?);
         }
-        rows.extend(coll(ctx, &w)?);
+        if !parts.sync {
+            rows.extend(coll(ctx, &w)?);
+        }
+    }
+    if parts.sync {
+        rows.extend(sync(ctx, &w, &mut win)?);
+    }
+    if parts.epoch {
+        rows.extend(epoch(ctx, &w, &mut win, per_epoch)?);
     }
     if bw_on {
         for &s in bw_sizes {

@@ -127,6 +127,50 @@ pub fn put_pingpong(
     }))
 }
 
+/// A blocking put (`op: "put_blocking"`) on rank 0: the put, then a wait for its ACK on the
+/// counting event (PtlCTWait), as MPI's one-sided put completes.
+pub fn put_blocking(
+    ctx: &Ctx,
+    p: &mut Portals,
+    s: &Setup,
+    size: usize,
+) -> anyhow::Result<Option<Row>> {
+    p.endpoint().barrier()?;
+    let mut samples = Vec::with_capacity(ctx.iters);
+    if ctx.job.rank == 0 {
+        let warm = ctx.iters / 10 + 10;
+        let mut acked = p.ct_get(s.ni, s.ct)?.success;
+        for i in 0..warm + ctx.iters {
+            let t = Instant::now();
+            p.put(
+                s.ni,
+                s.md,
+                0,
+                size as u64,
+                AckReq::CtAck,
+                target(s, 1),
+                0,
+                0,
+            )?;
+            acked += 1;
+            p.ct_wait(s.ni, s.ct, acked)?;
+            if i >= warm {
+                samples.push(t.elapsed().as_secs_f64() * 1e6);
+            }
+            // SEND events: keep the queue from filling.
+            if i % 256 == 0 {
+                drain(p, s);
+            }
+        }
+        drain(p, s);
+    }
+    p.endpoint().barrier()?;
+    Ok((ctx.job.rank == 0).then(|| {
+        ctx.row("pingpong", "portals", "portals", "put_blocking", size)
+            .with_latency(&mut samples)
+    }))
+}
+
 /// One blocking get or fetch-atomic on rank 0 (waiting for its REPLY event).
 pub fn get_like(
     ctx: &Ctx,

@@ -44,6 +44,9 @@ pub struct Row {
     /// Bandwidth runs: sending processes per node.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ppn: Option<u32>,
+    /// MPI `epoch` runs: operations per lock epoch (`lat_us` is per operation).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub per_epoch: Option<u32>,
 }
 
 impl Row {
@@ -96,8 +99,8 @@ pub fn merge_rounds(rows: Vec<Row>) -> Vec<Row> {
             &b.variant,
             &b.transport,
         ) && (a.size, a.ranks, a.hosts) == (b.size, b.ranks, b.hosts)
-            && (a.stride, a.nelems, a.outstanding, a.ppn)
-                == (b.stride, b.nelems, b.outstanding, b.ppn)
+            && (a.stride, a.nelems, a.outstanding, a.ppn, a.per_epoch)
+                == (b.stride, b.nelems, b.outstanding, b.ppn, b.per_epoch)
     };
     let mut groups: Vec<Vec<Row>> = Vec::new();
     for r in rows {
@@ -185,6 +188,7 @@ pub fn print(rows: &[Row], json: bool) {
             ("n", r.nelems),
             ("o", r.outstanding.map(u64::from)),
             ("ppn", r.ppn.map(u64::from)),
+            ("e", r.per_epoch.map(u64::from)),
         ] {
             if let Some(v) = v {
                 op += &format!(" {tag}={v}");

@@ -100,6 +100,13 @@ fn plan_for(args: &Args, packet: bool) -> anyhow::Result<Vec<Step>> {
                     steps.push(step(Bench::Randomaccess, "gasnet", Some(c), r));
                 }
             }
+            // MPI: everything at the job's size, then synchronisation at the other sizes.
+            if conduit.as_deref().is_none_or(|c| c == "all" || c == "mpi") {
+                steps.push(step(Bench::Compare, "mpi", None, args.ranks));
+                for &r in args.sync_ranks.iter().filter(|&&r| r != args.ranks) {
+                    steps.push(step(Bench::Sync, "mpi", None, r));
+                }
+            }
             // DMAPP's figures at their other rank counts: Fig. 3 at 2 and 4 processes per
             // node, Fig. 6 at 4 and 8 ranks (the compare job itself is the first point).
             if conduit
@@ -117,6 +124,12 @@ fn plan_for(args: &Args, packet: bool) -> anyhow::Result<Vec<Step>> {
                         steps.push(step(Bench::Amo, "dmapp", None, r));
                     }
                 }
+            }
+        }
+        (Bench::Sync, "mpi") => {
+            for &r in &args.sync_ranks {
+                anyhow::ensure!(r >= 2, "--sync-ranks {r}: at least 2");
+                steps.push(step(Bench::Sync, "mpi", None, r));
             }
         }
         (Bench::Bw, "dmapp") if args.ppn.is_some() => {
@@ -144,6 +157,8 @@ fn bench_name(b: Bench) -> &'static str {
         Bench::Amo => "amo",
         Bench::Strided => "strided",
         Bench::Nbrate => "nbrate",
+        Bench::Sync => "sync",
+        Bench::Epoch => "epoch",
         Bench::Compare => "compare",
     }
 }
@@ -182,7 +197,10 @@ fn step_args(args: &Args, s: &Step) -> Vec<OsString> {
             .join(",")
     };
     let outstanding: Vec<u64> = args.outstanding.iter().map(|&o| o as u64).collect();
+    let per_epoch: Vec<u64> = args.per_epoch.iter().map(|&o| o as u64).collect();
     v.extend([
+        "--per-epoch".into(),
+        list(&per_epoch),
         "--outstanding".into(),
         list(&outstanding),
         "--strides".into(),
@@ -342,6 +360,9 @@ mod tests {
             "randomaccess gasnet/udp ×4",
             "randomaccess gasnet/portals ×4",
             "randomaccess gasnet/extoll ×4",
+            "compare mpi ×2",
+            "sync mpi ×4",
+            "sync mpi ×8",
             "bw dmapp ×4",
             "bw dmapp ×8",
             "amo dmapp ×4",
@@ -383,6 +404,18 @@ mod tests {
             labels("netbench amo --api dmapp --ranks 4"),
             ["amo dmapp ×4"]
         );
+    }
+
+    #[test]
+    fn mpi_sync_runs_one_job_per_size() {
+        assert_eq!(
+            labels("netbench sync --api mpi --sync-ranks 2,4,8"),
+            ["sync mpi ×2", "sync mpi ×4", "sync mpi ×8"]
+        );
+        assert_eq!(labels("netbench epoch --api mpi"), ["epoch mpi ×2"]);
+        let bad = Args::try_parse_from(["netbench", "sync", "--api", "mpi", "--sync-ranks", "1"])
+            .unwrap();
+        assert!(plan(&bad).is_err());
     }
 
     #[test]

@@ -92,6 +92,7 @@ impl Win {
                 mem.region().handle,
                 mem.len(),
                 bits(id, slot as u32, g),
+                None,
             )?
         };
         let Memory::Dynamic(a) = &mut self.memory else {

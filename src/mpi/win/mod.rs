@@ -104,6 +104,8 @@ pub struct Win {
     staged: usize,
     sizes: Vec<u64>,
     ct: u32,
+    /// Counts what arrives at the control words, so PSCW waits can sleep on the NIC.
+    ctrl_ct: u32,
     md: u32,
     /// The MD request-based operations use (full events into `rq`'s queue).
     md_req: u32,
@@ -127,8 +129,15 @@ pub struct Win {
     freed: bool,
 }
 
-/// A match entry exposing `len` bytes of `region` on the RMA portal under `bits`.
-fn expose(st: &mut State, region: MemHandle, len: usize, bits: u64) -> Result<u32, MpiError> {
+/// A match entry exposing `len` bytes of `region` on the RMA portal under `bits` (counting
+/// what arrives on `ct`, if given).
+fn expose(
+    st: &mut State,
+    region: MemHandle,
+    len: usize,
+    bits: u64,
+    ct: Option<u32>,
+) -> Result<u32, MpiError> {
     let mut e = Me::new(
         Buffer {
             region,
@@ -139,6 +148,10 @@ fn expose(st: &mut State, region: MemHandle, len: usize, bits: u64) -> Result<u3
     );
     e.options =
         me_opt::OP_PUT | me_opt::OP_GET | me_opt::EVENT_COMM_DISABLE | me_opt::EVENT_LINK_DISABLE;
+    if ct.is_some() {
+        e.options |= me_opt::EVENT_CT_COMM;
+        e.ct = ct;
+    }
     Ok(st.p.me_append(st.ni, RMA_PT, &e, List::Priority, 0)?)
 }
 
@@ -180,7 +193,7 @@ impl Win {
             Memory::Given(a) => Some(a.region().handle),
             Memory::Dynamic(_) => None,
         };
-        let (ctrl, staging, ct, md, md_req, eq, me) = {
+        let (ctrl, staging, [ct, ctrl_ct], md, md_req, eq, me) = {
             let mut st = comm.st.borrow_mut();
             let st = &mut *st;
             let ni = st.ni;
@@ -206,10 +219,17 @@ impl Win {
             let md_req = bind(counted, Some(eq))?;
             let mut me = Vec::with_capacity(2);
             if let Some(region) = exposed {
-                me.push(expose(st, region, size, 2 * id)?);
+                me.push(expose(st, region, size, 2 * id, None)?);
             }
-            me.push(expose(st, ctrl.handle, CTRL_LEN, 2 * id + 1)?);
-            (ctrl, staging, ct, md, md_req, eq, me)
+            let ctrl_ct = st.p.ct_alloc(ni)?;
+            me.push(expose(
+                st,
+                ctrl.handle,
+                CTRL_LEN,
+                2 * id + 1,
+                Some(ctrl_ct),
+            )?);
+            (ctrl, staging, [ct, ctrl_ct], md, md_req, eq, me)
         };
         let n = comm.size() as usize;
         let mut sizes = vec![0u64; n];
@@ -224,6 +244,7 @@ impl Win {
             staged: 0,
             sizes,
             ct,
+            ctrl_ct,
             md,
             md_req,
             rq: Rc::new(RefCell::new(rq)),
@@ -364,7 +385,8 @@ impl Win {
         if let Memory::Dynamic(a) = &mut self.memory {
             me.extend(a.take_entries());
         }
-        let (md, md_req, ct, eq) = (self.md, self.md_req, self.ct, self.rq.borrow().eq());
+        let (md, md_req, eq) = (self.md, self.md_req, self.rq.borrow().eq());
+        let cts = [self.ct, self.ctrl_ct];
         let mut regions = vec![self.ctrl.clone(), self.staging.clone()];
         if let Memory::Own(m) = &self.memory {
             regions.push(m.clone());
@@ -376,7 +398,9 @@ impl Win {
             }
             let _ = st.p.md_release(ni, md);
             let _ = st.p.md_release(ni, md_req);
-            let _ = st.p.ct_free(ni, ct);
+            for ct in cts {
+                let _ = st.p.ct_free(ni, ct);
+            }
             let _ = st.p.eq_free(ni, eq);
             for m in &regions {
                 let _ = st.p.endpoint().mem_deregister(m);

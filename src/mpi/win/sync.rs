@@ -142,6 +142,52 @@ impl Win {
         })
     }
 
+    /// A shared lock at every member: every fetch-add in flight at once, then the members
+    /// an exclusive holder refused are taken back and retried one by one.
+    fn acquire_all_shared(&mut self) -> Result<(), MpiError> {
+        let mut results = Vec::with_capacity(self.comm.size() as usize);
+        for r in 0..self.comm.size() {
+            let t = self.ctrl_target(r, LOCK);
+            let src = self.stage(8)?;
+            let dst = self.stage(8)?;
+            self.staging.bytes()[src as usize..src as usize + 8]
+                .copy_from_slice(&1u64.to_le_bytes());
+            let md = self.md;
+            self.issue(None, |st| {
+                st.p.fetch_atomic(
+                    st.ni,
+                    md,
+                    dst,
+                    md,
+                    src,
+                    8,
+                    t,
+                    0,
+                    0,
+                    AtomicOp::Sum,
+                    Datatype::Uint64,
+                )
+            })?;
+            results.push((r, dst));
+        }
+        self.flush_all_inner()?;
+        let refused: Vec<u32> = results
+            .into_iter()
+            .filter(|&(_, at)| {
+                let b = &self.staging.bytes()[at as usize..at as usize + 8];
+                u64::from_le_bytes(b.try_into().expect("8 bytes")) >= EXCL
+            })
+            .map(|(r, _)| r)
+            .collect();
+        for &r in &refused {
+            self.ctrl_add(r, LOCK, u64::MAX)?;
+        }
+        for r in refused {
+            self.acquire(LockType::Shared, r)?;
+        }
+        Ok(())
+    }
+
     fn release(&mut self, kind: LockType, rank: u32) -> Result<(), MpiError> {
         match kind {
             LockType::Shared => self.ctrl_add(rank, LOCK, u64::MAX)?,
@@ -222,12 +268,10 @@ impl Win {
             return err(ErrorClass::RmaSync, "lock_all inside another passive epoch");
         }
         let check = assert & mode::NOCHECK == 0;
-        for r in 0..self.comm.size() {
-            if check {
-                self.acquire(LockType::Shared, r)?;
-            }
-            self.access[r as usize] = Access::All;
+        if check {
+            self.acquire_all_shared()?;
         }
+        self.access.fill(Access::All);
         self.lock_all = Some(check);
         self.fence = false;
         Ok(())
@@ -327,13 +371,19 @@ impl Win {
         Ok(false)
     }
 
+    /// Waits until the control word at `off` reaches `want`, sleeping on the NIC between
+    /// arrivals at the control words (their counting event).
     fn wait_word(&mut self, off: u64, want: u64) -> Result<(), MpiError> {
         let start = Instant::now();
         let mut spins = 0u32;
-        while self.ctrl.read_u64(off as usize) < want {
-            spins += 1;
-            if spins > 1000 {
-                self.with_st(|st| st.wait_event(Duration::from_micros(200)))?;
+        let ct = self.ctrl_ct;
+        loop {
+            let seen = self.with_st(|st| {
+                let c = st.p.ct_get(st.ni, ct)?;
+                Ok(c.success + c.failure)
+            })?;
+            if self.ctrl.read_u64(off as usize) >= want {
+                return Ok(());
             }
             if start.elapsed() > Duration::from_secs(120) {
                 return err(
@@ -341,7 +391,12 @@ impl Win {
                     "PSCW: the peers did not post/complete in 120 s",
                 );
             }
+            self.with_st(|st| {
+                let ni = st.ni;
+                Ok(st
+                    .p
+                    .idle(&mut spins, start, Some((ni, &[], &[ct], &[seen + 1])))?)
+            })?;
         }
-        Ok(())
     }
 }
