@@ -845,3 +845,44 @@ fn one_sided_requests_alloc_mem_dynamic_windows_and_minloc() {
     assert!(seg.bytes()[8..13] != b"stale"[..]);
     dynw.free().unwrap();
 }
+
+/// A rank that dies: receives waiting on it fail with MPI_ERR_PROC_FAILED (the waits ask
+/// after their peer), later calls naming it fail at once, the survivors go on and finalize.
+#[test]
+fn a_dead_rank_fails_the_requests_waiting_on_it() {
+    if !in_job() {
+        return launch_ok("a_dead_rank_fails_the_requests_waiting_on_it", 3, 2, &[]);
+    }
+    let world = Mpi::init().unwrap();
+    let me = world.rank();
+    world.barrier().unwrap();
+    if me == 2 {
+        // Gone without finalizing: its NIC state goes with its attachment.
+        std::process::exit(0);
+    }
+    let t = std::time::Instant::now();
+    let mut b = [0u8; 64];
+    let e = world.recv(&mut b, 2, 5).unwrap_err();
+    assert_eq!(e.class(), ErrorClass::ProcFailed, "{e}");
+    assert!(
+        t.elapsed() < std::time::Duration::from_secs(30),
+        "{:?}",
+        t.elapsed()
+    );
+    let mut big = vec![0u8; 100_000];
+    assert_eq!(
+        world.irecv(&mut big, 2, 6).unwrap_err().class(),
+        ErrorClass::ProcFailed,
+        "known dead: refused at once"
+    );
+    assert_eq!(
+        world.send(b"x", 2, 1).unwrap_err().class(),
+        ErrorClass::ProcFailed
+    );
+    // The survivors still talk.
+    let other = 1 - me as i32;
+    let r = world.irecv(&mut b[..4], other, 7).unwrap();
+    world.send(&me.to_le_bytes(), other, 7).unwrap();
+    r.wait().unwrap();
+    assert_eq!(u32::from_le_bytes(b[..4].try_into().unwrap()), other as u32);
+}

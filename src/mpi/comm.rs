@@ -62,6 +62,15 @@ impl Request<'_> {
     }
 }
 
+impl std::fmt::Debug for Request<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Request")
+            .field("id", &self.id)
+            .field("live", &self.live)
+            .finish()
+    }
+}
+
 impl Drop for Request<'_> {
     fn drop(&mut self) {
         if self.live {
@@ -206,10 +215,14 @@ impl Comm {
         ctx: u32,
     ) -> Result<Request<'a>, MpiError> {
         self.check_open()?;
-        let id = self
-            .st
-            .borrow_mut()
-            .irecv(buf.as_mut_ptr() as u64, buf.len(), ctx, src, tag)?;
+        let peer = src.map(|s| self.group[s as usize]);
+        let id = self.st.borrow_mut().irecv(
+            buf.as_mut_ptr() as u64,
+            buf.len(),
+            ctx,
+            (src, peer),
+            tag,
+        )?;
         Ok(self.req(id))
     }
 

@@ -11,7 +11,7 @@
 //!   send id until the receiver has fetched what it needed.
 //! - MD_EQ: ACKs of sends, REPLYs of the receiver's gets, GETs of `read` entries.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use rustc_hash::FxHashMap as HashMap;
 
@@ -54,6 +54,7 @@ const T_PROBE: u64 = 4 << 60;
 const T_ACK: u64 = 5 << 60;
 const T_READ: u64 = 6 << 60;
 const T_GET: u64 = 7 << 60;
+const T_PING: u64 = 8 << 60;
 const TAG_MASK: u64 = 0xf << 60;
 
 /// What a completed receive (or a probe) found.
@@ -101,6 +102,9 @@ struct Req {
     orphan: bool,
     /// A probe found a message.
     probe_found: bool,
+    /// The world rank whose death would leave it waiting for ever (a receive's named
+    /// source, a long send's receiver): waits ask after it.
+    peer: Option<u32>,
 }
 
 impl Req {
@@ -119,6 +123,7 @@ impl Req {
             busy: 0,
             orphan: false,
             probe_found: false,
+            peer: None,
         }
     }
 }
@@ -188,7 +193,13 @@ pub struct State {
     pub(super) trees: HashMap<u32, super::triggered::Tree>,
     /// Whether the collective portal is allocated.
     pub(super) coll_pt: bool,
+    /// Ranks known dead (a ping of theirs failed), and when each rank was last pinged.
+    dead: Vec<bool>,
+    pinged: HashMap<u32, Instant>,
 }
+
+/// A request waiting this long on one peer asks whether it is alive (and again as often).
+const PING_AFTER: Duration = Duration::from_secs(1);
 
 pub(crate) fn env_size(name: &str) -> Result<Option<usize>, MpiError> {
     match std::env::var(name) {
@@ -329,6 +340,8 @@ impl State {
             coll,
             trees: HashMap::default(),
             coll_pt: false,
+            dead: vec![false; size as usize],
+            pinged: HashMap::default(),
         };
         st.ctx_free[0] &= !1;
         for i in 0..ovf_initial {
@@ -541,6 +554,7 @@ impl State {
         tag: u32,
     ) -> Result<u32, MpiError> {
         let mut r = self.req_on(addr, len)?;
+        self.check_alive(dest)?;
         if len <= self.eager_limit {
             let s = self.slot()?;
             // SAFETY: the caller's buffer is valid for len bytes; the slot holds slot_len >= len.
@@ -568,6 +582,8 @@ impl State {
         let (reg, off, id) = self.cached(addr, len as u64)?;
         r.cached = Some(id);
         r.total = len as u64;
+        // It may wait for the receiver's get.
+        r.peer = Some(dest);
         let send_id = self.next_send_id;
         self.next_send_id = (self.next_send_id + 1) & 0xff_ffff;
         let i = self.new_req(r);
@@ -632,17 +648,21 @@ impl State {
         Ok(())
     }
 
-    /// Posts a receive into `[addr, addr+len)` on context `ctx` from `src` (comm rank) with
-    /// `tag` (`None`: any).
+    /// Posts a receive into `[addr, addr+len)` on context `ctx` from `src` (comm rank;
+    /// `peer` its world rank) with `tag` (`None`: any).
     pub fn irecv(
         &mut self,
         addr: u64,
         len: usize,
         ctx: u32,
-        src: Option<u32>,
+        (src, peer): (Option<u32>, Option<u32>),
         tag: Option<u32>,
     ) -> Result<u32, MpiError> {
         let mut r = self.req_on(addr, len)?;
+        if let Some(p) = peer {
+            self.check_alive(p)?;
+        }
+        r.peer = peer;
         let (region, offset, landing) = if len <= self.slot_len && !self.free_slots.is_empty() {
             let s = self.free_slots.pop().expect("checked");
             (self.bounce.handle, self.slot_off(s), Landing::Slot(s))
@@ -769,12 +789,101 @@ impl State {
         Ok(())
     }
 
-    /// Waits for request `i` to complete.
+    /// Waits for request `i` to complete. One waiting long on a single peer asks after it
+    /// now and then, so that a dead peer fails it (MPI_ERR_PROC_FAILED) instead of a hang.
     pub fn wait(&mut self, i: u32) -> Result<Status, MpiError> {
+        let start = Instant::now();
         while !self.is_done(i) {
             self.wait_event(Duration::from_millis(10))?;
+            if start.elapsed() >= PING_AFTER {
+                if let Some(p) = self.reqs.get(i as usize).and_then(|r| r.as_ref()?.peer) {
+                    self.ping(p)?;
+                }
+            }
         }
         self.take(i)
+    }
+
+    /// For a wait that began at `since` and depends on `ranks`: once it has lasted
+    /// PING_AFTER, asks after each of them, and fails if one is known dead.
+    pub(super) fn ask_after(&mut self, ranks: &[u32], since: Instant) -> Result<(), MpiError> {
+        if ranks.is_empty() || since.elapsed() < PING_AFTER {
+            return Ok(());
+        }
+        for &r in ranks {
+            self.check_alive(r)?;
+            if r != self.rank {
+                self.ping(r)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn check_alive(&self, rank: u32) -> Result<(), MpiError> {
+        if self.dead.get(rank as usize).copied().unwrap_or(false) {
+            return err(ErrorClass::ProcFailed, format!("world rank {rank} is dead"));
+        }
+        Ok(())
+    }
+
+    /// Asks whether `rank` is alive (at most once per PING_AFTER): an empty put to its
+    /// flow-control entry, which acknowledges nothing unless the put failed.
+    fn ping(&mut self, rank: u32) -> Result<(), MpiError> {
+        if self
+            .pinged
+            .get(&rank)
+            .is_some_and(|t| t.elapsed() < PING_AFTER)
+        {
+            return Ok(());
+        }
+        self.pinged.insert(rank, Instant::now());
+        self.p.put(
+            self.ni,
+            self.bounce_md,
+            0,
+            0,
+            AckReq::Ack,
+            Target {
+                id: ProcessId::Logical { rank },
+                pt_index: super::flow::FC_PT,
+                match_bits: 0,
+                remote_offset: 0,
+            },
+            T_PING | rank as u64,
+            0,
+        )?;
+        Ok(())
+    }
+
+    /// `rank` is dead: every request waiting on it fails.
+    fn peer_failed(&mut self, rank: u32, why: NiFail) {
+        tracing::warn!(rank = self.rank, peer = rank, ?why, "MPI: a peer is dead");
+        if let Some(d) = self.dead.get_mut(rank as usize) {
+            *d = true;
+        }
+        let waiting: Vec<u32> = (0..self.reqs.len() as u32)
+            .filter(|&i| {
+                self.reqs[i as usize]
+                    .as_ref()
+                    .is_some_and(|r| !r.done && r.peer == Some(rank))
+            })
+            .collect();
+        for i in waiting {
+            if let Some(r) = self.req(i) {
+                // A receive's entry stays linked over its bounce slot: the slot is not
+                // given back.
+                if matches!(r.landing, Some(Landing::Slot(_))) {
+                    r.landing = None;
+                }
+            }
+            self.finish(
+                i,
+                Some(MpiError::new(
+                    ErrorClass::ProcFailed,
+                    format!("world rank {rank} died"),
+                )),
+            );
+        }
     }
 
     fn handle(&mut self, e: Event) -> Result<(), MpiError> {
@@ -821,6 +930,10 @@ impl State {
                 Ok(())
             }
             (T_ACK, EventKind::Ack) => self.acked(idx, &e),
+            (T_PING, EventKind::Ack) if e.ni_fail != NiFail::Ok => {
+                self.peer_failed(idx, e.ni_fail);
+                Ok(())
+            }
             (T_READ, EventKind::Get) => {
                 if let Some(r) = self.req(idx) {
                     r.read_me = None;
@@ -879,7 +992,10 @@ impl State {
         }
         let eager = self.eager_limit;
         let Some(r) = self.req(i) else { return Ok(()) };
-        let landing = r.landing.expect("receives land somewhere");
+        let Some(landing) = r.landing else {
+            // A receive that failed (its peer was declared dead) and gave up its slot.
+            return Ok(());
+        };
         let len = r.len as u64;
         let r_addr = r.addr;
         let proto = bits::proto(e.match_bits);

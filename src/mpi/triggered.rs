@@ -77,6 +77,8 @@ pub struct Tree {
     acc: Counter,
     mes: Vec<u32>,
     epoch: u64,
+    /// A collective on it failed (a member died): operations armed for it may never fire.
+    broken: bool,
 }
 
 /// Collective match bits: the communicator's collective context and the entry's kind.
@@ -204,22 +206,32 @@ impl State {
             acc: c(3),
             mes,
             epoch: 0,
+            broken: false,
         })
     }
 
     /// Releases context `ctx`'s offload state once this rank's puts arrived (at most
-    /// `FINAL_WAIT`: a dead peer never answers). Every put aimed at this rank's entries has
+    /// `FINAL_WAIT`; at once after a failed collective, cancelling what is armed). Every put aimed at this rank's entries has
     /// arrived too: each collective ended, and a peer's last puts are this rank's release.
     pub(super) fn close_tree(&mut self, ctx: u32) {
         let Some(t) = self.trees.remove(&ctx) else {
             return;
         };
-        let _ = self.wait_ct_until(t.md_ct, t.issued, &[], Some(Instant::now() + FINAL_WAIT));
+        let cts = [t.md_ct, t.up.ct, t.down.ct, t.part.ct, t.acc.ct];
+        if t.broken {
+            // What is armed would wait for arrivals that never come.
+            for ct in cts {
+                let _ = self.p.ct_cancel_triggered(self.ni, ct);
+            }
+        } else {
+            let deadline = Some(Instant::now() + FINAL_WAIT);
+            let _ = self.wait_ct_until(t.md_ct, t.issued, &[], deadline, &[]);
+        }
         for h in t.mes {
             let _ = self.p.me_unlink(self.ni, h);
         }
         let _ = self.p.md_release(self.ni, t.md);
-        for ct in [t.md_ct, t.up.ct, t.down.ct, t.part.ct, t.acc.ct] {
+        for ct in cts {
             let _ = self.p.ct_free(self.ni, ct);
         }
         let _ = self.p.endpoint().mem_deregister(&t.mem);
@@ -227,9 +239,16 @@ impl State {
 
     /// Waits until counting event `ct` has `want` successes, making MPI progress meanwhile.
     /// A failure on it or on any of `watch` (an operation of the tree that went wrong, or
-    /// that the NIC could not arm) ends the wait with an error.
-    fn wait_ct(&mut self, ct: u32, want: u64, watch: &[u32]) -> Result<(), MpiError> {
-        self.wait_ct_until(ct, want, watch, None)
+    /// that the NIC could not arm) ends the wait with an error, and so does a dead member of
+    /// `group` (the world ranks the wait depends on, asked after while it lasts).
+    fn wait_ct(
+        &mut self,
+        ct: u32,
+        want: u64,
+        watch: &[u32],
+        group: &[u32],
+    ) -> Result<(), MpiError> {
+        self.wait_ct_until(ct, want, watch, None, group)
     }
 
     fn wait_ct_until(
@@ -238,6 +257,7 @@ impl State {
         want: u64,
         watch: &[u32],
         deadline: Option<Instant>,
+        group: &[u32],
     ) -> Result<(), MpiError> {
         let start = Instant::now();
         let mut spins = 0u32;
@@ -265,6 +285,7 @@ impl State {
                 );
             }
             self.progress()?;
+            self.ask_after(group, start)?;
             let eqs = self.eqs();
             self.p
                 .idle(&mut spins, start, Some((self.ni, &eqs, &[ct], &[want])))?;
@@ -342,7 +363,7 @@ impl State {
         t.epoch += 1;
         let (ct, want) = (t.md_ct, t.issued_at[p]);
         let watch = self.watch(ctx);
-        self.wait_ct(ct, want, &watch)?;
+        self.wait_ct(ct, want, &watch, &[])?;
         Ok(p)
     }
 
@@ -354,7 +375,32 @@ impl State {
     /// Broadcast of at most SLOT bytes: each subtree says "ready" up the tree; the root's
     /// data goes down once its children are ready, forwarded by each NIC as it lands. With
     /// no bytes from rank 0 and `barrier` it is the barrier: arrivals up, the release down.
+    /// Marks context `ctx`'s tree broken when `r` failed.
+    fn mark<T>(&mut self, ctx: u32, r: Result<T, MpiError>) -> Result<T, MpiError> {
+        if r.is_err() {
+            if let Some(t) = self.trees.get_mut(&ctx) {
+                t.broken = true;
+            }
+        }
+        r
+    }
+
+    /// An offloaded broadcast (or, `barrier`, an empty one whose root first waits for every
+    /// member's arrival).
     pub(super) fn tree_bcast(
+        &mut self,
+        ctx: u32,
+        group: &[u32],
+        rank: u32,
+        buf: &mut [u8],
+        root: u32,
+        barrier: bool,
+    ) -> Result<(), MpiError> {
+        let r = self.tree_bcast_inner(ctx, group, rank, buf, root, barrier);
+        self.mark(ctx, r)
+    }
+
+    fn tree_bcast_inner(
         &mut self,
         ctx: u32,
         group: &[u32],
@@ -385,12 +431,12 @@ impl State {
             Some(pa) => {
                 let on = (!kids.is_empty()).then_some(up);
                 self.tree_put(ctx, 0, 0, group[pa as usize], UP, 0, on)?;
-                self.wait_ct(down.ct, down.want, &watch)?;
+                self.wait_ct(down.ct, down.want, &watch, group)?;
                 let t = &self.trees[&ctx];
                 buf.copy_from_slice(&t.mem.bytes()[down_off(p) as usize..][..len]);
             }
             // A barrier's root leaves once everyone arrived; a broadcast's root at once.
-            None if barrier => self.wait_ct(up.ct, up.want, &watch)?,
+            None if barrier => self.wait_ct(up.ct, up.want, &watch, group)?,
             None => {}
         }
         self.end_epoch(ctx, p);
@@ -401,7 +447,21 @@ impl State {
     /// results into slots at the parent, whose NIC combines each into its accumulator by an
     /// atomic to itself; the combined value goes up, the root's result comes down.
     #[allow(clippy::too_many_arguments)]
+    /// An offloaded allreduce.
     pub(super) fn tree_allreduce(
+        &mut self,
+        ctx: u32,
+        group: &[u32],
+        rank: u32,
+        acc: &mut [u8],
+        op: AtomicOp,
+        dt: Datatype,
+    ) -> Result<(), MpiError> {
+        let r = self.tree_allreduce_inner(ctx, group, rank, acc, op, dt);
+        self.mark(ctx, r)
+    }
+
+    fn tree_allreduce_inner(
         &mut self,
         ctx: u32,
         group: &[u32],
@@ -450,13 +510,13 @@ impl State {
                 self.tree_put(ctx, acc_off(p), len, group[pa as usize], PART, slot, on)?;
                 self.forward_down(ctx, group, &kids, down_off(p), p, len, down)?;
                 let watch = self.watch(ctx);
-                self.wait_ct(down.ct, down.want, &watch)?;
+                self.wait_ct(down.ct, down.want, &watch, group)?;
                 acc.copy_from_slice(&self.trees[&ctx].mem.bytes()[down_off(p) as usize..][..len]);
             }
             None => {
                 self.forward_down(ctx, group, &kids, acc_off(p), p, len, accd)?;
                 let watch = self.watch(ctx);
-                self.wait_ct(accd.ct, accd.want, &watch)?;
+                self.wait_ct(accd.ct, accd.want, &watch, group)?;
                 acc.copy_from_slice(&self.trees[&ctx].mem.bytes()[acc_off(p) as usize..][..len]);
             }
         }

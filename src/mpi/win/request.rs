@@ -60,6 +60,15 @@ impl RmaRequest<'_> {
     }
 }
 
+impl std::fmt::Debug for RmaRequest<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RmaRequest")
+            .field("id", &self.id)
+            .field("live", &self.live)
+            .finish()
+    }
+}
+
 impl Drop for RmaRequest<'_> {
     fn drop(&mut self) {
         if self.live {
