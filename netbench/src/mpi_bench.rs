@@ -59,18 +59,37 @@ pub fn pingpong(ctx: &Ctx, w: &Comm, size: usize) -> anyhow::Result<Option<Row>>
     Ok((w.rank() == 0).then(|| row(ctx, "pingpong", "send_recv", size).with_latency(&mut samples)))
 }
 
-/// Streaming: rank 0 keeps 64 sends in flight to rank 1, which has receives posted.
-pub fn bw(ctx: &Ctx, w: &Comm, size: usize) -> anyhow::Result<Option<Row>> {
+/// Streaming: rank 0 keeps 64 sends in flight to rank 1, which has receives posted; the
+/// buffers are ordinary memory, or (`alloc_mem`, variant suffix `+alloc_mem`) memory from
+/// MPI_Alloc_mem, which the NIC maps.
+pub fn bw(ctx: &Ctx, w: &Comm, size: usize, alloc_mem: bool) -> anyhow::Result<Option<Row>> {
     const WINDOW: usize = 64;
     let reps = (ctx.iters / 4).max(4);
-    let out = vec![3u8; size];
-    let mut inn: Vec<Vec<u8>> = (0..WINDOW).map(|_| vec![0u8; size]).collect();
+    let mut plain_out = Vec::new();
+    let mut plain_in = Vec::new();
+    let mem = if alloc_mem {
+        let m = w.alloc_mem((WINDOW + 1) * size)?;
+        m.bytes()[..size].fill(3);
+        Some(m)
+    } else {
+        plain_out = vec![3u8; size];
+        plain_in = vec![0u8; WINDOW * size];
+        None
+    };
+    let (out, inn_all): (&[u8], &mut [u8]) = match &mem {
+        Some(m) => {
+            let (o, i) = m.bytes().split_at_mut(size);
+            (o, i)
+        }
+        None => (&plain_out, &mut plain_in),
+    };
+    let mut inn: Vec<&mut [u8]> = inn_all.chunks_mut(size.max(1)).take(WINDOW).collect();
     w.barrier()?;
     let t = Instant::now();
     if w.rank() == 0 {
         for _ in 0..reps {
             let reqs = (0..WINDOW)
-                .map(|_| w.isend(&out, 1, 2))
+                .map(|_| w.isend(out, 1, 2))
                 .collect::<Result<Vec<_>, _>>()?;
             softnic::mpi::wait_all(reqs)?;
             w.recv(&mut [], 1, 3)?;
@@ -89,6 +108,9 @@ pub fn bw(ctx: &Ctx, w: &Comm, size: usize) -> anyhow::Result<Option<Row>> {
     w.barrier()?;
     Ok((w.rank() == 0).then(|| {
         let mut r = row(ctx, "bw", "send_recv", size);
+        if alloc_mem {
+            r.variant = r.variant.map(|v| v + "+alloc_mem");
+        }
         let msgs = (reps * WINDOW) as f64;
         r.mb_s = Some(msgs * size as f64 / secs / 1e6);
         r.mops = Some(msgs / secs / 1e6);
@@ -380,8 +402,10 @@ pub fn run(
         rows.extend(epoch(ctx, &w, &mut win, per_epoch)?);
     }
     if bw_on {
-        for &s in bw_sizes {
-            rows.extend(bw(ctx, &w, s)?);
+        for alloc_mem in [false, true] {
+            for &s in bw_sizes {
+                rows.extend(bw(ctx, &w, s, alloc_mem)?);
+            }
         }
         for &s in bw_sizes {
             rows.extend(rma_bw(ctx, &w, &mut win, s)?);

@@ -495,7 +495,7 @@ fn register_with(client: &Client, len: usize, perms: Perms) -> Result<MemRegion,
 /// Polls spent spinning before a waiter starts yielding its core. Kept short: on a small
 /// machine the ranks and the daemon outnumber the cores, and a spinning waiter would hold the
 /// core the daemon (or the peer rank) needs to make the progress it waits for.
-const SPIN_BEFORE_YIELD: u64 = 64;
+const SPIN_BEFORE_YIELD: u64 = 4;
 
 /// After this long a waiter stops yielding and naps, leaving the cores to those at work.
 const YIELD_FOR: std::time::Duration = std::time::Duration::from_millis(1);

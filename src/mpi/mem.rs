@@ -1,5 +1,6 @@
 //! MPI_Alloc_mem: memory registered with the NIC, so windows over it take atomics (which the
-//! NIC applies only to memory it maps) and every operation reaches it without a copy.
+//! NIC applies only to memory it maps), and messages sent from or received into it move
+//! without the kernel copies that reach other process memory.
 
 use std::cell::RefCell;
 use std::rc::Rc;
@@ -9,7 +10,7 @@ use crate::nic::memory::Perms;
 
 use super::comm::Comm;
 use super::error::MpiError;
-use super::state::State;
+use super::state::{AllocRange, State};
 
 /// Memory from [`Comm::alloc_mem`] (MPI_Alloc_mem), zeroed. Clones share it; it is freed
 /// (MPI_Free_mem) when the last clone goes, so a window or attachment over it keeps it alive.
@@ -27,6 +28,14 @@ struct Inner {
 impl Drop for Inner {
     fn drop(&mut self) {
         if let Ok(mut st) = self.st.try_borrow_mut() {
+            let start = self.region.as_ptr() as u64;
+            if let Some(i) = st.alloc.iter().position(|a| a.start == start) {
+                let a = st.alloc.swap_remove(i);
+                if let Some(md) = a.md {
+                    let ni = st.ni;
+                    let _ = st.p.md_release(ni, md);
+                }
+            }
             let _ = st.p.endpoint().mem_deregister(&self.region);
         }
     }
@@ -67,12 +76,18 @@ impl Comm {
     /// MPI_Alloc_mem: `len` bytes registered with this rank's NIC (any communicator of the
     /// job serves; MPI's call takes none).
     pub fn alloc_mem(&self, len: usize) -> Result<AllocMem, MpiError> {
-        let region = self
-            .st
-            .borrow_mut()
-            .p
-            .endpoint()
-            .mem_register(len.max(8), Perms::READ_WRITE)?;
+        let mut st = self.st.borrow_mut();
+        let region =
+            st.p.endpoint()
+                .mem_register(len.max(8), Perms::READ_WRITE)?;
+        let start = region.as_ptr() as u64;
+        st.alloc.push(AllocRange {
+            start,
+            end: start + len as u64,
+            region: region.handle,
+            md: None,
+        });
+        drop(st);
         Ok(AllocMem {
             inner: Rc::new(Inner {
                 region,

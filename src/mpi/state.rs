@@ -40,6 +40,17 @@ const OVF_LEN: usize = 1 << 20;
 /// Bounce slots (for small sends and small receive buffers).
 const SLOTS: usize = 512;
 const EQ_LEN: usize = 1 << 16;
+/// The "cache use" of a buffer in `alloc_mem` memory (nothing to release).
+const NOT_CACHED: u64 = u64::MAX;
+
+/// Memory from `alloc_mem`: user buffers inside it need no registration of their own.
+pub(super) struct AllocRange {
+    pub start: u64,
+    pub end: u64,
+    pub region: MemHandle,
+    pub md: Option<u32>,
+}
+
 /// Static credits: unexpected messages each rank may have at each receiver
 /// (`SOFTNIC_MPI_CREDITS`).
 const CREDITS: usize = 64;
@@ -196,6 +207,8 @@ pub struct State {
     /// Ranks known dead (a ping of theirs failed), and when each rank was last pinged.
     dead: Vec<bool>,
     pinged: HashMap<u32, Instant>,
+    /// Live `alloc_mem` allocations.
+    pub(super) alloc: Vec<AllocRange>,
 }
 
 /// A request waiting this long on one peer asks whether it is alive (and again as often).
@@ -342,6 +355,7 @@ impl State {
             coll_pt: false,
             dead: vec![false; size as usize],
             pinged: HashMap::default(),
+            alloc: Vec::new(),
         };
         st.ctx_free[0] &= !1;
         for i in 0..ovf_initial {
@@ -452,11 +466,13 @@ impl State {
             if let Some(Landing::Slot(s)) = r.landing {
                 self.free_slots.push(s);
             }
-            if let Some(c) = r.cached {
+            if let Some(c) = r.cached.filter(|&c| c != NOT_CACHED) {
                 self.fh.release(c);
             }
             if let Some(Landing::Cached { id, .. }) = r.landing {
-                self.fh.release(id);
+                if id != NOT_CACHED {
+                    self.fh.release(id);
+                }
             }
             self.free_reqs.push(i);
         }
@@ -500,6 +516,44 @@ impl State {
         s as u64 * self.slot_len as u64
     }
 
+    /// `[addr, addr+len)` inside memory from `alloc_mem` (mapped by the NIC: no copy through
+    /// the kernel): its registration (an MD bound at first use) and offset.
+    fn in_alloc_mem(
+        &mut self,
+        addr: u64,
+        len: u64,
+    ) -> Result<Option<(Registration, u64, u64)>, MpiError> {
+        let Some(a) = self
+            .alloc
+            .iter_mut()
+            .find(|a| addr >= a.start && addr.saturating_add(len) <= a.end)
+        else {
+            return Ok(None);
+        };
+        let md = match a.md {
+            Some(md) => md,
+            None => {
+                let md = self.p.md_bind(
+                    self.ni,
+                    &Md {
+                        region: a.region,
+                        segments: vec![(0, a.end - a.start)],
+                        options: md_opt::EVENT_SEND_DISABLE,
+                        eq: Some(self.eq_md),
+                        ct: None,
+                    },
+                )?;
+                a.md = Some(md);
+                md
+            }
+        };
+        let reg = Registration {
+            region: a.region.0,
+            md,
+        };
+        Ok(Some((reg, addr - a.start, NOT_CACHED)))
+    }
+
     /// A registration covering the user's `[addr, addr+len)` (process memory the NIC reaches by
     /// copy): (registration, offset of addr in it, cache use id).
     pub(crate) fn cached(
@@ -507,6 +561,9 @@ impl State {
         addr: u64,
         len: u64,
     ) -> Result<(Registration, u64, u64), MpiError> {
+        if let Some(hit) = self.in_alloc_mem(addr, len)? {
+            return Ok(hit);
+        }
         if let Some(u) = self.fh.lookup(addr, len.max(1)) {
             return Ok((u.reg, u.offset, u.id));
         }
