@@ -13,7 +13,19 @@ fn msg(src: u32, i: u32, len: usize) -> Vec<u8> {
     pattern(len, (src as u64) << 20 | i as u64)
 }
 
-const SIZES: [usize; 9] = [0, 1, 8, 100, 8192, 8193, 20_000, 100_000, 1 << 20];
+const SIZES: [usize; 11] = [
+    0,
+    1,
+    8,
+    100,
+    8192,
+    8193,
+    65_536,
+    65_537,
+    100_000,
+    300_000,
+    1 << 20,
+];
 
 /// Every rank sends every size to every other, tagged by index, half of them before the
 /// receiver posted (unexpected) and half after (expected); ANY_SOURCE receives check order.

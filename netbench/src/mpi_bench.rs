@@ -10,7 +10,11 @@ use crate::report::Row;
 use crate::Ctx;
 
 fn variant(size: usize) -> String {
-    if size <= softnic::mpi::EAGER_LIMIT {
+    let limit = std::env::var("SOFTNIC_MPI_EAGER_LIMIT")
+        .ok()
+        .and_then(|v| softnic::config::parse_size(&v))
+        .map_or(softnic::mpi::EAGER_LIMIT, |n| n as usize);
+    if size <= limit {
         "short".into()
     } else {
         match std::env::var("SOFTNIC_MPI_LONG").as_deref() {

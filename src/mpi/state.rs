@@ -53,7 +53,7 @@ pub(super) struct AllocRange {
 
 /// Static credits: unexpected messages each rank may have at each receiver
 /// (`SOFTNIC_MPI_CREDITS`).
-const CREDITS: usize = 64;
+const CREDITS: u64 = 64;
 /// Registration cache budget (`SOFTNIC_MPI_REGCACHE`, bytes).
 const REGCACHE: usize = 256 << 20;
 
@@ -280,17 +280,20 @@ impl State {
                 )
             }
         };
-        let per_peer = env_size("SOFTNIC_MPI_CREDITS")?.unwrap_or(CREDITS) as u64;
-        if per_peer == 0 {
+        let asked = env_size("SOFTNIC_MPI_CREDITS")?.map(|c| c as u64);
+        if asked == Some(0) {
             return err(ErrorClass::Arg, "SOFTNIC_MPI_CREDITS=0: at least 1");
         }
         let slot = eager_limit.max(64).next_multiple_of(64);
         // Credits: room for every rank's allowance of unexpected messages of the eager limit
-        // (a locally managed buffer retires once less than that is left), up to the reserve.
+        // (a locally managed buffer retires once less than that is left), up to the reserve;
+        // the default allowance shrinks to fit it (never below 2), an asked one is refused.
+        let per_buf = ((OVF_LEN - eager_limit) / slot).max(1) as u64;
+        let fits = ((OVF_MAX as u64 - 1) * per_buf / size as u64).max(2);
+        let per_peer = asked.unwrap_or(CREDITS.min(fits));
         let ovf_initial = match scheme {
             FlowScheme::Recovery => OVF_N,
             FlowScheme::Credit => {
-                let per_buf = ((OVF_LEN - eager_limit) / slot).max(1) as u64;
                 let need = (per_peer * size as u64).div_ceil(per_buf) as usize + 1;
                 if need > OVF_MAX {
                     return err(
