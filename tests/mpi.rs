@@ -222,6 +222,38 @@ fn truncation_probe_and_argument_errors() {
     }
 }
 
+const STORM_N: u32 = 3000;
+
+/// Every other rank sends STORM_N × 1 KiB to rank 0, which starts receiving after `pause_ms`
+/// and checks that each message arrives once, in order per sender.
+fn storm(pause_ms: u64) -> Comm {
+    const LEN: usize = 1024;
+    let world = Mpi::init().unwrap();
+    let me = world.rank();
+    if me == 0 {
+        std::thread::sleep(std::time::Duration::from_millis(pause_ms));
+        let mut next = vec![0u32; world.size() as usize];
+        let mut b = vec![0u8; LEN];
+        for _ in 0..STORM_N * (world.size() - 1) {
+            let st = world.recv(&mut b, ANY_SOURCE, 9).unwrap();
+            let s = st.source as usize;
+            assert!(
+                b == msg(st.source, next[s], LEN),
+                "from {s}: message {} out of order",
+                next[s]
+            );
+            next[s] += 1;
+        }
+        assert!(next[1..].iter().all(|&k| k == STORM_N));
+        assert!(world.iprobe(ANY_SOURCE, ANY_TAG).unwrap().is_none());
+    } else {
+        for k in 0..STORM_N {
+            world.send(&msg(me, k, LEN), 0, 9).unwrap();
+        }
+    }
+    world
+}
+
 /// Seven ranks flood rank 0 with more unexpected messages than its 16 MiB of overflow
 /// buffers hold while it does not receive: its portal is disabled, the senders queue, and
 /// after recovery every message arrives once, in order per sender.
@@ -236,36 +268,12 @@ fn unexpected_storm_trips_flow_control_and_delivers_all_in_order() {
             &[("SOFTNIC_MPI_FLOW", "recovery")],
         );
     }
-    const N: u32 = 3000;
-    const LEN: usize = 1024;
-    let world = Mpi::init().unwrap();
-    let me = world.rank();
-    if me == 0 {
-        std::thread::sleep(std::time::Duration::from_millis(1500));
-        let mut next = vec![0u32; world.size() as usize];
-        let mut b = vec![0u8; LEN];
-        for _ in 0..N * (world.size() - 1) {
-            let st = world.recv(&mut b, ANY_SOURCE, 9).unwrap();
-            let s = st.source as usize;
-            assert!(
-                b == msg(st.source, next[s], LEN),
-                "from {s}: message {} out of order",
-                next[s]
-            );
-            next[s] += 1;
-        }
-        assert!(next[1..].iter().all(|&k| k == N));
-        assert!(world.iprobe(ANY_SOURCE, ANY_TAG).unwrap().is_none());
-    } else {
-        for k in 0..N {
-            world.send(&msg(me, k, LEN), 0, 9).unwrap();
-        }
-    }
+    let world = storm(1500);
     let refused = [world.stats().pt_disabled];
     let mut total = [0u64];
     world.allreduce(&refused, &mut total, Op::Sum).unwrap();
     assert!(total[0] > 0, "the storm never tripped flow control");
-    if me == 0 {
+    if world.rank() == 0 {
         eprintln!("flow control refused {} messages", total[0]);
     }
 }
@@ -287,30 +295,10 @@ fn unexpected_storm_under_static_credits_never_disables_the_portal() {
             ],
         );
     }
-    const N: u32 = 3000;
-    const LEN: usize = 1024;
-    let world = Mpi::init().unwrap();
-    let me = world.rank();
-    if me == 0 {
-        std::thread::sleep(std::time::Duration::from_millis(1000));
-        let mut next = vec![0u32; world.size() as usize];
-        let mut b = vec![0u8; LEN];
-        for _ in 0..N * (world.size() - 1) {
-            let st = world.recv(&mut b, ANY_SOURCE, 9).unwrap();
-            let s = st.source as usize;
-            assert!(
-                b == msg(st.source, next[s], LEN),
-                "from {s}: message {} out of order",
-                next[s]
-            );
-            next[s] += 1;
-        }
-        assert!(next[1..].iter().all(|&k| k == N));
-        assert!(world.stats().credit_returns >= (N as u64 / 16) * 7);
+    let world = storm(1000);
+    if world.rank() == 0 {
+        assert!(world.stats().credit_returns >= (STORM_N as u64 / 16) * 7);
     } else {
-        for k in 0..N {
-            world.send(&msg(me, k, LEN), 0, 9).unwrap();
-        }
         assert!(
             world.stats().credit_waits > 0,
             "the sender never ran out of credits"

@@ -352,11 +352,13 @@ impl Win {
         Ok(self.target(rank, 2 * self.id(), disp))
     }
 
-    /// Room for `len` bytes in the staging region (waiting for earlier operations to finish
-    /// when it is spent).
+    /// Room for `len` bytes in the staging region, and for one more request piece's event in
+    /// the window's queue (waiting for earlier operations to finish when either is spent).
+    /// Every operation's piece stages before it is issued, so what is staged stays put
+    /// until it completes.
     fn stage(&mut self, len: usize) -> Result<u64, MpiError> {
         let len8 = len.next_multiple_of(8);
-        if self.staged + len8 > STAGING {
+        if self.staged + len8 > STAGING || self.rq.borrow().pieces >= REQ_EQ_LEN / 2 {
             self.flush_all_inner()?;
         }
         let at = self.staged;

@@ -8,13 +8,14 @@ use crate::portals::{AckReq, AtomicOp, Datatype, Target};
 use super::super::coll::{bytes, bytes_mut, Op, Type};
 use super::super::error::{err, ErrorClass, MpiError};
 use super::super::loc::Loc;
-use super::{neutral, RmaRequest, Win, ACC_LOCK, REQ_EQ_LEN, STAGING};
+use super::{neutral, RmaRequest, Win, ACC_LOCK, STAGING};
 
 /// Largest piece of a put or get staged at once.
 const CHUNK: usize = STAGING / 2;
 
 impl Win {
     /// The MD to issue on and the `user_ptr` of the next piece (of request `req`, if any).
+    /// Called after the piece is staged (`stage` made room in the event queue too).
     fn via(
         &mut self,
         req: Option<u64>,
@@ -22,13 +23,7 @@ impl Win {
     ) -> Result<(u32, u64), MpiError> {
         match req {
             None => Ok((self.md, 0)),
-            Some(id) => {
-                if self.rq.borrow().pieces >= REQ_EQ_LEN / 2 {
-                    // The queue must hold every piece's event: let some finish first.
-                    self.flush_all_inner()?;
-                }
-                Ok((self.md_req, self.rq.borrow_mut().piece(id, copy)?))
-            }
+            Some(id) => Ok((self.md_req, self.rq.borrow_mut().piece(id, copy)?)),
         }
     }
 
@@ -255,8 +250,9 @@ impl Win {
         for (i, chunk) in src.chunks(piece).enumerate() {
             let off = i * piece;
             let t = self.dest(rank, disp + off as u64, chunk.len() as u64)?;
-            let put_at = self.stage(chunk.len())?;
-            let get_at = self.stage(chunk.len())?;
+            // Both halves at once: one `stage` can flush, two could hand out overlapping room.
+            let put_at = self.stage(2 * chunk.len().next_multiple_of(8))?;
+            let get_at = put_at + chunk.len().next_multiple_of(8) as u64;
             self.staging.bytes()[put_at as usize..put_at as usize + chunk.len()]
                 .copy_from_slice(chunk);
             // SAFETY: `result` is as long as `origin` (checked by the callers).
@@ -364,8 +360,8 @@ impl Win {
         dt: Datatype,
     ) -> Result<Vec<u8>, MpiError> {
         let w = data.len();
-        let src = self.stage(w)?;
-        let dst = self.stage(w)?;
+        let src = self.stage(2 * w.next_multiple_of(8))?;
+        let dst = src + w.next_multiple_of(8) as u64;
         self.staging.bytes()[src as usize..src as usize + w].copy_from_slice(data);
         let md = self.md;
         self.issue(None, |st| {

@@ -145,11 +145,14 @@ impl Win {
     /// A shared lock at every member: every fetch-add in flight at once, then the members
     /// an exclusive holder refused are taken back and retried one by one.
     fn acquire_all_shared(&mut self) -> Result<(), MpiError> {
-        let mut results = Vec::with_capacity(self.comm.size() as usize);
-        for r in 0..self.comm.size() {
+        let n = self.comm.size();
+        let mut results = Vec::with_capacity(n as usize);
+        // All the room at once: the results stay where they land until read below.
+        let base = self.stage(16 * n as usize)?;
+        for r in 0..n {
             let t = self.ctrl_target(r, LOCK);
-            let src = self.stage(8)?;
-            let dst = self.stage(8)?;
+            let src = base + 16 * r as u64;
+            let dst = src + 8;
             self.staging.bytes()[src as usize..src as usize + 8]
                 .copy_from_slice(&1u64.to_le_bytes());
             let md = self.md;
