@@ -4,30 +4,61 @@
 
 use std::time::Instant;
 
-use softnic::mpi::{Comm, LockType, Op, Win};
+use softnic::mpi::{Comm, LockType, LongProtocol, Op, Win};
 
 use crate::report::Row;
 use crate::Ctx;
 
-fn variant(size: usize) -> String {
-    let limit = std::env::var("SOFTNIC_MPI_EAGER_LIMIT")
+fn eager_limit() -> usize {
+    std::env::var("SOFTNIC_MPI_EAGER_LIMIT")
         .ok()
         .and_then(|v| softnic::config::parse_size(&v))
-        .map_or(softnic::mpi::EAGER_LIMIT, |n| n as usize);
-    if size <= limit {
-        "short".into()
+        .map_or(softnic::mpi::EAGER_LIMIT, |n| n as usize)
+}
+
+/// The protocols a send of `size` bytes is measured under: SHORT, or both long ones.
+fn protocols(size: usize) -> Vec<Option<LongProtocol>> {
+    if size <= eager_limit() {
+        vec![None]
     } else {
-        match std::env::var("SOFTNIC_MPI_LONG").as_deref() {
-            Ok("rendezvous") => "rendezvous".into(),
-            _ => "eager".into(),
-        }
+        vec![Some(LongProtocol::Eager), Some(LongProtocol::Rendezvous)]
     }
 }
 
+/// Runs `f` under each protocol `size` takes (set on every rank alike), naming its rows'
+/// variant; the protocol goes back to `SOFTNIC_MPI_LONG`'s after.
+fn under_protocols(
+    w: &Comm,
+    size: usize,
+    mut f: impl FnMut() -> anyhow::Result<Option<Row>>,
+) -> anyhow::Result<Vec<Row>> {
+    let mut rows = Vec::new();
+    for p in protocols(size) {
+        if let Some(p) = p {
+            w.set_long_protocol(p);
+        }
+        let name = match p {
+            None => "short",
+            Some(LongProtocol::Eager) => "eager",
+            Some(LongProtocol::Rendezvous) => "rendezvous",
+        };
+        if let Some(mut r) = f()? {
+            r.variant = Some(match r.variant.take() {
+                Some(suffix) => format!("{name}{suffix}"),
+                None => name.into(),
+            });
+            rows.push(r);
+        }
+    }
+    w.set_long_protocol(match std::env::var("SOFTNIC_MPI_LONG").as_deref() {
+        Ok("rendezvous") => LongProtocol::Rendezvous,
+        _ => LongProtocol::Eager,
+    });
+    Ok(rows)
+}
+
 fn row(ctx: &Ctx, bench: &str, op: &str, size: usize) -> Row {
-    let mut r = ctx.row(bench, "mpi", "portals", op, size);
-    r.variant = Some(variant(size));
-    r
+    ctx.row(bench, "mpi", "portals", op, size)
 }
 
 /// `send_recv`: rank 0 sends, rank 1 receives and sends back; `lat_us` is half the round trip.
@@ -113,7 +144,7 @@ pub fn bw(ctx: &Ctx, w: &Comm, size: usize, alloc_mem: bool) -> anyhow::Result<O
     Ok((w.rank() == 0).then(|| {
         let mut r = row(ctx, "bw", "send_recv", size);
         if alloc_mem {
-            r.variant = r.variant.map(|v| v + "+alloc_mem");
+            r.variant = Some("+alloc_mem".into());
         }
         let msgs = (reps * WINDOW) as f64;
         r.mb_s = Some(msgs * size as f64 / secs / 1e6);
@@ -385,7 +416,7 @@ pub fn run(
     let mut rows = Vec::new();
     if lat {
         for &s in lat_sizes {
-            rows.extend(pingpong(ctx, &w, s)?);
+            rows.extend(under_protocols(&w, s, || pingpong(ctx, &w, s))?);
         }
         for op in ["put", "get", "accumulate"] {
             for &s in lat_sizes {
@@ -408,7 +439,7 @@ pub fn run(
     if bw_on {
         for alloc_mem in [false, true] {
             for &s in bw_sizes {
-                rows.extend(bw(ctx, &w, s, alloc_mem)?);
+                rows.extend(under_protocols(&w, s, || bw(ctx, &w, s, alloc_mem))?);
             }
         }
         for &s in bw_sizes {

@@ -135,6 +135,12 @@ impl Comm {
         self.st.borrow_mut().coll = mode;
     }
 
+    /// The protocol of messages beyond the eager limit from now on, for this rank (the
+    /// `SOFTNIC_MPI_LONG` control variable; a receiver handles either, whatever its own).
+    pub fn set_long_protocol(&self, p: super::state::LongProtocol) {
+        self.st.borrow_mut().long = p;
+    }
+
     /// Library counters (unexpected messages, flow-control refusals and resends…).
     pub fn stats(&self) -> super::state::Stats {
         self.st.borrow().stats
