@@ -65,19 +65,35 @@ impl Win {
         disp: u64,
         req: Option<u64>,
     ) -> Result<(), MpiError> {
-        self.dest(rank, disp, origin.len() as u64)?;
-        for (i, chunk) in origin.chunks(CHUNK).enumerate() {
-            let t = self.dest(rank, disp + (i * CHUNK) as u64, chunk.len() as u64)?;
+        self.send_pieces(origin, CHUNK, rank, disp, req, None)
+    }
+
+    /// `data` to `disp` bytes into `rank`'s window in pieces of at most `piece` bytes, each
+    /// staged and sent as a put, or (`atomic`) as an atomic with that operation.
+    fn send_pieces(
+        &mut self,
+        data: &[u8],
+        piece: usize,
+        rank: u32,
+        disp: u64,
+        req: Option<u64>,
+        atomic: Option<(AtomicOp, Datatype)>,
+    ) -> Result<(), MpiError> {
+        self.dest(rank, disp, data.len() as u64)?;
+        let ack = if req.is_some() {
+            AckReq::Ack
+        } else {
+            AckReq::CtAck
+        };
+        for (i, chunk) in data.chunks(piece).enumerate() {
+            let t = self.dest(rank, disp + (i * piece) as u64, chunk.len() as u64)?;
             let at = self.stage(chunk.len())?;
             self.staging.bytes()[at as usize..at as usize + chunk.len()].copy_from_slice(chunk);
             let (md, ptr) = self.via(req, None)?;
-            let ack = if req.is_some() {
-                AckReq::Ack
-            } else {
-                AckReq::CtAck
-            };
-            self.issue(req, |st| {
-                st.p.put(st.ni, md, at, chunk.len() as u64, ack, t, ptr, 0)
+            let len = chunk.len() as u64;
+            self.issue(req, |st| match atomic {
+                None => st.p.put(st.ni, md, at, len, ack, t, ptr, 0),
+                Some((a, dt)) => st.p.atomic(st.ni, md, at, len, ack, t, ptr, 0, a, dt),
             })?;
         }
         Ok(())
@@ -155,26 +171,11 @@ impl Win {
         w: usize,
         rank: u32,
         disp: u64,
-        (a, dt): (AtomicOp, Datatype),
+        op: (AtomicOp, Datatype),
         req: Option<u64>,
     ) -> Result<(), MpiError> {
-        self.dest(rank, disp, b.len() as u64)?;
         let piece = self.atomic_piece(w, false);
-        for (i, chunk) in b.chunks(piece).enumerate() {
-            let t = self.dest(rank, disp + (i * piece) as u64, chunk.len() as u64)?;
-            let at = self.stage(chunk.len())?;
-            self.staging.bytes()[at as usize..at as usize + chunk.len()].copy_from_slice(chunk);
-            let (md, ptr) = self.via(req, None)?;
-            let ack = if req.is_some() {
-                AckReq::Ack
-            } else {
-                AckReq::CtAck
-            };
-            self.issue(req, |st| {
-                st.p.atomic(st.ni, md, at, chunk.len() as u64, ack, t, ptr, 0, a, dt)
-            })?;
-        }
-        Ok(())
+        self.send_pieces(b, piece, rank, disp, req, Some(op))
     }
 
     /// MPI_Accumulate: element-wise `op` into `rank`'s window by the target's NIC (atomic per
