@@ -492,10 +492,12 @@ fn register_with(client: &Client, len: usize, perms: Perms) -> Result<MemRegion,
     Ok(MemRegion::new(MemHandle(h), map, len))
 }
 
-/// Polls spent spinning before a waiter starts yielding its core. Kept short: on a small
-/// machine the ranks and the daemon outnumber the cores, and a spinning waiter would hold the
-/// core the daemon (or the peer rank) needs to make the progress it waits for.
-const SPIN_BEFORE_YIELD: u64 = 4;
+/// Polls spent spinning before a waiter starts yielding its core (here and in Portals' waits).
+/// Kept short: on a small machine the ranks and the daemon outnumber the cores, and a
+/// spinning waiter holds the core the daemon (or the peer rank) needs to make the progress
+/// it waits for — measured, MPI send/recv 8 B half round trip on 2 cores, 2 ranks and the
+/// daemon: 256 spins 16.8–27.4 µs, 64 6.9–9.7, 16 6.5–8.2, 4 5.5–5.7.
+pub(crate) const SPIN_BEFORE_YIELD: u32 = 4;
 
 /// After this long a waiter stops yielding and naps, leaving the cores to those at work.
 const YIELD_FOR: std::time::Duration = std::time::Duration::from_millis(1);
@@ -514,7 +516,7 @@ pub fn wait_until(
         if spins.is_multiple_of(16) {
             between();
         }
-        if spins < SPIN_BEFORE_YIELD {
+        if spins < u64::from(SPIN_BEFORE_YIELD) {
             std::hint::spin_loop();
         } else if since.get_or_insert_with(std::time::Instant::now).elapsed() < YIELD_FOR {
             waiter.yield_now();

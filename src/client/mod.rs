@@ -4,6 +4,7 @@
 mod endpoint;
 mod region;
 
+pub(crate) use endpoint::SPIN_BEFORE_YIELD;
 pub use endpoint::{wait_until, Endpoint, NicError, BOUNCE_LEN, NOTE_DISCARD};
 pub use region::{MemHandle, MemRegion};
 

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use rustc_hash::FxHashMap as HashMap;
 
 use crate::client::{MemHandle, MemRegion};
-use crate::gasnet::conduit::portals::firehose::{Firehose, Registration, PAGE};
+use crate::gasnet::conduit::portals::firehose::{Firehose, Registrar, Registration};
 use crate::nic::memory::Perms;
 use crate::portals::{
     md_opt, me_opt, pt_opt, AckReq, Buffer, Event, EventKind, Limits, List, Md, Me, NiFail,
@@ -574,44 +574,14 @@ impl State {
             .fh
             .plan(addr, len.max(1))
             .ok_or_else(|| MpiError::new(ErrorClass::Buffer, "buffer wraps the address space"))?;
-        for r in &miss.release {
-            let _ = self.p.md_release(self.ni, r.md);
-            let _ = self.p.endpoint().client().deregister(r.region);
-        }
-        let client = self.p.endpoint().client();
-        // A range coalesced with idle neighbours may span memory freed since they were
-        // registered (the daemon refuses pages it cannot reach): then the buffer's own pages.
-        let own = (
-            addr / PAGE * PAGE,
-            (addr + len.max(1)).next_multiple_of(PAGE),
-        );
-        let (start, end, region) =
-            match client.register_process(miss.start, miss.end - miss.start, Perms::READ_WRITE) {
-                Ok(r) => (miss.start, miss.end, r),
-                Err(_) if (miss.start, miss.end) != own => {
-                    let r = client
-                        .register_process(own.0, own.1 - own.0, Perms::READ_WRITE)
-                        .map_err(|e| {
-                            MpiError::new(ErrorClass::Buffer, format!("registering a buffer: {e}"))
-                        })?;
-                    (own.0, own.1, r)
-                }
-                Err(e) => {
-                    return err(ErrorClass::Buffer, format!("registering a buffer: {e}"));
-                }
-            };
-        let md = self.p.md_bind(
-            self.ni,
-            &Md {
-                region: MemHandle(region),
-                segments: vec![(0, end - start)],
-                options: md_opt::EVENT_SEND_DISABLE,
-                eq: Some(self.eq_md),
-                ct: None,
-            },
-        )?;
-        let reg = Registration { region, md };
-        let u = self.fh.insert(start, end, reg, addr);
+        let registrar = Registrar {
+            perms: Perms::READ_WRITE,
+            md_options: md_opt::EVENT_SEND_DISABLE,
+            eq: Some(self.eq_md),
+        };
+        let u = registrar
+            .register_miss(&mut self.fh, &mut self.p, self.ni, miss, (addr, len.max(1)))
+            .map_err(|e| MpiError::new(ErrorClass::Buffer, format!("registering a buffer: {e}")))?;
         Ok((u.reg, u.offset, u.id))
     }
 

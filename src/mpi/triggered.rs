@@ -77,8 +77,9 @@ pub struct Tree {
     acc: Counter,
     mes: Vec<u32>,
     epoch: u64,
-    /// A collective on it failed (a member died): operations armed for it may never fire.
-    broken: bool,
+    /// An epoch began and did not end: its collective failed (a member died), so what it
+    /// armed may never fire.
+    in_epoch: bool,
 }
 
 /// Collective match bits: the communicator's collective context and the entry's kind.
@@ -206,7 +207,7 @@ impl State {
             acc: c(3),
             mes,
             epoch: 0,
-            broken: false,
+            in_epoch: false,
         })
     }
 
@@ -218,7 +219,7 @@ impl State {
             return;
         };
         let cts = [t.md_ct, t.up.ct, t.down.ct, t.part.ct, t.acc.ct];
-        if t.broken {
+        if t.in_epoch {
             // What is armed would wait for arrivals that never come.
             for ct in cts {
                 let _ = self.p.ct_cancel_triggered(self.ni, ct);
@@ -361,6 +362,7 @@ impl State {
         let t = self.tree(ctx)?;
         let p = (t.epoch % 2) as usize;
         t.epoch += 1;
+        t.in_epoch = true;
         let (ct, want) = (t.md_ct, t.issued_at[p]);
         let watch = self.watch(ctx);
         self.wait_ct(ct, want, &watch, &[])?;
@@ -370,37 +372,13 @@ impl State {
     fn end_epoch(&mut self, ctx: u32, p: usize) {
         let t = self.trees.get_mut(&ctx).expect("open");
         t.issued_at[p] = t.issued;
+        t.in_epoch = false;
     }
 
     /// Broadcast of at most SLOT bytes: each subtree says "ready" up the tree; the root's
     /// data goes down once its children are ready, forwarded by each NIC as it lands. With
     /// no bytes from rank 0 and `barrier` it is the barrier: arrivals up, the release down.
-    /// Marks context `ctx`'s tree broken when `r` failed.
-    fn mark<T>(&mut self, ctx: u32, r: Result<T, MpiError>) -> Result<T, MpiError> {
-        if r.is_err() {
-            if let Some(t) = self.trees.get_mut(&ctx) {
-                t.broken = true;
-            }
-        }
-        r
-    }
-
-    /// An offloaded broadcast (or, `barrier`, an empty one whose root first waits for every
-    /// member's arrival).
     pub(super) fn tree_bcast(
-        &mut self,
-        ctx: u32,
-        group: &[u32],
-        rank: u32,
-        buf: &mut [u8],
-        root: u32,
-        barrier: bool,
-    ) -> Result<(), MpiError> {
-        let r = self.tree_bcast_inner(ctx, group, rank, buf, root, barrier);
-        self.mark(ctx, r)
-    }
-
-    fn tree_bcast_inner(
         &mut self,
         ctx: u32,
         group: &[u32],
@@ -447,21 +425,7 @@ impl State {
     /// results into slots at the parent, whose NIC combines each into its accumulator by an
     /// atomic to itself; the combined value goes up, the root's result comes down.
     #[allow(clippy::too_many_arguments)]
-    /// An offloaded allreduce.
     pub(super) fn tree_allreduce(
-        &mut self,
-        ctx: u32,
-        group: &[u32],
-        rank: u32,
-        acc: &mut [u8],
-        op: AtomicOp,
-        dt: Datatype,
-    ) -> Result<(), MpiError> {
-        let r = self.tree_allreduce_inner(ctx, group, rank, acc, op, dt);
-        self.mark(ctx, r)
-    }
-
-    fn tree_allreduce_inner(
         &mut self,
         ctx: u32,
         group: &[u32],

@@ -119,12 +119,6 @@ struct NiInfo {
 
 const CT_SLOTS: usize = 4096;
 
-/// Polls a wait spends spinning before it yields: few, as GASNet's backoff learned — a
-/// waiter that keeps its core starves the NIC daemon when busy threads outnumber cores
-/// (measured, MPI send/recv 8 B half round trip on 2 cores, 2 ranks and the daemon: 256
-/// spins 16.8–27.4 µs, 64 6.9–9.7, 16 6.5–8.2, 4 5.5–5.7).
-const IDLE_SPINS: u32 = 4;
-
 /// What a sleeping wait watches: an interface, its event queues, counting events and their
 /// tests.
 pub(crate) type WaitOn<'a> = (NiHandle, &'a [u32], &'a [u32], &'a [u64]);
@@ -444,7 +438,7 @@ impl Portals {
     ) -> Result<(), PortalsError> {
         *spins += 1;
         self.ep.progress();
-        if *spins < IDLE_SPINS {
+        if *spins < crate::client::SPIN_BEFORE_YIELD {
             std::hint::spin_loop();
         } else if start.elapsed() < Duration::from_micros(500) {
             self.ep.client().yield_now();

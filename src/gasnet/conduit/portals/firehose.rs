@@ -1,7 +1,8 @@
 //! The registration cache for local buffers outside the segment, in the manner of Firehose:
 //! page-granular registrations, kept after use and found again by address (LRU), neighbours
 //! coalesced into one, idle ones evicted when the budget of registered bytes or regions is
-//! spent. Pure bookkeeping: the conduit registers and releases what it is told to.
+//! spent. The cache itself is bookkeeping; a [`Registrar`] does what it says with the NIC
+//! (the GASNet portals conduit and MPI each have one).
 //!
 //! A registration here is a process region (the daemon reaches the pages by copy, by virtual
 //! address, at the time of each access), so a buffer freed and reallocated at the same
@@ -34,7 +35,10 @@ pub struct Miss {
     pub release: Vec<Registration>,
 }
 
+use crate::client::{MemHandle, NicError};
 use crate::gasnet::conduit::FirehoseStats;
+use crate::nic::memory::Perms;
+use crate::portals::{Md, NiHandle, Portals, PortalsError};
 
 struct Entry {
     id: u64,
@@ -159,6 +163,76 @@ impl Firehose {
         if let Some(e) = self.entries.iter_mut().find(|e| e.id == id) {
             e.busy = e.busy.saturating_sub(1);
         }
+    }
+}
+
+/// How one user of the cache registers a range with the NIC: a process region with `perms`
+/// and an MD over it with `md_options`, events to `eq`.
+#[derive(Debug, Clone, Copy)]
+pub struct Registrar {
+    pub perms: Perms,
+    pub md_options: u32,
+    pub eq: Option<u32>,
+}
+
+impl Registrar {
+    fn register(
+        &self,
+        p: &mut Portals,
+        ni: NiHandle,
+        start: u64,
+        end: u64,
+    ) -> Result<Registration, PortalsError> {
+        let region = p
+            .endpoint()
+            .client()
+            .register_process(start, end - start, self.perms)
+            .map_err(NicError::from)?;
+        let md = Md {
+            region: MemHandle(region),
+            segments: vec![(0, end - start)],
+            options: self.md_options,
+            eq: self.eq,
+            ct: None,
+        };
+        match p.md_bind(ni, &md) {
+            Ok(md) => Ok(Registration { region, md }),
+            Err(e) => {
+                let _ = p.endpoint().client().deregister(region);
+                Err(e)
+            }
+        }
+    }
+
+    /// Gives up a registration the cache released.
+    pub fn unregister(&self, p: &mut Portals, ni: NiHandle, r: Registration) {
+        let _ = p.md_release(ni, r.md);
+        let _ = p.endpoint().client().deregister(r.region);
+    }
+
+    /// Carries out `miss` (planned for the buffer `[addr, addr+len)`): releases what it
+    /// gave up, registers its range — or, when that fails, the buffer's own pages (a range
+    /// coalesced with idle neighbours may reach memory freed since they were registered) —
+    /// and records it in `fh`. The error is the own pages' registration's.
+    pub fn register_miss(
+        &self,
+        fh: &mut Firehose,
+        p: &mut Portals,
+        ni: NiHandle,
+        miss: Miss,
+        (addr, len): (u64, u64),
+    ) -> Result<Use, PortalsError> {
+        for r in &miss.release {
+            self.unregister(p, ni, *r);
+        }
+        let own = (addr / PAGE * PAGE, (addr + len).next_multiple_of(PAGE));
+        let planned = (miss.start, miss.end);
+        let (start, end, reg) = match self.register(p, ni, planned.0, planned.1) {
+            Ok(reg) => (planned.0, planned.1, reg),
+            Err(_) if planned != own => (own.0, own.1, self.register(p, ni, own.0, own.1)?),
+            Err(e) => return Err(e),
+        };
+        Ok(fh.insert(start, end, reg, addr))
     }
 }
 

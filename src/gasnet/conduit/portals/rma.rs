@@ -4,15 +4,14 @@
 //! through the registration cache (firehose.rs) when large; a non-bulk put sent from in place
 //! returns only at local completion (its SEND event: the NIC has taken the bytes).
 
-use super::firehose::{Registration, Use};
+use super::firehose::{Registrar, Use};
 use super::{
     err, Pieces, PortalsConduit, Rma, BOUNCE_LEN, CHUNK, COPY_MAX, IMPLICIT_SLOTS, MAX_RMA, RMA_TAG,
 };
-use crate::client::MemHandle;
 use crate::gasnet::atomic::PortalsCall;
 use crate::gasnet::conduit::{GetDest, RmaDone};
 use crate::gasnet::{AdOp, GasnetError};
-use crate::portals::{AckReq, EventKind, Md, NiFail};
+use crate::portals::{AckReq, EventKind, NiFail};
 
 impl PortalsConduit {
     /// Starts tracking a direct operation of `pieces` pieces.
@@ -117,56 +116,30 @@ impl PortalsConduit {
             return Some(u);
         }
         let miss = self.firehose.plan(addr, len)?;
-        for r in &miss.release {
-            self.unregister(*r);
-        }
-        // The coalesced range may reach memory unmapped since; the buffer's own pages do not.
-        let own = super::firehose::PAGE;
-        let (lo, hi) = (addr / own * own, (addr + len).next_multiple_of(own));
-        let mut tries = vec![(miss.start, miss.end)];
-        if (lo, hi) != (miss.start, miss.end) {
-            tries.push((lo, hi));
-        }
-        for (start, end) in tries {
-            match self.register(start, end) {
-                Ok(reg) => return Some(self.firehose.insert(start, end, reg, addr)),
-                Err(e) if start == lo && end == hi => {
-                    tracing::warn!("registration cache off, bounce buffers only: {e}");
-                    self.firehose_on = false;
-                }
-                Err(_) => {}
-            }
-        }
-        None
-    }
-
-    fn register(&mut self, start: u64, end: u64) -> Result<Registration, GasnetError> {
-        let region = self
-            .p
-            .endpoint()
-            .client()
-            .register_process(start, end - start, crate::nic::memory::Perms(0))
-            .map_err(err)?;
-        // SEND events on: a non-bulk put from here completes locally on its SEND.
-        let md = Md {
-            region: MemHandle(region),
-            segments: vec![(0, end - start)],
-            options: 0,
-            eq: Some(self.safe_eq),
-            ct: None,
-        };
-        match self.p.md_bind(self.ni, &md) {
-            Ok(md) => Ok(Registration { region, md }),
+        match self.registrar().register_miss(
+            &mut self.firehose,
+            &mut self.p,
+            self.ni,
+            miss,
+            (addr, len),
+        ) {
+            Ok(u) => Some(u),
             Err(e) => {
-                let _ = self.p.endpoint().client().deregister(region);
-                Err(err(e))
+                tracing::warn!("registration cache off, bounce buffers only: {e}");
+                self.firehose_on = false;
+                None
             }
         }
     }
 
-    fn unregister(&mut self, r: Registration) {
-        let _ = self.p.md_release(self.ni, r.md);
-        let _ = self.p.endpoint().client().deregister(r.region);
+    /// How the cache registers: readable by nobody remote, SEND events on (a non-bulk put
+    /// from a registered buffer completes locally on its SEND).
+    fn registrar(&self) -> Registrar {
+        Registrar {
+            perms: crate::nic::memory::Perms(0),
+            md_options: 0,
+            eq: Some(self.safe_eq),
+        }
     }
 
     /// A put of `src` to `node`'s segment. `bulk`: the caller keeps `src` unchanged until the
