@@ -26,13 +26,14 @@ fn protocols(size: usize) -> Vec<Option<LongProtocol>> {
 }
 
 /// Runs `f` under each protocol `size` takes (set on every rank alike), naming its rows'
-/// variant; the protocol goes back to `SOFTNIC_MPI_LONG`'s after.
+/// variant; the protocol goes back to what it was after.
 fn under_protocols(
     w: &Comm,
     size: usize,
     mut f: impl FnMut() -> anyhow::Result<Option<Row>>,
 ) -> anyhow::Result<Vec<Row>> {
     let mut rows = Vec::new();
+    let was = w.long_protocol();
     for p in protocols(size) {
         if let Some(p) = p {
             w.set_long_protocol(p);
@@ -50,10 +51,7 @@ fn under_protocols(
             rows.push(r);
         }
     }
-    w.set_long_protocol(match std::env::var("SOFTNIC_MPI_LONG").as_deref() {
-        Ok("rendezvous") => LongProtocol::Rendezvous,
-        _ => LongProtocol::Eager,
-    });
+    w.set_long_protocol(was);
     Ok(rows)
 }
 
@@ -214,6 +212,7 @@ pub fn rma(
 pub fn coll(ctx: &Ctx, w: &Comm) -> anyhow::Result<Vec<Row>> {
     use softnic::mpi::CollMode;
     let mut rows = Vec::new();
+    let was = w.coll_mode();
     for (mode, name) in [(CollMode::Triggered, "triggered"), (CollMode::P2p, "p2p")] {
         w.set_coll_mode(mode);
         for (op, size) in [("barrier", 0usize), ("allreduce", 8)] {
@@ -238,11 +237,7 @@ pub fn coll(ctx: &Ctx, w: &Comm) -> anyhow::Result<Vec<Row>> {
             }
         }
     }
-    w.set_coll_mode(match std::env::var("SOFTNIC_MPI_COLL").as_deref() {
-        Ok("triggered") => CollMode::Triggered,
-        Ok("p2p") => CollMode::P2p,
-        _ => CollMode::Auto,
-    });
+    w.set_coll_mode(was);
     Ok(rows)
 }
 

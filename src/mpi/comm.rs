@@ -135,6 +135,17 @@ impl Comm {
         self.st.borrow_mut().coll = mode;
     }
 
+    /// How collectives run now (`set_coll_mode`, else `SOFTNIC_MPI_COLL`).
+    pub fn coll_mode(&self) -> super::state::CollMode {
+        self.st.borrow().coll
+    }
+
+    /// The protocol beyond the eager limit now (`set_long_protocol`, else
+    /// `SOFTNIC_MPI_LONG`).
+    pub fn long_protocol(&self) -> super::state::LongProtocol {
+        self.st.borrow().long
+    }
+
     /// The protocol of messages beyond the eager limit from now on, for this rank (the
     /// `SOFTNIC_MPI_LONG` control variable; a receiver handles either, whatever its own).
     pub fn set_long_protocol(&self, p: super::state::LongProtocol) {

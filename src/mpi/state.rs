@@ -229,6 +229,24 @@ pub(crate) fn env_size(name: &str) -> Result<Option<usize>, MpiError> {
     }
 }
 
+/// The value of `name` among `choices` (the first when unset), or an ERR_ARG naming them.
+fn env_choice<T: Copy>(name: &str, choices: &[(&str, T)]) -> Result<T, MpiError> {
+    match std::env::var(name) {
+        Err(_) => Ok(choices[0].1),
+        Ok(v) => choices
+            .iter()
+            .find(|(n, _)| *n == v)
+            .map(|(_, c)| *c)
+            .ok_or_else(|| {
+                let names: Vec<&str> = choices.iter().map(|(n, _)| *n).collect();
+                MpiError::new(
+                    ErrorClass::Arg,
+                    format!("{name}={v:?}: {}", names.join(" or ")),
+                )
+            }),
+    }
+}
+
 impl State {
     /// Opens the interface, portals, event queues and buffers (MPI_Init's Portals part).
     pub fn open(mut p: Portals) -> Result<State, MpiError> {
@@ -249,37 +267,26 @@ impl State {
                 ),
             );
         }
-        let long = match std::env::var("SOFTNIC_MPI_LONG").as_deref() {
-            Err(_) | Ok("eager") => LongProtocol::Eager,
-            Ok("rendezvous") => LongProtocol::Rendezvous,
-            Ok(v) => {
-                return err(
-                    ErrorClass::Arg,
-                    format!("SOFTNIC_MPI_LONG={v:?}: eager or rendezvous"),
-                )
-            }
-        };
-        let coll = match std::env::var("SOFTNIC_MPI_COLL").as_deref() {
-            Err(_) | Ok("auto") => CollMode::Auto,
-            Ok("triggered") => CollMode::Triggered,
-            Ok("p2p") => CollMode::P2p,
-            Ok(v) => {
-                return err(
-                    ErrorClass::Arg,
-                    format!("SOFTNIC_MPI_COLL={v:?}: auto, triggered or p2p"),
-                )
-            }
-        };
-        let scheme = match std::env::var("SOFTNIC_MPI_FLOW").as_deref() {
-            Err(_) | Ok("recovery") => FlowScheme::Recovery,
-            Ok("credit") => FlowScheme::Credit,
-            Ok(v) => {
-                return err(
-                    ErrorClass::Arg,
-                    format!("SOFTNIC_MPI_FLOW={v:?}: recovery or credit"),
-                )
-            }
-        };
+        use LongProtocol::{Eager, Rendezvous};
+        let long = env_choice(
+            "SOFTNIC_MPI_LONG",
+            &[("eager", Eager), ("rendezvous", Rendezvous)],
+        )?;
+        let coll = env_choice(
+            "SOFTNIC_MPI_COLL",
+            &[
+                ("auto", CollMode::Auto),
+                ("triggered", CollMode::Triggered),
+                ("p2p", CollMode::P2p),
+            ],
+        )?;
+        let scheme = env_choice(
+            "SOFTNIC_MPI_FLOW",
+            &[
+                ("recovery", FlowScheme::Recovery),
+                ("credit", FlowScheme::Credit),
+            ],
+        )?;
         let asked = env_size("SOFTNIC_MPI_CREDITS")?.map(|c| c as u64);
         if asked == Some(0) {
             return err(ErrorClass::Arg, "SOFTNIC_MPI_CREDITS=0: at least 1");
