@@ -162,6 +162,8 @@ pub struct Core {
     inbox: Vec<(u32, u64, Vec<u8>)>,
     /// Where a Long handler's view of its payload is copied (reused).
     long_scratch: Vec<u8>,
+    /// Handlers that never look at a Long's payload (it is in the segment): no copy for them.
+    unviewed: Vec<bool>,
     pub(crate) dropped: u64,
     /// Active Messages sent (requests and replies).
     pub(crate) sent: u64,
@@ -176,6 +178,7 @@ impl Core {
             handlers: (0..256).map(|_| None).collect(),
             rma_done: Vec::new(),
             long_scratch: Vec::new(),
+            unviewed: vec![false; 256],
             inbox: Vec::new(),
             dropped: 0,
             sent: 0,
@@ -188,6 +191,16 @@ impl Core {
             return Err(GasnetError::BadHandler(index));
         }
         self.handlers[index as usize] = Some(h);
+        self.unviewed[index as usize] = false;
+        Ok(())
+    }
+
+    /// Registers a handler that is given a Long's payload as an empty slice: it only needs to
+    /// know the payload is in place (`Msg::offset`), which saves copying every byte of it (the
+    /// Extended API's put acknowledgement).
+    pub(crate) fn register_unviewed(&mut self, index: u8, h: Handler) -> Result<(), GasnetError> {
+        self.register(index, h)?;
+        self.unviewed[index as usize] = true;
         Ok(())
     }
 
@@ -328,7 +341,9 @@ impl Core {
         // A Long's handler sees its payload where it landed; a copy, reused, since the token
         // lends the handler the whole segment.
         let mut scratch = std::mem::take(&mut self.long_scratch);
-        let payload = if h.category == Category::Long {
+        let payload = if h.category == Category::Long && self.unviewed[h.handler as usize] {
+            &[]
+        } else if h.category == Category::Long {
             scratch.clear();
             scratch.extend_from_slice(&token.segment[offset as usize..offset as usize + long_len]);
             &scratch[..]

@@ -124,7 +124,7 @@ pub(super) fn register_handlers(
     core: &mut Core,
     st: &Rc<RefCell<ExtState>>,
 ) -> Result<(), GasnetError> {
-    core.register(
+    core.register_unviewed(
         H_PUT,
         handler(|t, m| {
             let _ = t.reply_short(H_PUT_ACK, &[m.args[0], m.args[1], 0]);

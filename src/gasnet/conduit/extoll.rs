@@ -22,6 +22,7 @@
 use std::collections::VecDeque;
 use std::time::Duration;
 
+use super::bounce::Ring;
 use super::Conduit;
 use crate::extoll::rma::{Class, Rma, RmaRegion, NOTIFY_COMPLETER, NOTIFY_REQUESTER};
 use crate::extoll::velo::{Velo, VeloError};
@@ -60,9 +61,14 @@ pub struct ExtollConduit {
     conns: Vec<Conn>,
     seg: RmaRegion,
     seg_len: usize,
-    /// Where Long payloads from outside the segment are staged (registered).
+    /// Where Long payloads from outside the segment are staged (registered), used as a ring.
     bounce: RmaRegion,
-    /// Long payload puts whose source was not read yet.
+    /// The bounce area's allocator: a piece is given back once its put's requester
+    /// notification says the NIC read it.
+    ring: Ring,
+    /// Long payload puts from the bounce area whose source was not read yet.
+    staged: u32,
+    /// Long payload puts from the segment whose source was not read yet.
     unread: u32,
     partial: Vec<Partial>,
     /// VELO messages taken out of the mailbox while a reply waited: (source, tag, bytes).
@@ -120,6 +126,8 @@ impl ExtollConduit {
             seg,
             seg_len: segment_len,
             bounce,
+            ring: Ring::new(MAX_LONG),
+            staged: 0,
             unread: 0,
             partial: (0..n).map(|_| Partial::default()).collect(),
             stash: VecDeque::new(),
@@ -191,10 +199,11 @@ impl ExtollConduit {
         r.map(|()| true)
     }
 
-    /// The RMA put of a Long's payload into `dest`'s segment at the AM's offset. Returns once
-    /// the source has been read (its requester notification): AMRequestLong's source may be
-    /// reused as soon as the call returns. From the segment the NIC reads it in place; from
-    /// elsewhere it is staged in the bounce area first.
+    /// The RMA put of a Long's payload into `dest`'s segment at the AM's offset.
+    /// AMRequestLong's source may be reused as soon as the call returns: a source outside the
+    /// segment is copied into the bounce ring and the call returns at once (the NIC reads the
+    /// copy meanwhile, so puts stream back to back); from the segment the NIC reads it in place
+    /// and the call waits until it has (its requester notification).
     fn put_long(&mut self, dest: u32, wire: &[u8], payload: &[u8]) -> Result<(), GasnetError> {
         let (h, _) = am::decode(wire).ok_or(GasnetError::HandlerRule("malformed AM"))?;
         let conn = self.conns[dest as usize];
@@ -202,13 +211,22 @@ impl ExtollConduit {
         let len = payload.len() as u64;
         let base = self.seg.mem.as_ptr() as usize;
         let p = payload.as_ptr() as usize;
-        let (from, at) = if p >= base && p + payload.len() <= base + self.seg.mem.len() {
+        let in_segment = p >= base && p + payload.len() <= base + self.seg.mem.len();
+        let (from, at) = if in_segment {
             (self.seg.clone(), (p - base) as u64)
         } else {
-            self.bounce.mem.bytes()[..payload.len()].copy_from_slice(payload);
-            (self.bounce.clone(), 0)
+            let at = loop {
+                if let Some(at) = self.ring.alloc(payload.len()) {
+                    break at;
+                }
+                if !self.take_notifications()? {
+                    self.stash_arrivals()?;
+                    self.ep.borrow().client().yield_now();
+                }
+            };
+            self.bounce.mem.bytes()[at as usize..(at + len) as usize].copy_from_slice(payload);
+            (self.bounce.clone(), at)
         };
-        self.unread += 1;
         self.rma
             .post_put(
                 conn,
@@ -218,7 +236,17 @@ impl ExtollConduit {
                 len,
                 NOTIFY_REQUESTER | NOTIFY_COMPLETER,
             )
-            .map_err(err)?;
+            .map_err(|e| {
+                if !in_segment {
+                    self.ring.free(at);
+                }
+                err(e)
+            })?;
+        if !in_segment {
+            self.staged += 1;
+            return Ok(());
+        }
+        self.unread += 1;
         while self.unread > 0 {
             if !self.take_notifications()? {
                 self.stash_arrivals()?;
@@ -269,20 +297,30 @@ impl ExtollConduit {
         while let Some(x) = self.rma.noti_probe() {
             self.rma.noti_free();
             any = true;
-            if let Err(e) = x.result() {
-                return Err(GasnetError::Wait(format!(
-                    "a Long's payload to node {} failed: {e}",
-                    x.peer
-                )));
-            }
+            // A failed put's source is done with too: its piece and count go back first.
+            let failed = x.result().err();
             match x.class {
-                Class::Completer => {
+                Class::Completer if failed.is_none() => {
                     if let Some(l) = self.landed.get_mut(x.peer as usize) {
                         *l += 1;
                     }
                 }
-                Class::Requester => self.unread = self.unread.saturating_sub(1),
-                Class::Responder => {}
+                Class::Requester => {
+                    let bounce = self.bounce.nla..self.bounce.nla + self.bounce.mem.len() as u64;
+                    if bounce.contains(&x.nla) {
+                        self.ring.free(x.nla - self.bounce.nla);
+                        self.staged = self.staged.saturating_sub(1);
+                    } else {
+                        self.unread = self.unread.saturating_sub(1);
+                    }
+                }
+                _ => {}
+            }
+            if let Some(e) = failed {
+                return Err(GasnetError::Wait(format!(
+                    "a Long's payload to node {} failed: {e}",
+                    x.peer
+                )));
             }
         }
         Ok(any)
@@ -363,7 +401,7 @@ impl Conduit for ExtollConduit {
     }
 
     fn outgoing(&self) -> bool {
-        self.velo.unacknowledged() || self.unread > 0
+        self.velo.unacknowledged() || self.unread > 0 || self.staged > 0
     }
 
     fn request(&mut self, dest: u32, am: &[u8], long: Option<&[u8]>) -> Result<bool, GasnetError> {

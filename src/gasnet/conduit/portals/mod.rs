@@ -31,7 +31,6 @@
 //!   waiting for payloads are bounded like any request.
 
 mod am;
-mod bounce;
 mod credit;
 pub(crate) mod firehose;
 mod rma;
@@ -206,7 +205,7 @@ pub struct PortalsConduit {
     seg_send_md: u32,
     bounce: MemRegion,
     bounce_md: u32,
-    ring: bounce::Ring,
+    ring: super::bounce::Ring,
     rma: HashMap<u64, Rma>,
     rma_in_flight: usize,
     finished: Vec<RmaDone>,
@@ -358,7 +357,7 @@ impl PortalsConduit {
             seg_send_md,
             bounce,
             bounce_md,
-            ring: bounce::Ring::new(BOUNCE_LEN),
+            ring: super::bounce::Ring::new(BOUNCE_LEN),
             rma: HashMap::default(),
             rma_in_flight: 0,
             finished: Vec::new(),
