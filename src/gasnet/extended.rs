@@ -262,9 +262,15 @@ impl Gasnet {
         }
     }
 
-    /// Payload room of one AM after `nargs` arguments.
+    /// Payload room of one Medium AM after the most arguments (what one get reply carries).
     fn chunk(&self) -> usize {
         self.core.max_payload(super::am::MAX_ARGS).max(1)
+    }
+
+    /// AMMaxLong: what one put request carries (reference implementation: puts are Long
+    /// requests chunked at AMMaxLong).
+    fn long_chunk(&self) -> usize {
+        self.core.conduit.max_long().max(1)
     }
 
     /// A put; `bulk`: the caller leaves `src` unchanged until the operation completes.
@@ -286,7 +292,7 @@ impl Gasnet {
             self.track(op);
             return Ok(op);
         }
-        let chunk = self.chunk();
+        let chunk = self.long_chunk();
         let parts = src.len().div_ceil(chunk).max(1);
         self.ext.borrow_mut().remaining.insert(op, parts);
         let [lo, hi] = split(op);
