@@ -42,7 +42,14 @@ pub(crate) struct Limits {
 /// An encoded AM. A Long keeps its payload apart, so the conduit may move it on its own.
 pub(crate) struct Encoded {
     pub bytes: Vec<u8>,
-    pub long_payload: Option<Vec<u8>>,
+    pub long_payload: Option<LongPayload>,
+}
+
+/// Where a Long reply's payload is: a copy, or bytes of this node's segment (sent from in
+/// place, so a reply of megabytes is not copied on the way out).
+pub(crate) enum LongPayload {
+    Owned(Vec<u8>),
+    Segment { offset: usize, len: usize },
 }
 
 impl Token<'_> {
@@ -64,6 +71,19 @@ impl Token<'_> {
         payload: &[u8],
         offset: u64,
     ) -> Result<(), GasnetError> {
+        self.may_reply()?;
+        let bytes = encode(handler, category, true, args, payload, offset, self.limits)?;
+        let long_payload =
+            (category == Category::Long).then(|| LongPayload::Owned(payload.to_vec()));
+        self.reply = Some(Encoded {
+            bytes,
+            long_payload,
+        });
+        Ok(())
+    }
+
+    /// GASNet's rules: replies only from request handlers, once each.
+    fn may_reply(&self) -> Result<(), GasnetError> {
         if !self.request {
             return Err(GasnetError::HandlerRule(
                 "a reply handler cannot communicate",
@@ -74,12 +94,6 @@ impl Token<'_> {
                 "a request handler may reply only once",
             ));
         }
-        let bytes = encode(handler, category, true, args, payload, offset, self.limits)?;
-        let long_payload = (category == Category::Long).then(|| payload.to_vec());
-        self.reply = Some(Encoded {
-            bytes,
-            long_payload,
-        });
         Ok(())
     }
 
@@ -107,6 +121,45 @@ impl Token<'_> {
         args: &[u32],
     ) -> Result<(), GasnetError> {
         self.reply(handler, Category::Long, args, payload, dest_offset)
+    }
+
+    /// AMReplyLong whose payload is `len` bytes of this node's segment at `src_offset`, sent
+    /// from in place (the Extended API's get replies).
+    pub(crate) fn reply_long_from_segment(
+        &mut self,
+        handler: u8,
+        src_offset: usize,
+        len: usize,
+        dest_offset: u64,
+        args: &[u32],
+    ) -> Result<(), GasnetError> {
+        let end = src_offset
+            .checked_add(len)
+            .filter(|&e| e <= self.segment.len());
+        let Some(end) = end else {
+            return Err(GasnetError::OutOfSegment(src_offset as u64, len as u64));
+        };
+        let payload = &self.segment[src_offset..end];
+        // Checked and encoded like any Long reply; the payload stays where it is.
+        let limits = self.limits;
+        let bytes = encode(
+            handler,
+            Category::Long,
+            true,
+            args,
+            payload,
+            dest_offset,
+            limits,
+        )?;
+        self.may_reply()?;
+        self.reply = Some(Encoded {
+            bytes,
+            long_payload: Some(LongPayload::Segment {
+                offset: src_offset,
+                len,
+            }),
+        });
+        Ok(())
     }
 }
 
@@ -284,9 +337,21 @@ impl Core {
                 if reply.is_some() {
                     self.sent += 1;
                 }
-                let r = reply
-                    .as_ref()
-                    .map(|r| (&r.bytes[..], r.long_payload.as_deref()));
+                let seg = self.conduit.segment();
+                let (base, seg_len) = (seg.as_ptr(), seg.len());
+                let r = reply.as_ref().map(|r| {
+                    let long = r.long_payload.as_ref().map(|p| match *p {
+                        LongPayload::Owned(ref v) => &v[..],
+                        LongPayload::Segment { offset, len } => {
+                            assert!(offset + len <= seg_len, "checked by the reply");
+                            // SAFETY: inside the segment (checked when the reply was made),
+                            // which lives as long as the conduit; only read while the conduit
+                            // sends it, as any request's payload from the segment is.
+                            unsafe { std::slice::from_raw_parts(base.add(offset), len) }
+                        }
+                    });
+                    (&r.bytes[..], long)
+                });
                 self.conduit.reply(src, reply_to, r)?;
             }
         }

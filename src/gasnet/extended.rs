@@ -14,12 +14,16 @@ use super::core::{Core, Handler, Msg, Token};
 use super::{Gasnet, GasnetError};
 
 const H_PUT: u8 = 1;
-const H_PUT_ACK: u8 = 2;
+/// The reply that finishes one part of an operation (a put's chunk, a memset, a get's Long
+/// chunk, whose payload has landed by then); its third argument flags a failure.
+const H_PART_DONE: u8 = 2;
 const H_GET: u8 = 3;
 const H_GET_REPLY: u8 = 4;
 const H_MEMSET: u8 = 5;
 const H_BAR_NOTIFY: u8 = 6;
 const H_BAR_DONE: u8 = 7;
+/// A get chunk into the requester's segment, answered by a Long reply to `H_PART_DONE`.
+const H_GET_LONG: u8 = 10;
 
 /// An explicit handle (`gasnet_handle_t`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -127,12 +131,12 @@ pub(super) fn register_handlers(
     core.register_unviewed(
         H_PUT,
         handler(|t, m| {
-            let _ = t.reply_short(H_PUT_ACK, &[m.args[0], m.args[1], 0]);
+            let _ = t.reply_short(H_PART_DONE, &[m.args[0], m.args[1], 0]);
         }),
     )?;
     let s = st.clone();
-    core.register(
-        H_PUT_ACK,
+    core.register_unviewed(
+        H_PART_DONE,
         handler(move |_, m| {
             let op = join(m.args[0], m.args[1]);
             let mut s = s.borrow_mut();
@@ -162,6 +166,33 @@ pub(super) fn register_handlers(
                 &data,
                 &[m.args[0], m.args[1], chunk[0], chunk[1], !ok as u32],
             );
+        }),
+    )?;
+    core.register(
+        H_GET_LONG,
+        handler(|t, m| {
+            let (off, len, dest) = (
+                join(m.args[2], m.args[3]),
+                m.args[4] as u64,
+                join(m.args[5], m.args[6]),
+            );
+            // Segments are symmetric: the requester's destination is checked against ours.
+            let seg_len = t.segment().len() as u64;
+            let fits = |at: u64| at.checked_add(len).is_some_and(|e| e <= seg_len);
+            let op = [m.args[0], m.args[1]];
+            let sent = fits(off)
+                && fits(dest)
+                && t.reply_long_from_segment(
+                    H_PART_DONE,
+                    off as usize,
+                    len as usize,
+                    dest,
+                    &[op[0], op[1], 0],
+                )
+                .is_ok();
+            if !sent {
+                let _ = t.reply_short(H_PART_DONE, &[op[0], op[1], 1]);
+            }
         }),
     )?;
     let s = st.clone();
@@ -200,7 +231,7 @@ pub(super) fn register_handlers(
             if ok {
                 seg[off as usize..(off + len) as usize].fill(value);
             }
-            let _ = t.reply_short(H_PUT_ACK, &[m.args[0], m.args[1], !ok as u32]);
+            let _ = t.reply_short(H_PART_DONE, &[m.args[0], m.args[1], !ok as u32]);
         }),
     )?;
     let s = st.clone();
@@ -334,15 +365,27 @@ impl Gasnet {
             return Ok(direct);
         }
         self.ext.borrow_mut().remaining.remove(&direct);
-        let chunk = self.chunk();
+        // Into the segment and more than a Medium holds: Long replies land in place, AMMaxLong
+        // at a time (the reference implementation); else Medium replies, copied out here.
+        let medium = self.chunk();
+        let long = into_segment.filter(|_| len > medium && self.long_chunk() > medium);
+        let chunk = match long {
+            Some(_) => self.long_chunk(),
+            None => medium,
+        };
         let parts = len.div_ceil(chunk).max(1);
         let op = {
             let mut s = self.ext.borrow_mut();
             let op = s.new_op(parts);
-            match into_segment {
-                Some(base) => s.get_to_segment.insert(op, base).map(|_| ()),
-                None => s.get_data.insert(op, vec![0; len]).map(|_| ()),
-            };
+            match (long, into_segment) {
+                (Some(_), _) => {}
+                (None, Some(base)) => {
+                    s.get_to_segment.insert(op, base);
+                }
+                (None, None) => {
+                    s.get_data.insert(op, vec![0; len]);
+                }
+            }
             op
         };
         let [lo, hi] = split(op);
@@ -350,8 +393,13 @@ impl Gasnet {
         loop {
             let n = (len - at).min(chunk);
             let [o1, o2] = split(src_offset + at as u64);
-            let [c1, c2] = split(at as u64);
-            self.am_request_short(node, H_GET, &[lo, hi, o1, o2, n as u32, c1, c2])?;
+            if let Some(base) = long {
+                let [d1, d2] = split(base + at as u64);
+                self.am_request_short(node, H_GET_LONG, &[lo, hi, o1, o2, n as u32, d1, d2])?;
+            } else {
+                let [c1, c2] = split(at as u64);
+                self.am_request_short(node, H_GET, &[lo, hi, o1, o2, n as u32, c1, c2])?;
+            }
             at += n;
             if at >= len {
                 break;
