@@ -102,6 +102,8 @@ pub(super) enum OutItem {
     },
     /// A large Portals put, read from its MD a fragment at a time as room appears.
     PtlStream(super::portals::PtlStream),
+    /// A long Portals get's reply, read from the target entry a fragment at a time.
+    PtlReply(super::portals::PtlReplyStream),
 }
 
 impl OutItem {
@@ -115,7 +117,7 @@ impl OutItem {
             }
             OutItem::PtlStream(ps) => Some(ps.owner()),
             OutItem::Encoded { owner, .. } => *owner,
-            OutItem::Reply(_) => None,
+            OutItem::Reply(_) | OutItem::PtlReply(_) => None,
         }
     }
 }
@@ -947,6 +949,16 @@ impl HostCore {
                         _ => unreachable!("the front item was this stream"),
                     };
                     self.ptl_stream_ended(&ps, end);
+                }
+                OutItem::PtlReply(rs) => {
+                    let Some(end) = rs.emit(peer, &mut self.transport) else {
+                        return;
+                    };
+                    let rs = match self.out[p].pop_front() {
+                        Some(OutItem::PtlReply(rs)) => rs,
+                        _ => unreachable!("the front item was this stream"),
+                    };
+                    self.ptl_reply_ended(peer, &rs, end);
                 }
                 OutItem::Reply(r) => match self.transport.push_op(peer, &r.as_op()) {
                     Err(PushError::Full(_)) => return,

@@ -223,7 +223,12 @@ impl HostCore {
                     let before = self.completions.len();
                     self.initiator.fail_host(h, now, &mut self.completions);
                     self.stats.failed_peer_ops += (self.completions.len() - before) as u64;
-                    self.out[h as usize].clear();
+                    // Gets being answered to it end, failed, with the events they held back.
+                    for item in std::mem::take(&mut self.out[h as usize]) {
+                        if let gemini::OutItem::PtlReply(rs) = item {
+                            self.ptl_reply_ended(h, &rs, portals::StreamEnd::PeerGone);
+                        }
+                    }
                     self.ptl_peer_dead(h);
                 }
             }

@@ -10,8 +10,8 @@ use crate::nic::portals::triggered::TriggeredAction;
 use crate::nic::portals::wire::{encode_kind, request_ops, response_ops, Whole};
 use crate::nic::portals::ReqKind;
 use crate::nic::portals::{
-    CtEvent, List, MatchEntry, NiFail, OpSpec, PortalsNi, ProcessId, PtlError, Response, SearchOp,
-    StatusRegister,
+    CtEvent, GetStream, List, MatchEntry, NiFail, OpSpec, PortalsNi, ProcessId, PtlError, Response,
+    SearchOp, StatusRegister,
 };
 use crate::shm::event_ring::{CtSlot, EventRing};
 use crate::shm::ptl_call::{status_of, MeArgs, PtlCall, MAX_NIS};
@@ -97,6 +97,72 @@ impl PtlStream {
     }
 }
 
+/// A long get's reply on its way out: read from the matched entry's memory a fragment at a
+/// time as the transport has room (no copy of the whole reply first); the target's GET event
+/// waits for the last fragment (see [`GetStream`]).
+pub(super) struct PtlReplyStream {
+    /// To the initiator: the request's name and what it is told besides the data.
+    h: OpHeader,
+    ack: bool,
+    mlength: u64,
+    offset: u64,
+    src: GetStream,
+    sent: u64,
+    /// The target process and interface whose events wait: (job, rank, interface).
+    target: (u32, u32, u8),
+}
+
+impl PtlReplyStream {
+    /// The next fragment's op (its data is read into the datagram as it is pushed).
+    fn op(&self, n: u64, ni_fail: NiFail) -> OpRef<'static> {
+        OpRef::PtlResp {
+            h: self.h,
+            ni_fail: ni_fail as u8,
+            ack: self.ack,
+            mlength: self.mlength,
+            offset: self.offset,
+            frag_off: self.sent,
+            last: self.sent + n == self.src.len || ni_fail != NiFail::Ok,
+            data: &[],
+        }
+    }
+
+    /// Pushes fragments while the transport takes them; `None` when it is full (call again
+    /// later), else how the stream ended.
+    pub(super) fn emit(
+        &mut self,
+        peer: u16,
+        transport: &mut crate::transport::Transport,
+    ) -> Option<StreamEnd> {
+        loop {
+            if !super::gemini::stream_may_push(transport, peer) {
+                return None;
+            }
+            let n = super::gemini::fragment_len(
+                transport,
+                peer,
+                OpKind::PtlResp,
+                self.src.len - self.sent,
+            );
+            let op = self.op(n, NiFail::Ok);
+            let (src, at) = (&self.src.region, self.src.at + self.sent);
+            match transport.push_op_filled(peer, &op, n as usize, &mut |b| {
+                src.append_to(at, n as usize, b).is_ok()
+            }) {
+                Ok(()) => {
+                    self.sent += n;
+                    if self.sent == self.src.len {
+                        return Some(StreamEnd::Sent);
+                    }
+                }
+                Err(PushError::Full(_)) => return None,
+                Err(PushError::Source) => return Some(StreamEnd::Segv),
+                Err(_) => return Some(StreamEnd::PeerGone),
+            }
+        }
+    }
+}
+
 /// The start scratch buffer is kept up to this capacity: operations up to it reuse it (a
 /// fresh large buffer costs a page fault per 4 KiB on first touch — measured, a third of a
 /// 1 MiB put stream's time went to clearing new pages).
@@ -132,6 +198,8 @@ pub struct AckBatch {
 struct Delivered {
     /// For the initiator.
     resp: Response,
+    /// A long get's reply, to be read from the entry's memory as it goes out.
+    stream: Option<GetStream>,
     /// Triggers released operations there (to start with `ptl_run_fired`).
     fired: bool,
     /// The target process was told (a full event, a counting event moved).
@@ -245,8 +313,12 @@ impl HostCore {
                     .get_mut((ni & 0x7f) as usize)
                     .ok_or(PtlError::ArgInvalid)?;
                 if slot.is_none() {
+                    let mut engine = PortalsNi::new(matching, Default::default());
+                    // Replies longer than a fragment are read as they go out.
+                    let one = OpRef::max_data(OpKind::PtlResp, self.transport.body_capacity());
+                    engine.stream_gets_from = Some(one as u64 + 1);
                     *slot = Some(NiState {
-                        ni: PortalsNi::new(matching, Default::default()),
+                        ni: engine,
                         logical: ni & 0x80 == 0,
                         logical_of: None,
                         eq_rings: HashMap::default(),
@@ -573,7 +645,23 @@ impl HostCore {
                 operand: &operand,
                 data: &payload,
             };
-            let Delivered { resp, fired, .. } = self.ptl_deliver(host, &whole);
+            let Delivered {
+                mut resp,
+                fired,
+                stream,
+                ..
+            } = self.ptl_deliver(host, &whole);
+            if let Some(s) = stream {
+                // Between processes of this host a long get's reply is read at once.
+                let ok = s
+                    .region
+                    .append_to(s.at, s.len as usize, &mut resp.data)
+                    .is_ok();
+                if !ok {
+                    resp.ni_fail = NiFail::Segv;
+                }
+                self.ptl_complete_with(job, target_rank, ni, |n| n.get_streamed(s.token, ok));
+            }
             self.ptl_complete(job, rank, ni, id, &resp);
             if fired {
                 self.ptl_run_fired(job, target_rank, ni);
@@ -603,6 +691,7 @@ impl HostCore {
             };
             return Delivered {
                 resp,
+                stream: None,
                 fired: false,
                 notified: false,
             };
@@ -633,9 +722,22 @@ impl HostCore {
         };
         Delivered {
             resp,
+            stream: s.ni.take_get_stream(),
             fired: s.ni.has_fired(),
             notified: s.ni.notices() != before,
         }
+    }
+
+    /// A long get's reply stream left the queue: the events its target held back, failed if
+    /// its memory could not be read (the initiator is told so by a last, failed fragment).
+    pub(super) fn ptl_reply_ended(&mut self, peer: u16, rs: &PtlReplyStream, end: StreamEnd) {
+        if let StreamEnd::Segv = end {
+            self.push_owned(peer, &rs.op(0, NiFail::Segv), None);
+        }
+        let ok = matches!(end, StreamEnd::Sent);
+        let (job, rank, ni) = rs.target;
+        let token = rs.src.token;
+        self.ptl_complete_with(job, rank, ni, |n| n.get_streamed(token, ok));
     }
 
     /// A stream left the queue: its SEND event, or its failure.
@@ -706,7 +808,7 @@ impl HostCore {
                 let mut asm = std::mem::take(&mut self.ptl_asm);
                 let got = asm.request(peer, op);
                 self.ptl_asm = asm;
-                let (h, resp, notified, in_full) = match got {
+                let (h, resp, notified, in_full, stream) = match got {
                     None => return,
                     Some(Err((h, f))) => (
                         h,
@@ -717,6 +819,7 @@ impl HostCore {
                         },
                         false,
                         false,
+                        None,
                     ),
                     Some(Ok(whole)) => {
                         let (h, m, ..) = whole.parts();
@@ -726,9 +829,34 @@ impl HostCore {
                             self.ptl_run_fired(h.job, h.dst_rank, m.ni);
                         }
                         let in_full = d.resp == Response::in_full(m.rlength, m.remote_offset);
-                        (h, d.resp, d.notified, in_full)
+                        let stream = d.stream.map(|s| (s, m.ni));
+                        (h, d.resp, d.notified, in_full, stream)
                     }
                 };
+                let back = OpHeader {
+                    job: h.job,
+                    src_rank: h.dst_rank,
+                    dst_rank: h.src_rank,
+                    req: h.req,
+                };
+                if let Some((src, ni)) = stream {
+                    // Behind what is queued for the peer (batched acknowledgements first).
+                    if self.ptl_acks.peer == peer {
+                        self.ptl_flush_acks();
+                    }
+                    let rs = PtlReplyStream {
+                        h: back,
+                        ack: resp.ack,
+                        mlength: resp.mlength,
+                        offset: resp.offset,
+                        src,
+                        sent: 0,
+                        target: (h.job, h.dst_rank, ni),
+                    };
+                    self.out[peer as usize].push_back(OutItem::PtlReply(rs));
+                    self.drain_out(peer);
+                    return;
+                }
                 // What the initiator knows already needs only the request's name, batched
                 // with the other acknowledgements this datagram asks for. An answer the
                 // target process will give (a notified delivery) is left to carry it lazily.
@@ -736,12 +864,6 @@ impl HostCore {
                     self.ptl_ack(peer, h.job, h.src_rank, h.req);
                     return;
                 }
-                let back = OpHeader {
-                    job: h.job,
-                    src_rank: h.dst_rank,
-                    dst_rank: h.src_rank,
-                    req: h.req,
-                };
                 let body = self.transport.body_capacity();
                 // An acknowledgement without data may wait a little for company when the
                 // target process was told of the delivery (its answer, as in a ping-pong,

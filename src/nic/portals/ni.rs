@@ -10,7 +10,7 @@
 //! first searches the unexpected headers (PTL_EVENT_*_OVERFLOW), atomically with respect to
 //! arriving messages because the NIC serialises both.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 
 use super::atomic::{self, AtomicError};
 use super::events::{CtEvent, EventQueue, Limits};
@@ -20,6 +20,7 @@ use super::triggered::Triggered;
 use super::types::{
     me, pt, Event, EventKind, List, NiFail, ProcessId, PtlError, SearchOp, StatusRegister,
 };
+use crate::nic::memory::Region;
 
 /// An incoming message as the target NIC sees it.
 #[derive(Debug, Clone, Copy)]
@@ -187,6 +188,35 @@ pub struct PortalsNi {
     /// [`PortalsNi::prefetch_atomic`]). Kept as an address: it may go stale, which costs a
     /// useless prefetch and nothing else.
     atomic_hint: Option<(u32, usize, u64)>,
+    /// Gets of at least this many bytes are answered as a stream read from the entry's memory
+    /// while the reply goes out (see [`GetStream`]); `None`: every reply is copied at once.
+    pub stream_gets_from: Option<u64>,
+    /// The stream the last [`PortalsNi::deliver`] asked for, for the caller to take.
+    get_stream: Option<GetStream>,
+    /// What streamed gets still owe the target process, by token: posted once the last byte
+    /// was read ([`PortalsNi::get_streamed`]).
+    deferred: HashMap<u64, Deferred>,
+    next_token: u64,
+}
+
+/// A get's reply to be read from the matched entry's memory as it goes out: `len` bytes at
+/// `at` of `region`. Its GET event (and counting event, and an auto-unlink's event) wait for
+/// the last byte to be read, because a process told its memory was read may change it.
+#[derive(Clone)]
+pub struct GetStream {
+    pub region: Region,
+    pub at: u64,
+    pub len: u64,
+    pub token: u64,
+}
+
+/// The events a streamed get holds back.
+#[derive(Default)]
+struct Deferred {
+    eq: Option<u32>,
+    /// Counting event and the success it adds.
+    ct: Option<(u32, u64)>,
+    events: Vec<Event>,
 }
 
 impl PortalsNi {
@@ -231,6 +261,43 @@ impl PortalsNi {
             perm_violations: 0,
             op_violations: 0,
             atomic_hint: None,
+            stream_gets_from: None,
+            get_stream: None,
+            deferred: HashMap::new(),
+            next_token: 0,
+        }
+    }
+
+    /// The reply stream the last delivery asked for (a get of at least `stream_gets_from`
+    /// bytes): the caller sends it and reports its end with [`PortalsNi::get_streamed`].
+    pub fn take_get_stream(&mut self) -> Option<GetStream> {
+        self.get_stream.take()
+    }
+
+    /// A streamed get's reply was read to its end (`ok`), or could not be (its memory went
+    /// away, its initiator died): the events it held back are posted, a failure as such.
+    pub fn get_streamed(&mut self, token: u64, ok: bool) {
+        let Some(d) = self.deferred.remove(&token) else {
+            return;
+        };
+        if let Some((c, n)) = d.ct {
+            let by = match ok {
+                true => CtEvent {
+                    success: n,
+                    failure: 0,
+                },
+                false => CtEvent {
+                    success: 0,
+                    failure: 1,
+                },
+            };
+            self.bump_ct(c, by);
+        }
+        for mut e in d.events {
+            if !ok && e.kind == EventKind::Get {
+                e.ni_fail = NiFail::Segv;
+            }
+            self.post(d.eq, e);
         }
     }
 
@@ -832,8 +899,14 @@ impl PortalsNi {
         // An offset past the entry truncates the message to zero bytes; never address beyond it.
         let at = e.start + offset.min(e.length);
         let mut data = Vec::new();
+        // A long get from a priority entry is read as its reply goes out.
+        let stream = (req.kind == ReqKind::Get
+            && !overflow
+            && self.stream_gets_from.is_some_and(|m| mlength >= m.max(1)))
+        .then(|| e.region.clone());
         match req.kind {
             _ if mlength == 0 => {}
+            ReqKind::Get if stream.is_some() => {}
             ReqKind::Put => {
                 mlength = mlength.min(req.data.len() as u64);
                 if e.region.write(at, &req.data[..mlength as usize]).is_err() {
@@ -896,19 +969,26 @@ impl PortalsNi {
         if overflow {
             l.pending_headers += 1;
         }
+        let mut deferred = stream.is_some().then(|| Deferred {
+            eq,
+            ..Deferred::default()
+        });
         if let Some(c) = ct.filter(|_| opts & me::EVENT_CT_COMM != 0) {
             let n = if opts & me::EVENT_CT_BYTES != 0 {
                 mlength
             } else {
                 1
             };
-            self.bump_ct(
-                c,
-                CtEvent {
-                    success: n,
-                    failure: 0,
-                },
-            );
+            match deferred.as_mut() {
+                Some(d) => d.ct = Some((c, n)),
+                None => self.bump_ct(
+                    c,
+                    CtEvent {
+                        success: n,
+                        failure: 0,
+                    },
+                ),
+            }
         }
         if opts & (me::EVENT_COMM_DISABLE | me::EVENT_SUCCESS_DISABLE) == 0 {
             let kind = match req.kind {
@@ -917,24 +997,25 @@ impl PortalsNi {
                 ReqKind::Atomic(..) => EventKind::Atomic,
                 ReqKind::FetchAtomic(..) | ReqKind::Swap(..) => EventKind::FetchAtomic,
             };
-            self.post(
-                eq,
-                Event {
-                    kind,
-                    initiator: req.initiator,
-                    pt_index: idx,
-                    uid: req.uid,
-                    match_bits: req.match_bits,
-                    rlength: req.rlength,
-                    mlength,
-                    remote_offset: offset,
-                    start: at,
-                    user_ptr,
-                    hdr_data: req.hdr_data,
-                    ni_fail: NiFail::Ok,
-                    atomic: atomic_of(req.kind),
-                },
-            );
+            let ev = Event {
+                kind,
+                initiator: req.initiator,
+                pt_index: idx,
+                uid: req.uid,
+                match_bits: req.match_bits,
+                rlength: req.rlength,
+                mlength,
+                remote_offset: offset,
+                start: at,
+                user_ptr,
+                hdr_data: req.hdr_data,
+                ni_fail: NiFail::Ok,
+                atomic: atomic_of(req.kind),
+            };
+            match deferred.as_mut() {
+                Some(d) => d.events.push(ev),
+                None => self.post(eq, ev),
+            }
         }
         if overflow {
             let u = Unexpected {
@@ -965,14 +1046,26 @@ impl PortalsNi {
                 p.overflow.retain(|&x| x != h);
             }
             if opts & me::EVENT_UNLINK_DISABLE == 0 {
-                self.post(
-                    eq,
-                    Event::bare(EventKind::AutoUnlink, idx, user_ptr, NiFail::Ok),
-                );
+                let ev = Event::bare(EventKind::AutoUnlink, idx, user_ptr, NiFail::Ok);
+                match deferred.as_mut() {
+                    Some(d) => d.events.push(ev),
+                    None => self.post(eq, ev),
+                }
             }
             if !keep {
                 self.entries.remove(h);
             }
+        }
+        if let (Some(region), Some(d)) = (stream, deferred) {
+            let token = self.next_token;
+            self.next_token += 1;
+            self.deferred.insert(token, d);
+            self.get_stream = Some(GetStream {
+                region,
+                at,
+                len: mlength,
+                token,
+            });
         }
         Response {
             ni_fail: NiFail::Ok,

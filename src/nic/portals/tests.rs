@@ -493,6 +493,84 @@ fn get_atomic_fetch_and_swap_at_the_target() {
     );
 }
 
+/// A long get is answered from the entry's memory as its reply goes out: nothing is copied at
+/// delivery, and its GET event, counting event and auto-unlink event wait until the reply was
+/// read to its end (a process told its memory was read may change it), failing if it was not.
+#[test]
+fn a_streamed_get_holds_its_events_until_the_reply_was_read() {
+    let (mut n, eq) = ni(0, 64);
+    n.stream_gets_from = Some(100);
+    let r = region(4096);
+    r.write(1000, &[7; 300]).unwrap();
+    let ct = n.ct_alloc().unwrap();
+    let opts = ME_ALL | me::USE_ONCE | me::EVENT_CT_COMM | me::EVENT_CT_BYTES;
+    for bits in [1, 2] {
+        let mut e = entry(&r, 1000, 300, opts, bits, 0);
+        e.ct = Some(ct);
+        n.append(0, e, List::Priority, 0).unwrap();
+    }
+    let _ = kinds(&mut n, eq);
+    let get = |bits, rlength| Request {
+        kind: ReqKind::Get,
+        rlength,
+        ..put(0, bits, &[])
+    };
+    // Shorter than the threshold: copied at once, events at once.
+    let resp = n.deliver(&get(1, 99));
+    assert_eq!(
+        (resp.data, n.take_get_stream().is_none()),
+        (vec![7; 99], true)
+    );
+    assert_eq!(kinds(&mut n, eq), [EventKind::Get, EventKind::AutoUnlink]);
+    assert_eq!(n.ct_get(ct).unwrap().success, 99);
+    // Long enough: a stream over the entry's bytes, and no event yet.
+    let resp = n.deliver(&get(2, 300));
+    assert_eq!(
+        (resp.ni_fail, resp.mlength, resp.data.len()),
+        (NiFail::Ok, 300, 0)
+    );
+    let s = n.take_get_stream().expect("streamed");
+    assert_eq!((s.at, s.len), (1000, 300));
+    let mut bytes = Vec::new();
+    s.region
+        .append_to(s.at, s.len as usize, &mut bytes)
+        .unwrap();
+    assert_eq!(bytes, [7; 300]);
+    assert!(
+        kinds(&mut n, eq).is_empty(),
+        "held back while the reply streams"
+    );
+    assert_eq!(n.ct_get(ct).unwrap().success, 99);
+    n.get_streamed(s.token, true);
+    let ev = events(&mut n, eq);
+    assert_eq!(
+        ev.iter()
+            .map(|e| (e.kind, e.mlength, e.ni_fail))
+            .collect::<Vec<_>>(),
+        [
+            (EventKind::Get, 300, NiFail::Ok),
+            (EventKind::AutoUnlink, 0, NiFail::Ok)
+        ]
+    );
+    assert_eq!(n.ct_get(ct).unwrap().success, 399);
+    n.get_streamed(s.token, true);
+    assert!(kinds(&mut n, eq).is_empty(), "a token ends once");
+    // A stream that could not be read to its end fails its event and counts a failure.
+    let mut e = entry(&r, 1000, 300, ME_ALL | me::EVENT_CT_COMM, 3, 0);
+    e.ct = Some(ct);
+    n.append(0, e, List::Priority, 0).unwrap();
+    let _ = kinds(&mut n, eq);
+    n.deliver(&get(3, 200));
+    let s = n.take_get_stream().expect("streamed");
+    n.get_streamed(s.token, false);
+    let ev = events(&mut n, eq);
+    assert_eq!(
+        (ev.len(), ev[0].kind, ev[0].ni_fail),
+        (1, EventKind::Get, NiFail::Segv)
+    );
+    assert_eq!(n.ct_get(ct).unwrap().failure, 1);
+}
+
 #[test]
 fn the_next_atomic_is_guessed_where_the_last_one_matched() {
     let (mut n, _) = ni(0, 64);

@@ -282,6 +282,11 @@ impl Reassembly {
             ack,
             data: Vec::new(),
         });
+        // A reply whose target could not read on (its memory went away) ends with a failed
+        // fragment.
+        if ni_fail != NiFail::Ok as u8 {
+            r.ni_fail = ni_fail_from(ni_fail);
+        }
         // Fragments arrive in order; a fragment that does not continue the data is ignored.
         if frag_off as usize == r.data.len() && self.bytes + data.len() <= MAX_PARTIAL_BYTES {
             r.data.extend_from_slice(data);
