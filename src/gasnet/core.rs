@@ -337,8 +337,17 @@ impl Core {
                 if reply.is_some() {
                     self.sent += 1;
                 }
-                let seg = self.conduit.segment();
-                let (base, seg_len) = (seg.as_ptr(), seg.len());
+                // A payload from the segment is read in place (its bounds were checked).
+                let in_segment = reply
+                    .as_ref()
+                    .is_some_and(|r| matches!(r.long_payload, Some(LongPayload::Segment { .. })));
+                let (base, seg_len) = match in_segment {
+                    true => {
+                        let seg = self.conduit.segment();
+                        (seg.as_ptr(), seg.len())
+                    }
+                    false => (std::ptr::null(), 0),
+                };
                 let r = reply.as_ref().map(|r| {
                     let long = r.long_payload.as_ref().map(|p| match *p {
                         LongPayload::Owned(ref v) => &v[..],

@@ -875,8 +875,16 @@ impl HostCore {
                 }
             }
             OpRef::PtlResp { h, .. } => {
-                if let Some((req, resp)) = self.ptl_asm.response(peer, op) {
-                    self.ptl_complete(h.job, h.dst_rank, (req >> 32) as u8, req as u32, &resp);
+                // A long reply goes straight into the initiator's MD, fragment by fragment.
+                let (ni, id) = ((h.req >> 32) as u8, h.req as u32);
+                let mut asm = std::mem::take(&mut self.ptl_asm);
+                let got = asm.response(peer, op, &mut |off, data| {
+                    self.ni_state(h.job, h.dst_rank, ni)
+                        .map_or(true, |s| s.ni.reply_place(id, off, data))
+                });
+                self.ptl_asm = asm;
+                if let Some((_, resp)) = got {
+                    self.ptl_complete(h.job, h.dst_rank, ni, id, &resp);
                 }
             }
             OpRef::PtlAcks { h, acks } => {

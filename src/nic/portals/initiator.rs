@@ -353,6 +353,21 @@ impl PortalsNi {
         Ok(self.outgoing.insert(Outgoing { spec }))
     }
 
+    /// Writes a fragment of get `id`'s reply into its MD as it arrives (`frag_off` bytes into
+    /// the reply; what lies past the operation's length is dropped). `false` when the memory
+    /// is gone; an unknown operation (late, duplicate) takes nothing.
+    pub fn reply_place(&mut self, id: u32, frag_off: u64, data: &[u8]) -> bool {
+        let Some(o) = self.outgoing.get(id) else {
+            return true;
+        };
+        let s = &o.spec;
+        let Some(m) = s.get_md.and_then(|h| self.mds.get(h)) else {
+            return true;
+        };
+        let n = data.len().min(s.length.saturating_sub(frag_off) as usize);
+        m.scatter(s.get_offset + frag_off, &data[..n]).is_ok()
+    }
+
     /// Completes operation `id` with the target's response: ACK or REPLY, counting events,
     /// reply data into the MD. A late or unknown id is ignored.
     pub fn complete(&mut self, id: u32, resp: &Response) {

@@ -157,11 +157,18 @@ fn msg_key(peer: u16, h: &OpHeader) -> MsgKey {
 #[derive(Default)]
 pub struct Reassembly {
     requests: HashMap<MsgKey, Partial>,
-    responses: HashMap<MsgKey, Response>,
+    responses: HashMap<MsgKey, Placed>,
     bytes: usize,
     /// Buffers of delivered requests, reused: a fresh large buffer is a page fault per 4 KiB
     /// on first touch, and growing one copies what it held.
     spare: Vec<Vec<u8>>,
+}
+
+/// A response arriving in several fragments: what the initiator is told, and how many of its
+/// bytes were placed.
+struct Placed {
+    resp: Response,
+    got: u64,
 }
 
 /// Spare reassembly buffers kept for reuse, and the largest kept.
@@ -247,7 +254,16 @@ impl Reassembly {
     }
 
     /// Feeds a response fragment from `peer`: the whole response once its last fragment is in.
-    pub fn response(&mut self, peer: u16, op: &OpRef<'_>) -> Option<(u64, Response)> {
+    /// A response in one piece comes back with its data; the data of one in several is handed
+    /// to `place` (fragment offset, bytes) as each arrives in order, so a long reply is written
+    /// where it goes without being put back together first (`false`: it could not be, and the
+    /// response fails with PTL_NI_SEGV).
+    pub fn response(
+        &mut self,
+        peer: u16,
+        op: &OpRef<'_>,
+        place: &mut dyn FnMut(u64, &[u8]) -> bool,
+    ) -> Option<(u64, Response)> {
         let OpRef::PtlResp {
             h,
             ni_fail,
@@ -275,29 +291,33 @@ impl Reassembly {
                 },
             ));
         }
-        let r = self.responses.entry(key).or_insert_with(|| Response {
-            ni_fail: ni_fail_from(ni_fail),
-            mlength,
-            offset,
-            ack,
-            data: Vec::new(),
+        let r = self.responses.entry(key).or_insert_with(|| Placed {
+            resp: Response {
+                ni_fail: ni_fail_from(ni_fail),
+                mlength,
+                offset,
+                ack,
+                data: Vec::new(),
+            },
+            got: 0,
         });
         // A reply whose target could not read on (its memory went away) ends with a failed
         // fragment.
         if ni_fail != NiFail::Ok as u8 {
-            r.ni_fail = ni_fail_from(ni_fail);
+            r.resp.ni_fail = ni_fail_from(ni_fail);
         }
         // Fragments arrive in order; a fragment that does not continue the data is ignored.
-        if frag_off as usize == r.data.len() && self.bytes + data.len() <= MAX_PARTIAL_BYTES {
-            r.data.extend_from_slice(data);
-            self.bytes += data.len();
+        if frag_off == r.got && r.resp.ni_fail == NiFail::Ok {
+            if !place(frag_off, data) {
+                r.resp.ni_fail = NiFail::Segv;
+            }
+            r.got += data.len() as u64;
         }
         if !last {
             return None;
         }
         let r = self.responses.remove(&key).expect("present");
-        self.bytes -= r.data.len();
-        Some((h.req, r))
+        Some((h.req, r.resp))
     }
 }
 
@@ -319,6 +339,94 @@ pub fn ni_fail_from(v: u8) -> NiFail {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A reply in several fragments is handed to `place` piece by piece at its offsets, never
+    /// put back together; a duplicate is ignored; a place that fails, or a failed last
+    /// fragment, fails the response; a reply in one piece comes back whole.
+    #[test]
+    fn long_replies_are_placed_fragment_by_fragment() {
+        let h = OpHeader {
+            job: 1,
+            src_rank: 3,
+            dst_rank: 0,
+            req: 9,
+        };
+        let data: Vec<u8> = (0..3000u32).map(|i| (i % 251) as u8).collect();
+        let resp = Response {
+            ni_fail: NiFail::Ok,
+            mlength: 3000,
+            offset: 0,
+            ack: true,
+            data: data.clone(),
+        };
+        let frags: Vec<_> = response_ops(h, &resp, 1024).collect();
+        assert!(frags.len() > 2, "the test needs fragments");
+        let mut asm = Reassembly::default();
+        let mut placed = vec![0u8; 3000];
+        let mut got = None;
+        for (i, f) in frags.iter().enumerate() {
+            // The second fragment comes twice.
+            let again = if i == 1 { 2 } else { 1 };
+            for _ in 0..again {
+                let r = asm.response(0, f, &mut |off, d| {
+                    placed[off as usize..off as usize + d.len()].copy_from_slice(d);
+                    true
+                });
+                if let Some(r) = r {
+                    got = Some(r);
+                }
+            }
+        }
+        let (req, r) = got.expect("complete");
+        assert_eq!(
+            (req, r.ni_fail, r.mlength, r.data.len()),
+            (9, NiFail::Ok, 3000, 0)
+        );
+        assert_eq!(placed, data);
+        // A place that fails fails the response.
+        let mut fail = |_: u64, _: &[u8]| false;
+        let mut got = None;
+        for f in &frags {
+            got = got.or(asm.response(1, f, &mut fail));
+        }
+        assert_eq!(got.expect("complete").1.ni_fail, NiFail::Segv);
+        // The target could not read on: its last fragment says so.
+        let mut ok = |_: u64, _: &[u8]| true;
+        asm.response(2, &frags[0], &mut ok);
+        let OpRef::PtlResp {
+            h,
+            ack,
+            mlength,
+            offset,
+            ..
+        } = frags[0]
+        else {
+            unreachable!()
+        };
+        let end = OpRef::PtlResp {
+            h,
+            ni_fail: NiFail::Segv as u8,
+            ack,
+            mlength,
+            offset,
+            frag_off: 1024,
+            last: true,
+            data: &[],
+        };
+        assert_eq!(
+            asm.response(2, &end, &mut ok).expect("ended").1.ni_fail,
+            NiFail::Segv
+        );
+        // One piece: the data comes back with it.
+        let small = Response {
+            data: vec![5; 10],
+            mlength: 10,
+            ..resp
+        };
+        let one: Vec<_> = response_ops(h, &small, 1024).collect();
+        let (_, r) = asm.response(0, &one[0], &mut fail).expect("whole");
+        assert_eq!(r.data, vec![5; 10]);
+    }
 
     /// Two ranks of one host send multi-fragment messages to one target with the same
     /// operation id (each process numbers its own): their fragments interleave on the wire,
