@@ -60,39 +60,50 @@ impl PtlStream {
         peer: u16,
         transport: &mut crate::transport::Transport,
     ) -> Option<StreamEnd> {
-        loop {
-            if !super::gemini::stream_may_push(transport, peer) {
-                return None;
-            }
-            let n = super::gemini::fragment_len(
-                transport,
-                peer,
-                OpKind::PtlReq,
-                self.src.length - self.sent,
-            );
-            let last = self.sent + n == self.src.length;
-            let op = OpRef::PtlReq {
-                h: self.h,
-                m: self.m,
-                last,
+        let (h, m, src, len) = (self.h, self.m, &self.src, self.src.length);
+        // From the MD's memory straight into the datagram.
+        emit_fragments(
+            transport,
+            peer,
+            (OpKind::PtlReq, len, &mut self.sent),
+            &|sent, n| OpRef::PtlReq {
+                h,
+                m,
+                last: sent + n == len,
                 operand: &[],
                 data: &[],
-            };
-            // From the MD's memory straight into the datagram.
-            let (src, at) = (&self.src, self.sent);
-            match transport
-                .push_op_filled(peer, &op, n as usize, &mut |b| src.gather(at, n, b).is_ok())
-            {
-                Ok(()) => {
-                    self.sent += n;
-                    if last {
-                        return Some(StreamEnd::Sent);
-                    }
+            },
+            &|at, n, b| src.gather(at, n, b).is_ok(),
+        )
+    }
+}
+
+/// Pushes a stream's fragments (`kind`, `len` bytes, `sent` so far) while the transport takes
+/// them, each op (`op(sent, n)`) filled by `read(offset, n, datagram)` straight from memory;
+/// `None` when the transport is full (call again later), else how the stream ended.
+fn emit_fragments(
+    transport: &mut crate::transport::Transport,
+    peer: u16,
+    (kind, len, sent): (OpKind, u64, &mut u64),
+    op: &dyn Fn(u64, u64) -> OpRef<'static>,
+    read: &dyn Fn(u64, u64, &mut Vec<u8>) -> bool,
+) -> Option<StreamEnd> {
+    loop {
+        if !super::gemini::stream_may_push(transport, peer) {
+            return None;
+        }
+        let n = super::gemini::fragment_len(transport, peer, kind, len - *sent);
+        let at = *sent;
+        match transport.push_op_filled(peer, &op(at, n), n as usize, &mut |b| read(at, n, b)) {
+            Ok(()) => {
+                *sent += n;
+                if *sent == len {
+                    return Some(StreamEnd::Sent);
                 }
-                Err(PushError::Full(_)) => return None,
-                Err(PushError::Source) => return Some(StreamEnd::Segv),
-                Err(_) => return Some(StreamEnd::PeerGone),
             }
+            Err(PushError::Full(_)) => return None,
+            Err(PushError::Source) => return Some(StreamEnd::Segv),
+            Err(_) => return Some(StreamEnd::PeerGone),
         }
     }
 }
@@ -113,16 +124,17 @@ pub(super) struct PtlReplyStream {
 }
 
 impl PtlReplyStream {
-    /// The next fragment's op (its data is read into the datagram as it is pushed).
-    fn op(&self, n: u64, ni_fail: NiFail) -> OpRef<'static> {
+    /// The fragment at `frag_off` of `n` bytes (its data is read into the datagram as it is
+    /// pushed); a failed one ends the reply.
+    fn op(&self, frag_off: u64, n: u64, ni_fail: NiFail) -> OpRef<'static> {
         OpRef::PtlResp {
             h: self.h,
             ni_fail: ni_fail as u8,
             ack: self.ack,
             mlength: self.mlength,
             offset: self.offset,
-            frag_off: self.sent,
-            last: self.sent + n == self.src.len || ni_fail != NiFail::Ok,
+            frag_off,
+            last: frag_off + n == self.src.len || ni_fail != NiFail::Ok,
             data: &[],
         }
     }
@@ -134,32 +146,17 @@ impl PtlReplyStream {
         peer: u16,
         transport: &mut crate::transport::Transport,
     ) -> Option<StreamEnd> {
-        loop {
-            if !super::gemini::stream_may_push(transport, peer) {
-                return None;
-            }
-            let n = super::gemini::fragment_len(
-                transport,
-                peer,
-                OpKind::PtlResp,
-                self.src.len - self.sent,
-            );
-            let op = self.op(n, NiFail::Ok);
-            let (src, at) = (&self.src.region, self.src.at + self.sent);
-            match transport.push_op_filled(peer, &op, n as usize, &mut |b| {
-                src.append_to(at, n as usize, b).is_ok()
-            }) {
-                Ok(()) => {
-                    self.sent += n;
-                    if self.sent == self.src.len {
-                        return Some(StreamEnd::Sent);
-                    }
-                }
-                Err(PushError::Full(_)) => return None,
-                Err(PushError::Source) => return Some(StreamEnd::Segv),
-                Err(_) => return Some(StreamEnd::PeerGone),
-            }
-        }
+        let mut sent = self.sent;
+        let (region, base) = (&self.src.region, self.src.at);
+        let end = emit_fragments(
+            transport,
+            peer,
+            (OpKind::PtlResp, self.src.len, &mut sent),
+            &|at, n| self.op(at, n, NiFail::Ok),
+            &|at, n, b| region.append_to(base + at, n as usize, b).is_ok(),
+        );
+        self.sent = sent;
+        end
     }
 }
 
@@ -732,7 +729,7 @@ impl HostCore {
     /// its memory could not be read (the initiator is told so by a last, failed fragment).
     pub(super) fn ptl_reply_ended(&mut self, peer: u16, rs: &PtlReplyStream, end: StreamEnd) {
         if let StreamEnd::Segv = end {
-            self.push_owned(peer, &rs.op(0, NiFail::Segv), None);
+            self.push_owned(peer, &rs.op(rs.sent, 0, NiFail::Segv), None);
         }
         let ok = matches!(end, StreamEnd::Sent);
         let (job, rank, ni) = rs.target;
