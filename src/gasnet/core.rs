@@ -141,7 +141,6 @@ impl Token<'_> {
         };
         let payload = &self.segment[src_offset..end];
         // Checked and encoded like any Long reply; the payload stays where it is.
-        let limits = self.limits;
         let bytes = encode(
             handler,
             Category::Long,
@@ -149,7 +148,7 @@ impl Token<'_> {
             args,
             payload,
             dest_offset,
-            limits,
+            self.limits,
         )?;
         self.may_reply()?;
         self.reply = Some(Encoded {

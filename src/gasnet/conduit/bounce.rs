@@ -44,6 +44,11 @@ impl Ring {
         Some(at)
     }
 
+    /// Whether some allocation is not given back yet.
+    pub fn in_use(&self) -> bool {
+        !self.live.is_empty()
+    }
+
     /// Gives back the allocation at `at`.
     pub fn free(&mut self, at: u64) {
         if let Some(e) = self.live.iter_mut().find(|e| e.0 == at && !e.2) {

@@ -64,10 +64,8 @@ pub struct ExtollConduit {
     /// Where Long payloads from outside the segment are staged (registered), used as a ring.
     bounce: RmaRegion,
     /// The bounce area's allocator: a piece is given back once its put's requester
-    /// notification says the NIC read it.
+    /// notification says the NIC read it (in use: staged puts not read yet).
     ring: Ring,
-    /// Long payload puts from the bounce area whose source was not read yet.
-    staged: u32,
     /// Long payload puts from the segment whose source was not read yet.
     unread: u32,
     partial: Vec<Partial>,
@@ -127,7 +125,6 @@ impl ExtollConduit {
             seg_len: segment_len,
             bounce,
             ring: Ring::new(MAX_LONG),
-            staged: 0,
             unread: 0,
             partial: (0..n).map(|_| Partial::default()).collect(),
             stash: VecDeque::new(),
@@ -219,10 +216,7 @@ impl ExtollConduit {
                 if let Some(at) = self.ring.alloc(payload.len()) {
                     break at;
                 }
-                if !self.take_notifications()? {
-                    self.stash_arrivals()?;
-                    self.ep.borrow().client().yield_now();
-                }
+                self.await_notifications()?;
             };
             self.bounce.mem.bytes()[at as usize..(at + len) as usize].copy_from_slice(payload);
             (self.bounce.clone(), at)
@@ -243,15 +237,21 @@ impl ExtollConduit {
                 err(e)
             })?;
         if !in_segment {
-            self.staged += 1;
             return Ok(());
         }
         self.unread += 1;
         while self.unread > 0 {
-            if !self.take_notifications()? {
-                self.stash_arrivals()?;
-                self.ep.borrow().client().yield_now();
-            }
+            self.await_notifications()?;
+        }
+        Ok(())
+    }
+
+    /// One step of waiting for our puts' notifications: takes those there, else keeps the
+    /// mailbox drained (a peer waiting on us must not find it full) and yields.
+    fn await_notifications(&mut self) -> Result<(), GasnetError> {
+        if !self.take_notifications()? {
+            self.stash_arrivals()?;
+            self.ep.borrow().client().yield_now();
         }
         Ok(())
     }
@@ -309,7 +309,6 @@ impl ExtollConduit {
                     let bounce = self.bounce.nla..self.bounce.nla + self.bounce.mem.len() as u64;
                     if bounce.contains(&x.nla) {
                         self.ring.free(x.nla - self.bounce.nla);
-                        self.staged = self.staged.saturating_sub(1);
                     } else {
                         self.unread = self.unread.saturating_sub(1);
                     }
@@ -401,7 +400,7 @@ impl Conduit for ExtollConduit {
     }
 
     fn outgoing(&self) -> bool {
-        self.velo.unacknowledged() || self.unread > 0 || self.staged > 0
+        self.velo.unacknowledged() || self.unread > 0 || self.ring.in_use()
     }
 
     fn request(&mut self, dest: u32, am: &[u8], long: Option<&[u8]>) -> Result<bool, GasnetError> {

@@ -231,8 +231,15 @@ impl HostCore {
             .map_err(|_| PtlError::ArgInvalid)
     }
 
+    /// (job, rank)'s interface `ni`, whose events and counts may change: the next mirroring
+    /// pass looks at it.
     fn ni_state(&mut self, job: u32, rank: u32, ni: u8) -> Result<&mut NiState, PtlError> {
         self.ptl_dirty = true;
+        self.ni_lookup(job, rank, ni)
+    }
+
+    /// (job, rank)'s interface `ni`, for what changes no event or count.
+    fn ni_lookup(&mut self, job: u32, rank: u32, ni: u8) -> Result<&mut NiState, PtlError> {
         self.portals
             .get_mut(&(job, rank))
             .and_then(|p| p.nis.get_mut((ni & 0x7f) as usize))
@@ -876,7 +883,7 @@ impl HostCore {
                 let (ni, id) = ((h.req >> 32) as u8, h.req as u32);
                 let mut asm = std::mem::take(&mut self.ptl_asm);
                 let got = asm.response(peer, op, &mut |off, data| {
-                    self.ni_state(h.job, h.dst_rank, ni)
+                    self.ni_lookup(h.job, h.dst_rank, ni)
                         .map_or(true, |s| s.ni.reply_place(id, off, data))
                 });
                 self.ptl_asm = asm;
