@@ -222,6 +222,102 @@ fn truncation_probe_and_argument_errors() {
     }
 }
 
+/// Long bodies for receives in ordinary memory come through the staging ring: more of them
+/// at once than it holds (they wait their turn), one above the staging limit and one into
+/// `alloc_mem` (both fetched in place), one truncated; expected, then unexpected.
+#[test]
+fn long_receives_into_private_memory_wait_their_turn_for_the_staging_ring() {
+    if !in_job() {
+        return launch_ok_env(
+            "long_receives_into_private_memory_wait_their_turn_for_the_staging_ring",
+            2,
+            2,
+            &[],
+            &[("SOFTNIC_MPI_LONG", "rendezvous")],
+        );
+    }
+    // (message length, receive length): 20 × 1 MiB and 2 MiB bodies (26 MiB, the ring holds
+    // 8), 3 MiB (beyond staging), a truncated one.
+    let mut plan: Vec<(usize, usize)> = (0..20)
+        .map(|k| {
+            if k % 4 == 3 {
+                (2 << 20, 2 << 20)
+            } else {
+                (1 << 20, 1 << 20)
+            }
+        })
+        .collect();
+    plan.push((3 << 20, 3 << 20));
+    plan.push((700_000, 600_000));
+    let world = Mpi::init().unwrap();
+    let mem = world.alloc_mem(1 << 20).unwrap();
+    for round in 0..2u32 {
+        let tag = |k: usize| (round * 100 + k as u32) as i32;
+        if world.rank() == 0 {
+            if round == 0 {
+                world.barrier().unwrap();
+            }
+            let msgs: Vec<Vec<u8>> = plan
+                .iter()
+                .enumerate()
+                .map(|(k, &(l, _))| msg(round, k as u32, l))
+                .collect();
+            let in_mem = msg(round, 99, 1 << 20);
+            let mut reqs: Vec<_> = msgs
+                .iter()
+                .enumerate()
+                .map(|(k, m)| world.isend(m, 1, tag(k)).unwrap())
+                .collect();
+            reqs.push(world.isend(&in_mem, 1, tag(99)).unwrap());
+            if round == 1 {
+                world.barrier().unwrap();
+            }
+            wait_all(reqs).unwrap();
+        } else {
+            let before = world.stats().staged_gets;
+            if round == 1 {
+                world.barrier().unwrap();
+            }
+            let mut bufs: Vec<Vec<u8>> = plan.iter().map(|&(_, r)| vec![0u8; r]).collect();
+            let reqs: Vec<_> = bufs
+                .iter_mut()
+                .enumerate()
+                .map(|(k, b)| world.irecv(b, 0, tag(k)).unwrap())
+                .collect();
+            let m = mem.bytes();
+            let in_mem = world.irecv(m, 0, tag(99)).unwrap();
+            if round == 0 {
+                world.barrier().unwrap();
+            }
+            for (k, r) in reqs.into_iter().enumerate() {
+                let (l, rl) = plan[k];
+                match r.wait() {
+                    Ok(st) => assert_eq!(st.count, l, "message {k}"),
+                    Err(e) => {
+                        assert!(rl < l, "message {k}: {e}");
+                        assert_eq!(e.class(), ErrorClass::Truncate, "{e}");
+                    }
+                }
+            }
+            assert_eq!(in_mem.wait().unwrap().count, 1 << 20);
+            for (k, b) in bufs.iter().enumerate() {
+                let want = msg(round, k as u32, plan[k].0);
+                assert!(
+                    b[..] == want[..b.len()],
+                    "round {round}: message {k}'s bytes"
+                );
+            }
+            assert!(
+                m[..] == msg(round, 99, 1 << 20)[..],
+                "the alloc_mem receive"
+            );
+            // The 20 within the limit and the truncated one; not 3 MiB, not alloc_mem.
+            assert_eq!(world.stats().staged_gets - before, 21, "round {round}");
+        }
+        world.barrier().unwrap();
+    }
+}
+
 const STORM_N: u32 = 3000;
 
 /// Every other rank sends STORM_N × 1 KiB to rank 0, which starts receiving after `pause_ms`

@@ -1,6 +1,7 @@
 //! The in-process handle to the local daemon: attach, registration, command submission and
 //! completion polling over shared memory. No syscall on the hot path while the daemon is busy.
 
+pub(crate) mod bounce;
 mod endpoint;
 mod region;
 

@@ -27,6 +27,7 @@ mod error;
 mod flow;
 mod loc;
 mod mem;
+mod stage;
 mod state;
 mod triggered;
 mod win;

@@ -26,6 +26,7 @@ use crate::portals::{
 use super::bits;
 use super::credit::{Credits, FlowScheme};
 use super::error::{err, ErrorClass, MpiError};
+use super::stage::{body_target, Stage, StagedGet, T_STAGE};
 
 pub const RECV_PT: u32 = 20;
 pub const READ_PT: u32 = 21;
@@ -94,8 +95,8 @@ enum Landing {
 }
 
 /// A request: user-visible completion (`done`) and the NIC resources it still holds.
-struct Req {
-    done: bool,
+pub(super) struct Req {
+    pub(super) done: bool,
     status: Status,
     err: Option<MpiError>,
     /// The user's buffer.
@@ -107,8 +108,9 @@ struct Req {
     read_me: Option<u32>,
     /// A LONG/RNDV send: its whole length (an ACK of all of it ends it).
     total: u64,
-    /// Internal events still to come (a short send's ACK after the user saw it done).
-    busy: u32,
+    /// Internal events still to come (a short send's ACK after the user saw it done, a
+    /// staged get's reply).
+    pub(super) busy: u32,
     /// The user no longer holds it: freed once done and not busy.
     orphan: bool,
     /// A probe found a message.
@@ -163,6 +165,8 @@ pub struct Stats {
     pub unexpected: u64,
     pub expected: u64,
     pub long_gets: u64,
+    /// Long bodies fetched through the staging ring (into private memory; see `stage`).
+    pub staged_gets: u64,
     pub pt_disabled: u64,
     pub resent: u64,
     /// Static credits: sends that waited for one; batches this rank gave back.
@@ -209,6 +213,8 @@ pub struct State {
     pinged: HashMap<u32, Instant>,
     /// Live `alloc_mem` allocations.
     pub(super) alloc: Vec<AllocRange>,
+    /// The ring long receives into private memory are fetched through.
+    pub(super) stage: Stage,
 }
 
 /// A request waiting this long on one peer asks whether it is alive (and again as often).
@@ -335,6 +341,7 @@ impl State {
         let ovf = p
             .endpoint()
             .mem_register(OVF_MAX * OVF_LEN, Perms::READ_WRITE)?;
+        let stage = Stage::open(&mut p, ni, eq_md)?;
         let mut st = State {
             p,
             ni,
@@ -366,6 +373,7 @@ impl State {
             dead: vec![false; size as usize],
             pinged: HashMap::default(),
             alloc: Vec::new(),
+            stage,
         };
         st.ctx_free[0] &= !1;
         for i in 0..ovf_initial {
@@ -436,8 +444,20 @@ impl State {
         }
     }
 
-    fn req(&mut self, i: u32) -> Option<&mut Req> {
+    pub(super) fn req(&mut self, i: u32) -> Option<&mut Req> {
         self.reqs.get_mut(i as usize).and_then(|r| r.as_mut())
+    }
+
+    pub(super) fn req_ref(&self, i: u32) -> Option<&Req> {
+        self.reqs.get(i as usize).and_then(|r| r.as_ref())
+    }
+
+    /// One internal event of request `i` came (or will not): freed if nothing else holds it.
+    pub(super) fn unbusy(&mut self, i: u32) {
+        if let Some(r) = self.req(i) {
+            r.busy = r.busy.saturating_sub(1);
+        }
+        self.maybe_free(i);
     }
 
     pub fn is_done(&self, i: u32) -> bool {
@@ -462,7 +482,7 @@ impl State {
         out
     }
 
-    fn maybe_free(&mut self, i: u32) {
+    pub(super) fn maybe_free(&mut self, i: u32) {
         let free = self
             .reqs
             .get(i as usize)
@@ -488,7 +508,7 @@ impl State {
         }
     }
 
-    fn finish(&mut self, i: u32, e: Option<MpiError>) {
+    pub(super) fn finish(&mut self, i: u32, e: Option<MpiError>) {
         if let Some(r) = self.req(i) {
             if !r.done {
                 r.done = true;
@@ -816,6 +836,9 @@ impl State {
                 }
             }
         }
+        if self.stage.has_waiting() {
+            self.issue_staged()?;
+        }
         super::flow::tick(self)?;
         Ok(any)
     }
@@ -1000,6 +1023,10 @@ impl State {
                 self.landed(idx, fail);
                 Ok(())
             }
+            (T_STAGE, kind) => {
+                self.staged_reply(idx as u64, kind, e.ni_fail, e.mlength);
+                Ok(())
+            }
             (super::flow::T_FC, EventKind::Put) => super::flow::notice(self, &e),
             _ => Ok(()),
         }
@@ -1097,6 +1124,20 @@ impl State {
         // Fetch the rest from the sender's `read` entry (zero bytes when truncated: that still
         // tells the sender it may complete).
         let want = total.min(len).saturating_sub(first);
+        let send_id = bits::hdr_send_id(e.hdr_data) as u64;
+        if let (Landing::Cached { id, .. }, ProcessId::Logical { rank }) = (landing, e.initiator) {
+            // Private memory: through the ring (see `stage`).
+            if id != NOT_CACHED && want > 0 && want <= super::stage::STAGE_MAX {
+                self.stats.long_gets += 1;
+                self.stats.staged_gets += 1;
+                return self.stage_get(StagedGet {
+                    req: i,
+                    dst: r_addr + first,
+                    len: want,
+                    target: body_target(rank, send_id, first),
+                });
+            }
+        }
         let (md, base) = match landing {
             Landing::Slot(s) => (self.bounce_md, self.slot_off(s)),
             Landing::Cached { md, offset, .. } => (md, offset),
@@ -1119,7 +1160,7 @@ impl State {
             Target {
                 id: ProcessId::Logical { rank: initiator },
                 pt_index: READ_PT,
-                match_bits: bits::hdr_send_id(e.hdr_data) as u64,
+                match_bits: send_id,
                 remote_offset: first,
             },
             T_GET | i as u64,

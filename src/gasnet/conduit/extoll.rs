@@ -22,8 +22,8 @@
 use std::collections::VecDeque;
 use std::time::Duration;
 
-use super::bounce::Ring;
 use super::Conduit;
+use crate::client::bounce::Ring;
 use crate::extoll::rma::{Class, Rma, RmaRegion, NOTIFY_COMPLETER, NOTIFY_REQUESTER};
 use crate::extoll::velo::{Velo, VeloError};
 use crate::extoll::{Conn, Shared};

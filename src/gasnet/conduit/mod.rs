@@ -1,7 +1,6 @@
 //! Conduits: how Active Messages (and, where the network can, puts and gets) move between
 //! nodes. The GASNet layer above is the same for all of them.
 
-pub(crate) mod bounce;
 pub mod extoll;
 pub mod portals;
 pub mod udp;

@@ -1,5 +1,5 @@
 //! A bounce region's allocator (the portals conduit's staged sources, the extoll conduit's
-//! Long payloads): a ring. Space is taken at the head and given back in any order; the tail
+//! Long payloads, MPI's staged long receives): a ring. Space is taken at the head and given back in any order; the tail
 //! moves past what was given back in allocation order. Pieces mostly finish in the order they
 //! started, so the ring keeps the pipeline full without waiting for all of it to drain.
 
