@@ -496,6 +496,11 @@ impl State {
             if let Some(Landing::Slot(s)) = r.landing {
                 self.free_slots.push(s);
             }
+            // A send that failed before its receiver fetched it: the buffer is the user's
+            // again, nobody may read it any more.
+            if let Some(h) = r.read_me {
+                let _ = self.p.me_unlink(self.ni, h);
+            }
             if let Some(c) = r.cached.filter(|&c| c != NOT_CACHED) {
                 self.fh.release(c);
             }
