@@ -11,6 +11,7 @@
 //! list entries, because those need the bytes mapped here.
 
 use rustc_hash::FxHashMap as HashMap;
+use std::mem::MaybeUninit;
 use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 
@@ -26,8 +27,9 @@ pub trait Backing: Send + Sync {
         self.len() == 0
     }
     /// Copies `out.len()` bytes at `off` out of a backing that is not mapped (bounds checked by
-    /// the caller). `Status::Fault` when the memory is gone.
-    fn read_at(&self, _off: usize, _out: &mut [u8]) -> Result<(), Status> {
+    /// the caller), initialising all of `out` when it succeeds (so a datagram is filled
+    /// without zeroing it first). `Status::Fault` when the memory is gone.
+    fn read_at(&self, _off: usize, _out: &mut [MaybeUninit<u8>]) -> Result<(), Status> {
         Err(Status::Fault)
     }
     /// Copies `data` in at `off` of a backing that is not mapped.
@@ -173,10 +175,12 @@ impl Region {
                 Ok(())
             }
             None => {
-                out.resize(at + len, 0);
+                out.reserve(len);
                 self.backing
-                    .read_at(off as usize, &mut out[at..])
-                    .inspect_err(|_| out.truncate(at))
+                    .read_at(off as usize, &mut out.spare_capacity_mut()[..len])?;
+                // SAFETY: read_at initialised these `len` bytes of spare capacity.
+                unsafe { out.set_len(at + len) };
+                Ok(())
             }
         }
     }

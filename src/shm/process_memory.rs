@@ -10,6 +10,7 @@
 //! process that exited (its pid possibly reused by another) is never read or written.
 
 use std::io;
+use std::mem::MaybeUninit;
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::Arc;
 
@@ -113,8 +114,9 @@ impl Backing for ProcessMemory {
     fn len(&self) -> usize {
         self.len
     }
-    fn read_at(&self, off: usize, out: &mut [u8]) -> Result<(), Status> {
-        self.transfer(off, out.as_mut_ptr(), out.len(), false)
+    fn read_at(&self, off: usize, out: &mut [MaybeUninit<u8>]) -> Result<(), Status> {
+        // process_vm_readv writes every byte it reports; transfer resumes until all are.
+        self.transfer(off, out.as_mut_ptr().cast(), out.len(), false)
             .map_err(|_| Status::Fault)
     }
     fn write_at(&self, off: usize, data: &[u8]) -> Result<(), Status> {
@@ -138,9 +140,10 @@ mod tests {
         let mut buf = vec![7u8; 10_000];
         let (me, fd) = me();
         let m = ProcessMemory::new(me, fd, buf.as_ptr() as u64, buf.len() as u64).unwrap();
-        let mut out = [0u8; 4];
+        let mut out = [MaybeUninit::uninit(); 4];
         m.read_at(9_996, &mut out).unwrap();
-        assert_eq!(out, [7; 4]);
+        // SAFETY: read_at succeeded: every byte is initialised.
+        assert_eq!(out.map(|b| unsafe { b.assume_init() }), [7; 4]);
         m.write_at(100, b"abc").unwrap();
         // The kernel wrote behind the compiler's back: read through a volatile view.
         let got: Vec<u8> = (100..103)
@@ -171,7 +174,7 @@ mod tests {
             addr: buf.as_ptr() as usize,
             len: 64,
         };
-        let mut out = [0u8; 8];
+        let mut out = [MaybeUninit::uninit(); 8];
         assert_eq!(m.read_at(0, &mut out), Err(Status::Fault));
     }
 }
