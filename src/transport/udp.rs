@@ -99,8 +99,9 @@ pub(super) fn send_all(
         iov_base: std::ptr::null_mut(),
         iov_len: 0,
     }; BATCH];
-    // SAFETY: an all-zero mmsghdr is a valid empty header.
-    let mut msgs: [libc::mmsghdr; BATCH] = unsafe { std::mem::zeroed() };
+    // Headers are cleared only as far as they are used (a whole batch's are 2 KiB, mostly
+    // for one or two datagrams).
+    let mut msgs = [const { std::mem::MaybeUninit::<libc::mmsghdr>::uninit() }; BATCH];
     let (mut at, mut k) = (0, 0);
     while k < lens.len() {
         let n = (lens.len() - k).min(BATCH);
@@ -111,11 +112,16 @@ pub(super) fn send_all(
                 iov_len: lens[k + j],
             };
             off += lens[k + j];
-            msgs[j].msg_hdr.msg_iov = &mut iov[j];
-            msgs[j].msg_hdr.msg_iovlen = 1;
+            // SAFETY: an all-zero mmsghdr is a valid empty header.
+            let mut h: libc::mmsghdr = unsafe { std::mem::zeroed() };
+            h.msg_hdr.msg_iov = &mut iov[j];
+            h.msg_hdr.msg_iovlen = 1;
+            msgs[j].write(h);
         }
-        // SAFETY: msgs[..n] point at iovecs that point into `data`, alive for the call.
-        let sent = unsafe { libc::sendmmsg(fd, msgs.as_mut_ptr(), n as u32, libc::MSG_DONTWAIT) };
+        // SAFETY: msgs[..n] were written above and point at iovecs that point into `data`,
+        // alive for the call.
+        let sent =
+            unsafe { libc::sendmmsg(fd, msgs.as_mut_ptr().cast(), n as u32, libc::MSG_DONTWAIT) };
         stats.send_syscalls += 1;
         if sent <= 0 {
             let e = io::Error::last_os_error();
