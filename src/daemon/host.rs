@@ -301,9 +301,10 @@ impl HostNic {
         Ok(())
     }
 
-    /// One pass over everything this host has to do. Returns whether anything happened.
-    pub fn turn(&mut self, now: u64) -> bool {
-        self.last_now = (now, std::time::Instant::now());
+    /// One pass over everything this host has to do, at the daemon's time `now` (read at
+    /// `at`). Returns whether anything happened.
+    pub fn turn(&mut self, now: u64, at: std::time::Instant) -> bool {
+        self.last_now = (now, at);
         let mut busy = false;
         self.sent_to.clear();
         // Sessions take turns at going first: a process that always has commands (a stream
