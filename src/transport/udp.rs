@@ -95,26 +95,23 @@ pub(super) fn send_all(
             Ok(())
         };
     }
-    let mut iov = [libc::iovec {
-        iov_base: std::ptr::null_mut(),
-        iov_len: 0,
-    }; BATCH];
-    // Headers are cleared only as far as they are used (a whole batch's are 2 KiB, mostly
-    // for one or two datagrams).
+    // Headers and iovecs are written only as far as they are used (a whole batch's are
+    // 2.5 KiB, mostly for one or two datagrams).
+    let mut iov = [const { std::mem::MaybeUninit::<libc::iovec>::uninit() }; BATCH];
     let mut msgs = [const { std::mem::MaybeUninit::<libc::mmsghdr>::uninit() }; BATCH];
     let (mut at, mut k) = (0, 0);
     while k < lens.len() {
         let n = (lens.len() - k).min(BATCH);
         let mut off = at;
         for j in 0..n {
-            iov[j] = libc::iovec {
+            let v = iov[j].write(libc::iovec {
                 iov_base: data[off..].as_mut_ptr() as *mut _,
                 iov_len: lens[k + j],
-            };
+            });
             off += lens[k + j];
             // SAFETY: an all-zero mmsghdr is a valid empty header.
             let mut h: libc::mmsghdr = unsafe { std::mem::zeroed() };
-            h.msg_hdr.msg_iov = &mut iov[j];
+            h.msg_hdr.msg_iov = v;
             h.msg_hdr.msg_iovlen = 1;
             msgs[j].write(h);
         }
