@@ -14,6 +14,7 @@ use rustc_hash::FxHashMap as HashMap;
 
 use crate::client::bounce::Ring;
 use crate::client::MemRegion;
+use crate::nic::memory::Perms;
 use crate::portals::{md_opt, EventKind, Md, NiFail, NiHandle, Portals, ProcessId, Target};
 
 use super::error::MpiError;
@@ -49,9 +50,7 @@ impl Stage {
     /// Registers the ring (local access only: it is the target of this rank's own gets) and
     /// binds its MD, whose replies go to `eq`.
     pub fn open(p: &mut Portals, ni: NiHandle, eq: u32) -> Result<Stage, MpiError> {
-        let region = p
-            .endpoint()
-            .mem_register(STAGE_LEN, crate::nic::memory::Perms(0))?;
+        let region = p.endpoint().mem_register(STAGE_LEN, Perms(0))?;
         let md = p.md_bind(
             ni,
             &Md {

@@ -1129,24 +1129,6 @@ impl State {
         // Fetch the rest from the sender's `read` entry (zero bytes when truncated: that still
         // tells the sender it may complete).
         let want = total.min(len).saturating_sub(first);
-        let send_id = bits::hdr_send_id(e.hdr_data) as u64;
-        if let (Landing::Cached { id, .. }, ProcessId::Logical { rank }) = (landing, e.initiator) {
-            // Private memory: through the ring (see `stage`).
-            if id != NOT_CACHED && want > 0 && want <= super::stage::STAGE_MAX {
-                self.stats.long_gets += 1;
-                self.stats.staged_gets += 1;
-                return self.stage_get(StagedGet {
-                    req: i,
-                    dst: r_addr + first,
-                    len: want,
-                    target: body_target(rank, send_id, first),
-                });
-            }
-        }
-        let (md, base) = match landing {
-            Landing::Slot(s) => (self.bounce_md, self.slot_off(s)),
-            Landing::Cached { md, offset, .. } => (md, offset),
-        };
         let initiator = match e.initiator {
             ProcessId::Logical { rank } => rank,
             _ => {
@@ -1156,20 +1138,26 @@ impl State {
                 )
             }
         };
+        let target = body_target(initiator, bits::hdr_send_id(e.hdr_data) as u64, first);
         self.stats.long_gets += 1;
-        self.p.get(
-            self.ni,
-            md,
-            base + first,
-            want,
-            Target {
-                id: ProcessId::Logical { rank: initiator },
-                pt_index: READ_PT,
-                match_bits: send_id,
-                remote_offset: first,
-            },
-            T_GET | i as u64,
-        )?;
+        let (md, base) = match landing {
+            Landing::Slot(s) => (self.bounce_md, self.slot_off(s)),
+            // Private memory: through the ring (see `stage`).
+            Landing::Cached { id, .. }
+                if id != NOT_CACHED && want > 0 && want <= super::stage::STAGE_MAX =>
+            {
+                self.stats.staged_gets += 1;
+                return self.stage_get(StagedGet {
+                    req: i,
+                    dst: r_addr + first,
+                    len: want,
+                    target,
+                });
+            }
+            Landing::Cached { md, offset, .. } => (md, offset),
+        };
+        self.p
+            .get(self.ni, md, base + first, want, target, T_GET | i as u64)?;
         Ok(())
     }
 

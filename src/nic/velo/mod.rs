@@ -107,6 +107,10 @@ pub struct Mailbox {
     pub geometry: Geometry,
     /// Slots written so far (the NIC's own count, never read back from shared memory).
     written: u64,
+    /// The receiver's consumed count as last read (never ahead of it). A delivery reads the
+    /// published count only when this one leaves too little room, so the line the receiver
+    /// writes on every message is not pulled across cores on every delivery.
+    read_seen: u64,
 }
 
 impl Mailbox {
@@ -120,20 +124,25 @@ impl Mailbox {
             region,
             geometry,
             written: 0,
+            read_seen: 0,
         })
     }
 
     /// Slots free: what the receiver's published counter allows (a counter it scribbled out of
     /// range counts as nothing consumed, or everything, whichever is safe).
     pub fn free(&self) -> u64 {
+        self.geometry.nslots as u64 - (self.written - self.read_now())
+    }
+
+    /// The receiver's published count, clamped to what it can be.
+    fn read_now(&self) -> u64 {
         let n = self.geometry.nslots as u64;
         let read = self
             .region
             .atomic(0, crate::nic::memory::Perms(0))
             .map(|w| w.load(Ordering::Acquire))
             .unwrap_or(0);
-        let read = read.clamp(self.written.saturating_sub(n), self.written);
-        n - (self.written - read)
+        read.clamp(self.written.saturating_sub(n), self.written)
     }
 
     /// Writes a message from `src` if the ring has room; `false` (nothing written) if not.
@@ -141,8 +150,12 @@ impl Mailbox {
     pub fn deliver(&mut self, src: u32, tag: u8, data: &[u8]) -> bool {
         let g = self.geometry;
         let need = g.slots_for(data.len());
-        if self.free() < need {
-            return false;
+        let n = g.nslots as u64;
+        if n - (self.written - self.read_seen) < need {
+            self.read_seen = self.read_now();
+            if n - (self.written - self.read_seen) < need {
+                return false;
+            }
         }
         let p = g.payload();
         let (first, rest) = data.split_at(data.len().min(p));
