@@ -16,7 +16,7 @@
 //! ```
 //!
 //! Environment: `SOFTNIC_MPI_EAGER_LIMIT` (bytes sent eagerly as SHORT, default 64 KiB),
-//! `SOFTNIC_MPI_LONG=eager|rendezvous` (the protocol beyond it), `SOFTNIC_MPI_REGCACHE` (bytes
+//! `SOFTNIC_MPI_LONG=rendezvous|eager` (the protocol beyond it; rendezvous by default), `SOFTNIC_MPI_REGCACHE` (bytes
 //! of user buffers kept registered).
 
 mod bits;

@@ -274,9 +274,11 @@ impl State {
             );
         }
         use LongProtocol::{Eager, Rendezvous};
+        // Rendezvous by default: with long bodies staged for private buffers it is the faster
+        // of the two from 128 KiB to 1 MiB (docs/performance.md, 2026-11-26).
         let long = env_choice(
             "SOFTNIC_MPI_LONG",
-            &[("eager", Eager), ("rendezvous", Rendezvous)],
+            &[("rendezvous", Rendezvous), ("eager", Eager)],
         )?;
         let coll = env_choice(
             "SOFTNIC_MPI_COLL",
