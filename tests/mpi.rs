@@ -318,6 +318,45 @@ fn long_receives_into_private_memory_wait_their_turn_for_the_staging_ring() {
     }
 }
 
+/// A rank sends to itself (periodic boundaries, collectives on one rank): short, staged and
+/// in-place long messages, the receive posted before and after the send, both protocols.
+#[test]
+fn messages_to_self_under_both_protocols() {
+    if !in_job() {
+        for proto in ["eager", "rendezvous"] {
+            launch_ok_env(
+                "messages_to_self_under_both_protocols",
+                2,
+                2,
+                &[],
+                &[("SOFTNIC_MPI_LONG", proto)],
+            );
+        }
+        return;
+    }
+    let world = Mpi::init().unwrap();
+    let me = world.rank();
+    let sizes = [0usize, 8, 100_000, 1 << 20, 3 << 20];
+    for (k, &len) in sizes.iter().enumerate() {
+        let m = msg(me, k as u32, len);
+        // Expected: the receive first.
+        let mut b = vec![0u8; len];
+        let r = world.irecv(&mut b, me as i32, k as i32).unwrap();
+        let s = world.isend(&m, me as i32, k as i32).unwrap();
+        assert_eq!(r.wait().unwrap().count, len);
+        s.wait().unwrap();
+        assert!(b == m, "expected message {k} to self");
+        // Unexpected: the send first.
+        let mut b = vec![0u8; len];
+        let s = world.isend(&m, me as i32, 100 + k as i32).unwrap();
+        let st = world.recv(&mut b, ANY_SOURCE, 100 + k as i32).unwrap();
+        assert_eq!((st.source, st.count), (me, len));
+        s.wait().unwrap();
+        assert!(b == m, "unexpected message {k} to self");
+    }
+    world.barrier().unwrap();
+}
+
 const STORM_N: u32 = 3000;
 
 /// Every other rank sends STORM_N × 1 KiB to rank 0, which starts receiving after `pause_ms`
