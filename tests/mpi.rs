@@ -357,6 +357,93 @@ fn messages_to_self_under_both_protocols() {
     world.barrier().unwrap();
 }
 
+/// A sender that dies with long messages half fetched: every receive waiting on it ends
+/// (delivered whole, or failed with MPI_ERR_PROC_FAILED — never hung, never blamed on an
+/// address), and the staging ring it held is free again for the survivors' long messages.
+#[test]
+fn a_sender_dying_mid_transfer_ends_its_receives_and_frees_the_staging_ring() {
+    if !in_job() {
+        return launch_ok_env(
+            "a_sender_dying_mid_transfer_ends_its_receives_and_frees_the_staging_ring",
+            3,
+            2,
+            &[],
+            &[("SOFTNIC_MPI_LONG", "rendezvous")],
+        );
+    }
+    const N: usize = 20;
+    const LEN: usize = 1 << 20;
+    let world = Mpi::init().unwrap();
+    let me = world.rank();
+    let mut bufs: Vec<Vec<u8>> = (0..N).map(|_| vec![0u8; LEN]).collect();
+    if me == 2 {
+        world.barrier().unwrap();
+        let msgs: Vec<Vec<u8>> = (0..N).map(|k| msg(2, k as u32, LEN)).collect();
+        let reqs: Vec<_> = msgs.iter().map(|m| world.isend(m, 0, 9).unwrap()).collect();
+        std::thread::sleep(std::time::Duration::from_millis(2));
+        // Gone without waiting for them.
+        std::mem::forget(reqs);
+        std::process::exit(0);
+    }
+    if me == 0 {
+        let t = std::time::Instant::now();
+        let reqs: Vec<_> = bufs
+            .iter_mut()
+            .map(|b| world.irecv(b, 2, 9).unwrap())
+            .collect();
+        world.barrier().unwrap();
+        let whole: Vec<usize> = reqs
+            .into_iter()
+            .enumerate()
+            .filter_map(|(k, r)| match r.wait() {
+                Ok(st) => Some((k, st)),
+                Err(e) => {
+                    assert_eq!(e.class(), ErrorClass::ProcFailed, "message {k}: {e}");
+                    None
+                }
+            })
+            .map(|(k, st)| {
+                assert_eq!(st.count, LEN);
+                k
+            })
+            .collect();
+        assert!(
+            t.elapsed() < std::time::Duration::from_secs(60),
+            "{:?}",
+            t.elapsed()
+        );
+        for k in whole {
+            assert!(
+                bufs[k] == msg(2, k as u32, LEN),
+                "delivered message {k} is whole"
+            );
+        }
+    } else {
+        world.barrier().unwrap();
+    }
+    // The survivors: long messages both ways, through the ring again.
+    let other = 1 - me as i32;
+    let before = world.stats().staged_gets;
+    let msgs: Vec<Vec<u8>> = (0..N).map(|k| msg(me, k as u32, LEN)).collect();
+    let recvs: Vec<_> = bufs
+        .iter_mut()
+        .map(|b| world.irecv(b, other, 4).unwrap())
+        .collect();
+    let sends: Vec<_> = msgs
+        .iter()
+        .map(|m| world.isend(m, other, 4).unwrap())
+        .collect();
+    wait_all(recvs).unwrap();
+    wait_all(sends).unwrap();
+    for (k, b) in bufs.iter().enumerate() {
+        assert!(
+            *b == msg(other as u32, k as u32, LEN),
+            "survivor message {k}"
+        );
+    }
+    assert_eq!(world.stats().staged_gets - before, N as u64);
+}
+
 const STORM_N: u32 = 3000;
 
 /// Every other rank sends STORM_N × 1 KiB to rank 0, which starts receiving after `pause_ms`

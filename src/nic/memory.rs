@@ -36,6 +36,11 @@ pub trait Backing: Send + Sync {
     fn write_at(&self, _off: usize, _data: &[u8]) -> Result<(), Status> {
         Err(Status::Fault)
     }
+    /// Whether the process this memory belongs to has exited (a copy that failed then tells
+    /// of a dead process, not of a bad address).
+    fn owner_gone(&self) -> bool {
+        false
+    }
 }
 
 /// Tests: `len` bytes of memory reached by copy that is gone (a process's unmapped pages):
@@ -125,6 +130,11 @@ impl Region {
     /// Whether the bytes are mapped here (needed for atomics, event rings, list entries).
     pub fn is_mapped(&self) -> bool {
         self.backing.ptr().is_some()
+    }
+
+    /// Whether the process owning memory reached by copy has exited.
+    pub fn owner_gone(&self) -> bool {
+        self.backing.owner_gone()
     }
 
     /// Copies `data` in at `off`. Bounds must have been checked (asserted); `Status::Fault` when

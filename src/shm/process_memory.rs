@@ -12,6 +12,7 @@
 use std::io;
 use std::mem::MaybeUninit;
 use std::os::fd::{AsFd, OwnedFd};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use crate::nic::memory::Backing;
@@ -24,6 +25,8 @@ pub struct ProcessMemory {
     pidfd: Arc<OwnedFd>,
     addr: usize,
     len: usize,
+    /// A copy found the process's memory gone (see [`Backing::owner_gone`]).
+    gone: AtomicBool,
 }
 
 /// A pidfd for `pid`, to tell later whether that very process still runs.
@@ -59,6 +62,7 @@ impl ProcessMemory {
             pidfd,
             addr,
             len,
+            gone: AtomicBool::new(false),
         };
         let mut b = [0u8; 1];
         for off in [0, (end - 1) as usize - addr] {
@@ -67,16 +71,39 @@ impl ProcessMemory {
         Ok(m)
     }
 
-    /// Moves `n` bytes between `local` and offset `off` of the remote range, resuming after
-    /// partial transfers.
-    fn transfer(&self, off: usize, local: *mut u8, n: usize, write: bool) -> io::Result<()> {
+    /// Whether the process exited (its pidfd is readable then).
+    fn exited(&self) -> io::Result<bool> {
         let fd = self.pidfd.as_fd();
         let mut fds = [rustix::event::PollFd::new(
             &fd,
             rustix::event::PollFlags::IN,
         )];
-        if rustix::event::poll(&mut fds, 0)? != 0 {
-            return Err(io::Error::from_raw_os_error(libc::ESRCH)); // it exited
+        Ok(rustix::event::poll(&mut fds, 0)? != 0)
+    }
+
+    /// Whether the process is on its way out: its address space is torn down (copies fail
+    /// as from a bad address) before its pidfd says it exited. Asked only after a copy
+    /// failed; the pidfd was checked first, so the pid still names this process.
+    fn exiting(&self) -> bool {
+        const PF_EXITING: u64 = 0x4;
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{}/stat", self.pid)) else {
+            return true;
+        };
+        // After the command name (which may hold anything): state, then flags 6 fields on.
+        let Some((_, rest)) = stat.rsplit_once(')') else {
+            return false;
+        };
+        let mut f = rest.split_whitespace();
+        let state = f.next().unwrap_or("");
+        let flags = f.nth(5).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+        matches!(state, "Z" | "X" | "x") || flags & PF_EXITING != 0
+    }
+
+    /// Moves `n` bytes between `local` and offset `off` of the remote range, resuming after
+    /// partial transfers.
+    fn transfer(&self, off: usize, local: *mut u8, n: usize, write: bool) -> io::Result<()> {
+        if self.exited()? {
+            return Err(io::Error::from_raw_os_error(libc::ESRCH));
         }
         let mut done = 0;
         while done < n {
@@ -100,7 +127,15 @@ impl ProcessMemory {
             match got {
                 g if g > 0 => done += g as usize,
                 0 => return Err(io::Error::from(io::ErrorKind::UnexpectedEof)),
-                _ => return Err(io::Error::last_os_error()),
+                _ => {
+                    let e = io::Error::last_os_error();
+                    // Its memory went before its pidfd says it exited (the exit tears the
+                    // address space down first).
+                    if e.raw_os_error() == Some(libc::ESRCH) {
+                        self.gone.store(true, Ordering::Relaxed);
+                    }
+                    return Err(e);
+                }
             }
         }
         Ok(())
@@ -118,6 +153,9 @@ impl Backing for ProcessMemory {
         // process_vm_readv writes every byte it reports; transfer resumes until all are.
         self.transfer(off, out.as_mut_ptr().cast(), out.len(), false)
             .map_err(|_| Status::Fault)
+    }
+    fn owner_gone(&self) -> bool {
+        self.gone.load(Ordering::Relaxed) || self.exited().unwrap_or(false) || self.exiting()
     }
     fn write_at(&self, off: usize, data: &[u8]) -> Result<(), Status> {
         // process_vm_writev only reads the local side.
@@ -173,8 +211,10 @@ mod tests {
             pidfd: fd,
             addr: buf.as_ptr() as usize,
             len: 64,
+            gone: AtomicBool::new(false),
         };
         let mut out = [MaybeUninit::uninit(); 8];
         assert_eq!(m.read_at(0, &mut out), Err(Status::Fault));
+        assert!(m.owner_gone(), "a copy that failed on it says why");
     }
 }

@@ -662,7 +662,7 @@ impl HostCore {
                     .append_to(s.at, s.len as usize, &mut resp.data)
                     .is_ok();
                 if !ok {
-                    resp.ni_fail = NiFail::Segv;
+                    resp.ni_fail = crate::nic::portals::ni::copy_fail(&s.region);
                 }
                 self.ptl_complete_with(job, target_rank, ni, |n| n.get_streamed(s.token, ok));
             }
@@ -733,10 +733,13 @@ impl HostCore {
     }
 
     /// A long get's reply stream left the queue: the events its target held back, failed if
-    /// its memory could not be read (the initiator is told so by a last, failed fragment).
+    /// its memory could not be read (the initiator is told so by a last, failed fragment:
+    /// undeliverable when the process owning the memory exited meanwhile, as for a process
+    /// that is gone, else a bad address).
     pub(super) fn ptl_reply_ended(&mut self, peer: u16, rs: &PtlReplyStream, end: StreamEnd) {
         if let StreamEnd::Segv = end {
-            self.push_owned(peer, &rs.op(rs.sent, 0, NiFail::Segv), None);
+            let f = crate::nic::portals::ni::copy_fail(&rs.src.region);
+            self.push_owned(peer, &rs.op(rs.sent, 0, f), None);
         }
         let ok = matches!(end, StreamEnd::Sent);
         let (job, rank, ni) = rs.target;

@@ -910,12 +910,12 @@ impl PortalsNi {
             ReqKind::Put => {
                 mlength = mlength.min(req.data.len() as u64);
                 if e.region.write(at, &req.data[..mlength as usize]).is_err() {
-                    return fail(self, NiFail::Segv);
+                    return fail(self, copy_fail(&e.region));
                 }
             }
             ReqKind::Get => {
                 if e.region.append_to(at, mlength as usize, &mut data).is_err() {
-                    return fail(self, NiFail::Segv);
+                    return fail(self, copy_fail(&e.region));
                 }
             }
             ReqKind::Atomic(op, dt) | ReqKind::FetchAtomic(op, dt) | ReqKind::Swap(op, dt) => {
@@ -1074,6 +1074,15 @@ impl PortalsNi {
             ack: opts & me::ACK_DISABLE == 0,
             data,
         }
+    }
+}
+
+/// Why a copy to or from an entry's memory failed: its process exited (undeliverable, as to
+/// a process that is gone) or the address is bad.
+pub(crate) fn copy_fail(region: &Region) -> NiFail {
+    match region.owner_gone() {
+        true => NiFail::Undeliverable,
+        false => NiFail::Segv,
     }
 }
 
