@@ -133,14 +133,15 @@ impl Token<'_> {
         dest_offset: u64,
         args: &[u32],
     ) -> Result<(), GasnetError> {
+        self.may_reply()?;
         let end = src_offset
             .checked_add(len)
             .filter(|&e| e <= self.segment.len());
         let Some(end) = end else {
             return Err(GasnetError::OutOfSegment(src_offset as u64, len as u64));
         };
-        let payload = &self.segment[src_offset..end];
         // Checked and encoded like any Long reply; the payload stays where it is.
+        let payload = &self.segment[src_offset..end];
         let bytes = encode(
             handler,
             Category::Long,
@@ -150,7 +151,6 @@ impl Token<'_> {
             dest_offset,
             self.limits,
         )?;
-        self.may_reply()?;
         self.reply = Some(Encoded {
             bytes,
             long_payload: Some(LongPayload::Segment {
@@ -337,16 +337,8 @@ impl Core {
                     self.sent += 1;
                 }
                 // A payload from the segment is read in place (its bounds were checked).
-                let in_segment = reply
-                    .as_ref()
-                    .is_some_and(|r| matches!(r.long_payload, Some(LongPayload::Segment { .. })));
-                let (base, seg_len) = match in_segment {
-                    true => {
-                        let seg = self.conduit.segment();
-                        (seg.as_ptr(), seg.len())
-                    }
-                    false => (std::ptr::null(), 0),
-                };
+                let seg = self.conduit.segment();
+                let (base, seg_len) = (seg.as_ptr(), seg.len());
                 let r = reply.as_ref().map(|r| {
                     let long = r.long_payload.as_ref().map(|p| match *p {
                         LongPayload::Owned(ref v) => &v[..],

@@ -116,6 +116,11 @@ pub(super) fn split(op: u64) -> [u32; 2] {
     [op as u32, (op >> 32) as u32]
 }
 
+/// Whether `len` bytes at `off` lie inside a segment of `seg_len` bytes.
+fn fits(seg_len: usize, off: u64, len: u64) -> bool {
+    off.checked_add(len).is_some_and(|e| e <= seg_len as u64)
+}
+
 pub(super) fn join(lo: u32, hi: u32) -> u64 {
     lo as u64 | ((hi as u64) << 32)
 }
@@ -155,7 +160,7 @@ pub(super) fn register_handlers(
                 [m.args[5], m.args[6]],
             );
             let seg = t.segment();
-            let ok = off.checked_add(len).is_some_and(|e| e <= seg.len() as u64);
+            let ok = fits(seg.len(), off, len);
             let data = if ok {
                 seg[off as usize..(off + len) as usize].to_vec()
             } else {
@@ -177,11 +182,10 @@ pub(super) fn register_handlers(
                 join(m.args[5], m.args[6]),
             );
             // Segments are symmetric: the requester's destination is checked against ours.
-            let seg_len = t.segment().len() as u64;
-            let fits = |at: u64| at.checked_add(len).is_some_and(|e| e <= seg_len);
+            let seg_len = t.segment().len();
             let op = [m.args[0], m.args[1]];
-            let sent = fits(off)
-                && fits(dest)
+            let sent = fits(seg_len, off, len)
+                && fits(seg_len, dest, len)
                 && t.reply_long_from_segment(
                     H_PART_DONE,
                     off as usize,
@@ -227,7 +231,7 @@ pub(super) fn register_handlers(
                 m.args[6] as u8,
             );
             let seg = t.segment();
-            let ok = off.checked_add(len).is_some_and(|e| e <= seg.len() as u64);
+            let ok = fits(seg.len(), off, len);
             if ok {
                 seg[off as usize..(off + len) as usize].fill(value);
             }
@@ -281,9 +285,9 @@ impl Gasnet {
 
     pub(super) fn check_remote(&mut self, offset: u64, len: u64) -> Result<(), GasnetError> {
         // Segments are symmetric (one size for the job): check against ours.
-        match offset.checked_add(len) {
-            Some(e) if e <= self.core.conduit.segment().len() as u64 => Ok(()),
-            _ => Err(GasnetError::OutOfSegment(offset, len)),
+        match fits(self.core.conduit.segment().len(), offset, len) {
+            true => Ok(()),
+            false => Err(GasnetError::OutOfSegment(offset, len)),
         }
     }
 

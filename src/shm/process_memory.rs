@@ -12,7 +12,6 @@
 use std::io;
 use std::mem::MaybeUninit;
 use std::os::fd::{AsFd, OwnedFd};
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use crate::nic::memory::Backing;
@@ -25,8 +24,6 @@ pub struct ProcessMemory {
     pidfd: Arc<OwnedFd>,
     addr: usize,
     len: usize,
-    /// A copy found the process's memory gone (see [`Backing::owner_gone`]).
-    gone: AtomicBool,
 }
 
 /// A pidfd for `pid`, to tell later whether that very process still runs.
@@ -62,7 +59,6 @@ impl ProcessMemory {
             pidfd,
             addr,
             len,
-            gone: AtomicBool::new(false),
         };
         let mut b = [0u8; 1];
         for off in [0, (end - 1) as usize - addr] {
@@ -127,15 +123,7 @@ impl ProcessMemory {
             match got {
                 g if g > 0 => done += g as usize,
                 0 => return Err(io::Error::from(io::ErrorKind::UnexpectedEof)),
-                _ => {
-                    let e = io::Error::last_os_error();
-                    // Its memory went before its pidfd says it exited (the exit tears the
-                    // address space down first).
-                    if e.raw_os_error() == Some(libc::ESRCH) {
-                        self.gone.store(true, Ordering::Relaxed);
-                    }
-                    return Err(e);
-                }
+                _ => return Err(io::Error::last_os_error()),
             }
         }
         Ok(())
@@ -155,7 +143,7 @@ impl Backing for ProcessMemory {
             .map_err(|_| Status::Fault)
     }
     fn owner_gone(&self) -> bool {
-        self.gone.load(Ordering::Relaxed) || self.exited().unwrap_or(false) || self.exiting()
+        self.exited().unwrap_or(false) || self.exiting()
     }
     fn write_at(&self, off: usize, data: &[u8]) -> Result<(), Status> {
         // process_vm_writev only reads the local side.
@@ -211,7 +199,6 @@ mod tests {
             pidfd: fd,
             addr: buf.as_ptr() as usize,
             len: 64,
-            gone: AtomicBool::new(false),
         };
         let mut out = [MaybeUninit::uninit(); 8];
         assert_eq!(m.read_at(0, &mut out), Err(Status::Fault));

@@ -941,24 +941,18 @@ impl HostCore {
                         }
                     }
                 }
-                OutItem::PtlStream(ps) => {
-                    let end = ps.emit(peer, &mut self.transport);
+                OutItem::PtlStream(_) | OutItem::PtlReply(_) => {
+                    let end = match item {
+                        OutItem::PtlStream(ps) => ps.emit(peer, &mut self.transport),
+                        OutItem::PtlReply(rs) => rs.emit(peer, &mut self.transport),
+                        _ => unreachable!("matched above"),
+                    };
                     let Some(end) = end else { return };
-                    let ps = match self.out[p].pop_front() {
-                        Some(OutItem::PtlStream(ps)) => ps,
+                    match self.out[p].pop_front() {
+                        Some(OutItem::PtlStream(ps)) => self.ptl_stream_ended(&ps, end),
+                        Some(OutItem::PtlReply(rs)) => self.ptl_reply_ended(peer, &rs, end),
                         _ => unreachable!("the front item was this stream"),
-                    };
-                    self.ptl_stream_ended(&ps, end);
-                }
-                OutItem::PtlReply(rs) => {
-                    let Some(end) = rs.emit(peer, &mut self.transport) else {
-                        return;
-                    };
-                    let rs = match self.out[p].pop_front() {
-                        Some(OutItem::PtlReply(rs)) => rs,
-                        _ => unreachable!("the front item was this stream"),
-                    };
-                    self.ptl_reply_ended(peer, &rs, end);
+                    }
                 }
                 OutItem::Reply(r) => match self.transport.push_op(peer, &r.as_op()) {
                     Err(PushError::Full(_)) => return,

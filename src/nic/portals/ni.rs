@@ -268,6 +268,14 @@ impl PortalsNi {
         }
     }
 
+    /// Posts `ev`, or holds it for a streamed get until its last byte was read.
+    fn post_or_hold(&mut self, held: Option<&mut Deferred>, eq: Option<u32>, ev: Event) {
+        match held {
+            Some(d) => d.events.push(ev),
+            None => self.post(eq, ev),
+        }
+    }
+
     /// The reply stream the last delivery asked for (a get of at least `stream_gets_from`
     /// bytes): the caller sends it and reports its end with [`PortalsNi::get_streamed`].
     pub fn take_get_stream(&mut self) -> Option<GetStream> {
@@ -1012,10 +1020,7 @@ impl PortalsNi {
                 ni_fail: NiFail::Ok,
                 atomic: atomic_of(req.kind),
             };
-            match deferred.as_mut() {
-                Some(d) => d.events.push(ev),
-                None => self.post(eq, ev),
-            }
+            self.post_or_hold(deferred.as_mut(), eq, ev);
         }
         if overflow {
             let u = Unexpected {
@@ -1047,10 +1052,7 @@ impl PortalsNi {
             }
             if opts & me::EVENT_UNLINK_DISABLE == 0 {
                 let ev = Event::bare(EventKind::AutoUnlink, idx, user_ptr, NiFail::Ok);
-                match deferred.as_mut() {
-                    Some(d) => d.events.push(ev),
-                    None => self.post(eq, ev),
-                }
+                self.post_or_hold(deferred.as_mut(), eq, ev);
             }
             if !keep {
                 self.entries.remove(h);
