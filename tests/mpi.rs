@@ -237,7 +237,7 @@ fn long_receives_into_private_memory_wait_their_turn_for_the_staging_ring() {
         );
     }
     // (message length, receive length): 20 × 1 MiB and 2 MiB bodies (26 MiB, the ring holds
-    // 8), 3 MiB (beyond staging), a truncated one.
+    // 4), 3 MiB (beyond staging), a truncated one.
     let mut plan: Vec<(usize, usize)> = (0..20)
         .map(|k| {
             if k % 4 == 3 {
