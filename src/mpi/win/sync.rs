@@ -191,22 +191,40 @@ impl Win {
         Ok(())
     }
 
+    /// Gives the lock back without waiting for the target to confirm it: the epoch's
+    /// operations completed before (`unlock` flushes first), so only other lockers wait on
+    /// the release, and this origin's next flush (its next lock's, a fence, `free`) collects
+    /// its acknowledgement. A release overtaken by this origin's next attempt on the same word
+    /// only makes that attempt retry.
     fn release(&mut self, kind: LockType, rank: u32) -> Result<(), MpiError> {
         match kind {
-            LockType::Shared => self.ctrl_add(rank, LOCK, u64::MAX)?,
+            LockType::Shared => self.ctrl_add(rank, LOCK, u64::MAX),
             LockType::Exclusive => {
-                // MSWAP with mask 2^32: bit 32 takes the data's (0), the rest stays.
-                let t = self.ctrl_target(rank, LOCK);
-                self.fetch_one(
-                    t,
-                    &0u64.to_le_bytes(),
-                    &EXCL.to_le_bytes(),
-                    AtomicOp::Mswap,
-                    Datatype::Uint64,
-                )?;
+                // MSWAP with mask 2^32: bit 32 takes the data's (0), the rest stays. The old
+                // value lands in staging, which stays put until the flush that collects it.
+                let src = self.stage(16)?;
+                let dst = src + 8;
+                self.staging.bytes()[src as usize..src as usize + 8]
+                    .copy_from_slice(&0u64.to_le_bytes());
+                let (t, md) = (self.ctrl_target(rank, LOCK), self.md);
+                self.issue(None, |st| {
+                    st.p.swap(
+                        st.ni,
+                        md,
+                        dst,
+                        md,
+                        src,
+                        8,
+                        t,
+                        0,
+                        0,
+                        &EXCL.to_le_bytes(),
+                        AtomicOp::Mswap,
+                        Datatype::Uint64,
+                    )
+                })
             }
         }
-        self.flush_all_inner()
     }
 
     /// MPI_Win_lock: a passive-target epoch to `rank`.
@@ -286,13 +304,14 @@ impl Win {
             return err(ErrorClass::RmaSync, "unlock_all without lock_all");
         };
         self.flush_all_inner()?;
+        // The releases are not waited for (see `release`).
         for r in 0..self.comm.size() {
             if check {
                 self.ctrl_add(r, LOCK, u64::MAX)?;
             }
             self.access[r as usize] = Access::None;
         }
-        self.flush_all_inner()
+        Ok(())
     }
 
     fn check_group(&self, group: &[u32]) -> Result<(), MpiError> {
