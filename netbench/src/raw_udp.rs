@@ -162,14 +162,13 @@ pub struct Pinned {
 impl Pinned {
     pub fn apart(rank: u32) -> Option<Pinned> {
         let before = softnic::shm::cores::allowed().ok()?;
-        if before.len() < 2 {
+        // Among the CPUs the rank had before it left its NIC's core (the peer may not have
+        // left one, and both would land on the same).
+        let all = softnic::shm::cores::allowed_before_leaving().ok()?;
+        if all.len() < 2 {
             return None;
         }
-        let cpu = if rank == 0 {
-            before[0]
-        } else {
-            before[before.len() - 1]
-        };
+        let cpu = if rank == 0 { all[0] } else { all[all.len() - 1] };
         softnic::shm::cores::set_allowed(&[cpu]).ok()?;
         Some(Pinned { before })
     }

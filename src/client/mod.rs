@@ -52,8 +52,6 @@ pub struct Client {
     client_bell: OwnedFd,
     pub host: u16,
     pub nhosts: u16,
-    /// This thread may run only on the daemon's core: no use trying to leave it again.
-    stuck_on_nic: std::cell::Cell<bool>,
     waiter: Waiter,
 }
 
@@ -120,7 +118,6 @@ impl Client {
             client_bell,
             host,
             nhosts,
-            stuck_on_nic: std::cell::Cell::new(false),
         })
     }
 
@@ -223,26 +220,12 @@ impl Client {
     }
 
     /// For a wait that outlasts its first spin: whether this thread runs on another core than
-    /// the pinned daemon's, moving off the daemon's core if it is on it (for good: a rank that
-    /// shares it pays two context switches per operation). `false` when the daemon is not
-    /// pinned or there is nowhere else to go.
+    /// the pinned daemon's, moving off the daemon's core if it is on it (`cores::off_core`).
+    /// `false` when the daemon is not pinned or there is nowhere else to go.
     pub fn off_nic_core(&self) -> bool {
-        let Some(nic) = self.control.nic_cpu() else {
-            return false;
-        };
-        match crate::shm::cores::current_cpu() {
-            Some(c) if c == nic => {
-                if self.stuck_on_nic.get() {
-                    return false;
-                }
-                let moved = crate::shm::cores::leave(nic);
-                self.stuck_on_nic.set(!moved);
-                tracing::debug!(nic, moved, "rank moves off the NIC's core");
-                moved
-            }
-            Some(_) => true,
-            None => false,
-        }
+        self.control
+            .nic_cpu()
+            .is_some_and(crate::shm::cores::off_core)
     }
 
     fn ring_if_sleeping(&self) {

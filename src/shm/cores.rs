@@ -6,8 +6,9 @@
 //! daemon shares a core with a rank that computes, its yields hand the core over until the next
 //! scheduler tick (4 ms). So a daemon may be pinned to a core (`nic_cpu`), publishes it in every
 //! control block, and then yields only to clients that announce they wait on that core; a
-//! GASNet rank whose wait outlasts its first spin moves off it, and one blocked on one operation
-//! then spins instead of yielding.
+//! client whose wait yields (a GASNet wait outlasting its first spin, any other at its first
+//! yield) moves off it, and a GASNet rank blocked on one operation then spins instead of
+//! yielding.
 
 /// The CPU the calling thread runs on (glibc answers from the rseq area: no system call).
 pub fn current_cpu() -> Option<u32> {
@@ -54,6 +55,46 @@ pub fn leave(cpu: u32) -> bool {
     let Ok(cpus) = allowed() else { return false };
     let rest: Vec<u32> = cpus.into_iter().filter(|&c| c != cpu).collect();
     !rest.is_empty() && set_allowed(&rest).is_ok()
+}
+
+thread_local! {
+    /// This thread could not leave the NIC's core (nowhere else to go, or refused): it stops
+    /// trying.
+    static STUCK: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    /// The CPUs this thread was allowed before it left the NIC's core.
+    static BEFORE_LEAVING: std::cell::RefCell<Option<Vec<u32>>> = const { std::cell::RefCell::new(None) };
+}
+
+/// The CPUs the calling thread may run on, not counting a move off the NIC's core (what a
+/// measurement that pins itself chooses among).
+pub fn allowed_before_leaving() -> std::io::Result<Vec<u32>> {
+    match BEFORE_LEAVING.with_borrow(|b| b.clone()) {
+        Some(cpus) => Ok(cpus),
+        None => allowed(),
+    }
+}
+
+/// For a thread about to wait on the NIC pinned to `nic`: moves it off that core, for good, if
+/// it runs there (a client sharing the NIC's core pays two context switches per operation);
+/// tried once per thread. Whether the thread now runs elsewhere.
+pub fn off_core(nic: u32) -> bool {
+    match current_cpu() {
+        Some(c) if c == nic => {
+            if STUCK.get() {
+                return false;
+            }
+            let before = allowed().ok();
+            let moved = leave(nic);
+            STUCK.set(!moved);
+            if moved {
+                BEFORE_LEAVING.set(before);
+            }
+            tracing::debug!(nic, moved, "a client moves off the NIC's core");
+            moved
+        }
+        Some(_) => true,
+        None => false,
+    }
 }
 
 /// Lets the calling thread run on exactly `cpus` (also how a benchmark pins its floor, then
