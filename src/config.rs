@@ -205,6 +205,11 @@ pub struct Host {
     /// address).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ssh: Option<String>,
+    /// This host's daemon's core, as the cluster's `nic_cpu` (which it overrides): hosts of
+    /// different shapes, or several hosts on one machine (namespaces, containers), each NIC
+    /// on a core of its own.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nic_cpu: Option<i64>,
 }
 
 impl Host {
@@ -324,15 +329,31 @@ impl Config {
             self.cluster.runtime_dir = v.into();
         }
         if let Ok(v) = std::env::var("SOFTNIC_NIC_CPU") {
-            match v.as_str() {
-                "none" | "" => self.cluster.nic_cpu = None,
-                n => match n.parse() {
-                    Ok(i) => self.cluster.nic_cpu = Some(i),
-                    Err(_) => {
-                        tracing::warn!("ignoring SOFTNIC_NIC_CPU={v}: expected an index or none")
-                    }
-                },
+            let set = match v.as_str() {
+                "none" | "" => Some(None),
+                n => n.parse().ok().map(Some),
+            };
+            match set {
+                Some(cpu) => {
+                    // It overrides the hosts' own too.
+                    self.cluster.nic_cpu = cpu;
+                    self.hosts.iter_mut().for_each(|h| h.nic_cpu = None);
+                }
+                None => tracing::warn!("ignoring SOFTNIC_NIC_CPU={v}: expected an index or none"),
             }
+        }
+    }
+
+    /// The core for a daemon serving `indices`: a lone host's own `nic_cpu`, else the
+    /// cluster's (one thread serving several hosts has one core).
+    pub fn nic_cpu_for(&self, indices: &[u16]) -> Option<i64> {
+        match indices {
+            [one] => self
+                .hosts
+                .get(*one as usize)
+                .and_then(|h| h.nic_cpu)
+                .or(self.cluster.nic_cpu),
+            _ => self.cluster.nic_cpu,
         }
     }
 
@@ -587,6 +608,7 @@ impl Config {
                     public_key: None,
                     private_key_file: None,
                     ssh: None,
+                    nic_cpu: None,
                 })
                 .collect(),
         }
@@ -641,6 +663,19 @@ mod tests {
         assert_eq!(lan.cluster.mtu, 1472);
         assert!(lan.per_host_keys());
         lan.validate().unwrap();
+    }
+
+    #[test]
+    fn a_hosts_own_nic_cpu_serves_its_lone_daemon() {
+        let mut c = Config::parse(&Config::local_default(3, 7700, "/tmp/x".into()).to_toml())
+            .unwrap();
+        c.hosts[1].nic_cpu = Some(0);
+        let back = Config::parse(&c.to_toml()).unwrap();
+        assert_eq!(back.hosts[1].nic_cpu, Some(0), "kept through the file");
+        assert_eq!(back.nic_cpu_for(&[1]), Some(0), "the host's own");
+        assert_eq!(back.nic_cpu_for(&[2]), Some(-1), "else the cluster's");
+        assert_eq!(back.nic_cpu_for(&[0, 1, 2]), Some(-1), "one thread, several hosts");
+        assert_eq!(back.nic_cpu_for(&[9]), Some(-1), "an unknown host: the cluster's");
     }
 
     #[test]
