@@ -136,6 +136,8 @@ impl Endpoint {
             noted: Vec::new(),
         };
         ep.barrier_inner(true)?;
+        // Every rank is attached: the clients' count the daemon published is the job's.
+        crate::shm::cores::start_placing();
         Ok(ep)
     }
 

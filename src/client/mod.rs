@@ -219,9 +219,9 @@ impl Client {
         self.control.waiter()
     }
 
-    /// For a wait that outlasts its first spin: whether this thread runs on another core than
-    /// the pinned daemon's, moving off the daemon's core if it is on it (`cores::off_core`).
-    /// `false` when the daemon is not pinned or there is nowhere else to go.
+    /// For a GASNet wait that outlasts its first spin: whether this thread runs on another
+    /// core than the pinned daemon's, moving off the daemon's core for good if it is on it
+    /// (`cores::off_core`). `false` when the daemon is not pinned or there is nowhere to go.
     pub fn off_nic_core(&self) -> bool {
         self.control
             .nic_cpu()

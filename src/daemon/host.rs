@@ -79,6 +79,8 @@ pub struct HostNic {
     pub sessions: Vec<Option<Session>>,
     /// The CPU the daemon's thread is pinned to, published to every client at attach.
     pub(super) nic_cpu: Option<u32>,
+    /// A client attached or detached since the daemon last told them all how many there are.
+    pub(super) clients_changed: bool,
     next_gen: u64,
     cmd_buf: Vec<u8>,
     uid: u32,
@@ -244,6 +246,7 @@ impl HostNic {
             socket_path,
             sessions: Vec::new(),
             nic_cpu: None,
+            clients_changed: false,
             next_gen: 1,
             cmd_buf: Vec::with_capacity(8192),
             uid: rustix::process::geteuid().as_raw(),
@@ -597,6 +600,7 @@ impl HostNic {
                 *bell = Some(a.daemon_bell.as_raw_fd());
                 let s = self.sessions[slot].as_mut().expect("live session");
                 s.attached = Some(a);
+                self.clients_changed = true;
                 match fds.into_iter().collect::<io::Result<Vec<_>>>() {
                     Ok(f) => (
                         Response::HelloOk {
@@ -681,7 +685,29 @@ impl HostNic {
         let Some(s) = self.sessions.get_mut(slot).and_then(|s| s.take()) else {
             return;
         };
+        self.clients_changed |= s.attached.is_some();
         self.core.detach(s.id);
+    }
+
+    /// How many clients are attached here.
+    pub fn clients(&self) -> usize {
+        self.sessions
+            .iter()
+            .flatten()
+            .filter(|s| s.attached.is_some())
+            .count()
+    }
+
+    /// Tells every attached client how many the whole process serves.
+    pub fn publish_clients(&self, n: usize) {
+        for a in self
+            .sessions
+            .iter()
+            .flatten()
+            .filter_map(|s| s.attached.as_ref())
+        {
+            a.control.set_clients(n.min(u32::MAX as usize) as u32);
+        }
     }
 
     /// Whether a client announced that it yields `cpu` while waiting for us.

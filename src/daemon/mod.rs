@@ -147,6 +147,7 @@ impl Daemon {
                     }
                 }
             }
+            self.publish_clients();
             if busy {
                 busy_turns += 1;
                 idle_turns = 0;
@@ -293,6 +294,7 @@ impl Daemon {
     fn session_readable(&mut self, k: usize, slot: usize) -> Result<(), DaemonError> {
         let mut bell = None;
         self.hosts[k].on_session_readable(slot, &mut bell);
+        self.publish_clients();
         if let Some(fd) = bell {
             self.poll.registry().register(
                 &mut SourceFd(&fd),
@@ -301,6 +303,18 @@ impl Daemon {
             )?;
         }
         Ok(())
+    }
+
+    /// After attaches or detaches: every client learns how many share the machine with it.
+    fn publish_clients(&mut self) {
+        let mut changed = false;
+        for h in &mut self.hosts {
+            changed |= std::mem::take(&mut h.clients_changed);
+        }
+        if changed {
+            let n = self.hosts.iter().map(HostNic::clients).sum();
+            self.hosts.iter().for_each(|h| h.publish_clients(n));
+        }
     }
 
     /// Statistics of every host this process runs.

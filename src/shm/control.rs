@@ -17,7 +17,7 @@ use super::Mapping;
 use crate::wire::{get_u16, get_u32, get_u64, AmoOp};
 
 const MAGIC: u64 = 0x3143_494e_5446_4f53; // "SOFTNIC1"
-const VERSION: u32 = 3;
+const VERSION: u32 = 4;
 const HEADER: usize = 4096;
 const CMD_HEAD: usize = 64;
 const CMD_TAIL: usize = 128;
@@ -27,6 +27,7 @@ const DAEMON_SLEEPING: usize = 320;
 const CLIENT_SLEEPING: usize = 384;
 const NIC_CPU: usize = 448;
 const WAITER_CPU: usize = 512;
+const CLIENTS: usize = 576;
 const REC_CMD: u32 = 1;
 const REC_PAD: u32 = 2;
 /// Bytes of a command descriptor (after the 8-byte record header).
@@ -615,6 +616,16 @@ impl Control {
         decode_cpu(self.flag(NIC_CPU))
     }
 
+    /// The daemon: how many clients its process serves (every host's), which is how many
+    /// processes share the machine's cores besides the NIC (see [`Waiter::yield_now`]).
+    pub fn set_clients(&self, n: u32) {
+        self.flag(CLIENTS).store(n, Ordering::Relaxed);
+    }
+
+    pub fn clients(&self) -> u32 {
+        self.flag(CLIENTS).load(Ordering::Relaxed)
+    }
+
     /// The daemon: the CPU a client gives away while it waits (see [`Waiter::yield_now`]).
     pub fn waiter_cpu(&self) -> Option<u32> {
         decode_cpu(self.flag(WAITER_CPU))
@@ -641,11 +652,11 @@ fn decode_cpu(f: &AtomicU32) -> Option<u32> {
     f.load(Ordering::Relaxed).checked_sub(1)
 }
 
-/// Yields a client's core while it waits for the NIC. Where the daemon is pinned, a client on
-/// its core first moves off it for good (`cores::off_core`: ranks that were left there made
-/// every round trip two context switches dearer, gni put 8 B 5.8 against 4.5 µs); one that
-/// cannot announces the yield (the CPU given away, in the control block), as the daemon then
-/// yields only to clients that wait on its core.
+/// Yields a client's core while it waits for the NIC. Where the daemon is pinned and the
+/// other cores hold every client of its process, a client keeps off the NIC's core
+/// (`cores::keep_off`: a rank left there made every round trip two context switches dearer,
+/// gni put 8 B 5.8 against 4.5 µs); one that stays announces the yield (the CPU given away,
+/// in the control block), as the daemon then yields only to clients that wait on its core.
 pub struct Waiter {
     map: std::sync::Arc<Mapping>,
 }
@@ -653,10 +664,12 @@ pub struct Waiter {
 impl Waiter {
     pub fn yield_now(&self) {
         let nic = decode_cpu(flag(&self.map, NIC_CPU));
-        if nic.is_some_and(|n| super::cores::current_cpu() == Some(n) && super::cores::off_core(n))
-        {
-            // Moved: the move gave the core away.
-            return;
+        if let Some(n) = nic {
+            let sharing = flag(&self.map, CLIENTS).load(Ordering::Relaxed);
+            if super::cores::keep_off(n, sharing) == super::cores::Placed::Moved {
+                // The move gave the core away.
+                return;
+            }
         }
         // Unpinned, nothing is announced: no write to the shared line on every yield.
         let cpu = nic.and_then(|_| super::cores::current_cpu());
@@ -712,27 +725,47 @@ mod tests {
     }
 
     #[test]
-    fn a_waiter_on_the_nics_core_moves_off_it_for_good() {
-        // In a thread of its own: the affinity it loses must not leak into other tests.
+    fn a_waiter_keeps_off_the_nics_core_while_the_other_cores_hold_every_client() {
+        // In a thread of its own: the affinity it changes must not leak into other tests.
         std::thread::spawn(|| {
-            let cpus = crate::shm::cores::allowed().unwrap();
+            use crate::shm::cores;
+            let cpus = cores::allowed().unwrap();
             if cpus.len() < 2 {
                 eprintln!("skipped: one CPU allowed, nowhere to move");
                 return;
             }
             let (d, c) = pair();
-            let nic = crate::shm::cores::pin(0).unwrap().expect("two CPUs");
-            crate::shm::cores::set_allowed(&cpus).unwrap();
-            // Still on the NIC's core until the scheduler moves it: run there for sure.
-            while crate::shm::cores::current_cpu() != Some(nic) {
-                crate::shm::cores::set_allowed(&[nic]).unwrap();
-                crate::shm::cores::set_allowed(&cpus).unwrap();
-            }
+            cores::start_placing();
+            let nic = cores::pin(0).unwrap().expect("two CPUs");
+            let onto_nic = || {
+                cores::set_allowed(&[nic]).unwrap();
+                cores::set_allowed(&cpus).unwrap();
+            };
+            onto_nic();
             d.set_nic_cpu(Some(nic));
+            // More clients than the other cores hold: it stays (and announces its yields).
+            d.set_clients(cpus.len() as u32);
             c.waiter().yield_now();
-            assert_ne!(crate::shm::cores::current_cpu(), Some(nic), "moved off");
-            assert!(!crate::shm::cores::allowed().unwrap().contains(&nic), "for good");
+            assert!(cores::allowed().unwrap().contains(&nic), "stays");
+            // Room for every client: it leaves for good, announcing nothing.
+            d.set_clients(1);
+            onto_nic();
+            c.waiter().yield_now();
+            assert_ne!(cores::current_cpu(), Some(nic), "moved off");
+            assert!(!cores::allowed().unwrap().contains(&nic));
             assert_eq!(d.waiter_cpu(), None, "a waiter that moved announces nothing");
+            c.waiter().yield_now();
+            assert!(!cores::allowed().unwrap().contains(&nic), "for good");
+            assert_eq!(cores::allowed_before_leaving().unwrap(), cpus);
+            // More clients attached since: it may use every CPU it had again.
+            d.set_clients(cpus.len() as u32);
+            c.waiter().yield_now();
+            assert_eq!(cores::allowed().unwrap(), cpus, "back");
+            // A GASNet wait leaves for good: crowding does not bring it back.
+            onto_nic();
+            assert!(cores::off_core(nic));
+            c.waiter().yield_now();
+            assert!(!cores::allowed().unwrap().contains(&nic), "GASNet's move stays");
         })
         .join()
         .unwrap();

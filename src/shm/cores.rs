@@ -57,44 +57,105 @@ pub fn leave(cpu: u32) -> bool {
     !rest.is_empty() && set_allowed(&rest).is_ok()
 }
 
+/// Where a thread stands towards the NIC's core.
+#[derive(Default)]
+struct Left {
+    /// The CPUs it was allowed before it left the NIC's core (`Some` while it keeps off).
+    before: Option<Vec<u32>>,
+    /// It left for good (a GASNet wait): crowding does not bring it back.
+    for_good: bool,
+    /// It could not leave (nowhere else to go, or refused): it stops trying.
+    stuck: bool,
+}
+
 thread_local! {
-    /// This thread could not leave the NIC's core (nowhere else to go, or refused): it stops
-    /// trying.
-    static STUCK: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
-    /// The CPUs this thread was allowed before it left the NIC's core.
-    static BEFORE_LEAVING: std::cell::RefCell<Option<Vec<u32>>> = const { std::cell::RefCell::new(None) };
+    static LEFT: std::cell::RefCell<Left> = std::cell::RefCell::new(Left::default());
+}
+
+/// Whether [`keep_off`] decides yet: not before the job's ranks are all attached (their
+/// number is what it weighs), see [`start_placing`].
+static PLACING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Lets [`keep_off`] decide from now on: called once the job's ranks are all attached.
+pub fn start_placing() {
+    PLACING.store(true, std::sync::atomic::Ordering::Relaxed);
 }
 
 /// The CPUs the calling thread may run on, not counting a move off the NIC's core (what a
 /// measurement that pins itself chooses among).
 pub fn allowed_before_leaving() -> std::io::Result<Vec<u32>> {
-    match BEFORE_LEAVING.with_borrow(|b| b.clone()) {
+    match LEFT.with_borrow(|l| l.before.clone()) {
         Some(cpus) => Ok(cpus),
         None => allowed(),
     }
 }
 
-/// For a thread about to wait on the NIC pinned to `nic`: moves it off that core, for good, if
-/// it runs there (a client sharing the NIC's core pays two context switches per operation);
-/// tried once per thread. Whether the thread now runs elsewhere.
-pub fn off_core(nic: u32) -> bool {
-    match current_cpu() {
-        Some(c) if c == nic => {
-            if STUCK.get() {
-                return false;
-            }
-            let before = allowed().ok();
-            let moved = leave(nic);
-            STUCK.set(!moved);
-            if moved {
-                BEFORE_LEAVING.set(before);
-            }
-            tracing::debug!(nic, moved, "a client moves off the NIC's core");
-            moved
-        }
-        Some(_) => true,
-        None => false,
+/// What [`keep_off`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Placed {
+    /// The thread left the NIC's core just now.
+    Moved,
+    /// Nothing changed (or it went back to every CPU it had).
+    Stayed,
+}
+
+/// Moves the calling thread off `nic` if it runs there (`room`: whether the other CPUs hold
+/// the clients); remembers how to come back.
+fn leave_nic(l: &mut Left, nic: u32, room: impl Fn(usize) -> bool) -> Placed {
+    if l.before.is_some() || l.stuck || current_cpu() != Some(nic) {
+        return Placed::Stayed;
     }
+    let Ok(cpus) = allowed() else {
+        return Placed::Stayed;
+    };
+    let others = cpus.iter().filter(|&&c| c != nic).count();
+    if others == 0 || !room(others) {
+        return Placed::Stayed;
+    }
+    let moved = leave(nic);
+    l.stuck = !moved;
+    tracing::debug!(nic, moved, "a client keeps off the NIC's core");
+    if moved {
+        l.before = Some(cpus);
+        Placed::Moved
+    } else {
+        Placed::Stayed
+    }
+}
+
+/// For a thread about to wait on the NIC pinned to `nic`, one of `sharing` processes the NIC
+/// serves: keeps it off the NIC's core while the other CPUs it may use hold them all (a
+/// client sharing the NIC's core pays two context switches per operation; crowding the other
+/// cores costs computing ranks more: RandomAccess over VELO at 2 ranks on 2 cores lost half),
+/// and lets it back when they no longer do (more clients attached since).
+pub fn keep_off(nic: u32, sharing: u32) -> Placed {
+    if !PLACING.load(std::sync::atomic::Ordering::Relaxed) {
+        return Placed::Stayed;
+    }
+    LEFT.with_borrow_mut(|l| {
+        if let (Some(cpus), false) = (&l.before, l.for_good) {
+            let others = cpus.iter().filter(|&&c| c != nic).count();
+            if sharing as usize > others && set_allowed(cpus).is_ok() {
+                tracing::debug!(nic, sharing, "a client may use the NIC's core again");
+                l.before = None;
+            }
+            return Placed::Stayed;
+        }
+        leave_nic(l, nic, |others| sharing as usize <= others)
+    })
+}
+
+/// For a GASNet wait that outlasts its first spin: whether this thread runs on another core
+/// than the NIC's `nic`, moving off it for good if it is on it (GASNet's waits measured
+/// faster so even where the ranks then crowd the other cores: AM Short 11 against 12–14 µs,
+/// two ranks on two cores).
+pub fn off_core(nic: u32) -> bool {
+    LEFT.with_borrow_mut(|l| {
+        if leave_nic(l, nic, |_| true) == Placed::Moved || l.before.is_some() {
+            l.for_good = true;
+        }
+    });
+    current_cpu().is_some_and(|c| c != nic)
 }
 
 /// Lets the calling thread run on exactly `cpus` (also how a benchmark pins its floor, then
