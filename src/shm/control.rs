@@ -747,7 +747,7 @@ mod tests {
             d.set_clients(cpus.len() as u32);
             c.waiter().yield_now();
             assert!(cores::allowed().unwrap().contains(&nic), "stays");
-            // Room for every client: it leaves for good, announcing nothing.
+            // Room for every client: it leaves, announcing nothing.
             d.set_clients(1);
             onto_nic();
             c.waiter().yield_now();
@@ -755,7 +755,7 @@ mod tests {
             assert!(!cores::allowed().unwrap().contains(&nic));
             assert_eq!(d.waiter_cpu(), None, "a waiter that moved announces nothing");
             c.waiter().yield_now();
-            assert!(!cores::allowed().unwrap().contains(&nic), "for good");
+            assert!(!cores::allowed().unwrap().contains(&nic), "and keeps off");
             assert_eq!(cores::allowed_before_leaving().unwrap(), cpus);
             // More clients attached since: it may use every CPU it had again.
             d.set_clients(cpus.len() as u32);

@@ -5,10 +5,10 @@
 //! two per operation); on two cores a blocking put took 16 µs that way instead of 10.5. When the
 //! daemon shares a core with a rank that computes, its yields hand the core over until the next
 //! scheduler tick (4 ms). So a daemon may be pinned to a core (`nic_cpu`), publishes it in every
-//! control block, and then yields only to clients that announce they wait on that core; a
-//! client whose wait yields (a GASNet wait outlasting its first spin, any other at its first
-//! yield) moves off it, and a GASNet rank blocked on one operation then spins instead of
-//! yielding.
+//! control block, and then yields only to clients that announce they wait on that core. A
+//! client that waits from that core moves off it while the other cores hold every client of
+//! the daemon's process ([`keep_off`]; a GASNet wait outlasting its first spin regardless,
+//! [`off_core`]), and a GASNet rank blocked on one operation then spins instead of yielding.
 
 /// The CPU the calling thread runs on (glibc answers from the rseq area: no system call).
 pub fn current_cpu() -> Option<u32> {
