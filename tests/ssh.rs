@@ -58,6 +58,40 @@ fn ssh_spawner_on_three_namespace_hosts() {
             "host {i}: its daemon, started over ssh"
         );
     }
+    // Each host's own `nic_cpu` (0, 1, 0): its daemon's NIC thread runs on that CPU alone.
+    let cpus = std::fs::read_to_string("/proc/self/status")
+        .unwrap()
+        .lines()
+        .find_map(|l| l.strip_prefix("Cpus_allowed_list:").map(|v| v.trim().to_string()))
+        .unwrap();
+    let allowed: Vec<u32> = cpus
+        .split(',')
+        .flat_map(|r| match r.split_once('-') {
+            Some((a, b)) => (a.parse().unwrap()..=b.parse().unwrap()).collect::<Vec<u32>>(),
+            None => vec![r.parse().unwrap()],
+        })
+        .collect();
+    if allowed.len() >= 2 {
+        for i in 0..HOSTS {
+            let pid = c.pids(i, "softnicd")[0];
+            let want = allowed[i % 2].to_string();
+            let lists: Vec<String> = std::fs::read_dir(format!("/proc/{pid}/task"))
+                .unwrap()
+                .filter_map(|t| {
+                    let st = std::fs::read_to_string(t.ok()?.path().join("status")).ok()?;
+                    st.lines()
+                        .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
+                        .map(|v| v.trim().to_string())
+                })
+                .collect();
+            assert!(
+                lists.contains(&want),
+                "host {i}: a NIC thread on CPU {want} alone, threads on {lists:?}"
+            );
+        }
+    } else {
+        eprintln!("one CPU allowed: no NIC core to check");
+    }
     let out = c.run(
         &["-n", "6", "--map", "block", "--conduit", "portals"],
         &example("am_hello"),

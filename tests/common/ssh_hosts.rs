@@ -81,8 +81,10 @@ impl Cluster {
             sh(&format!(
                 "ip netns exec {ns} /usr/sbin/sshd -f {d}/sshd{i}.conf -E {d}/sshd{i}.log"
             ))?;
+            // Hosts sharing this machine: each NIC on a core of its own where there are two.
             hosts.push_str(&format!(
-                "\n[[host]]\nname = \"h{i}\"\naddr = \"{addr}:7720\"\n"
+                "\n[[host]]\nname = \"h{i}\"\naddr = \"{addr}:7720\"\nnic_cpu = {}\n",
+                i % 2
             ));
         }
         let secret: String = (0..32)
@@ -141,6 +143,22 @@ impl Cluster {
             .envs(env.iter().copied())
             .output()
             .unwrap()
+    }
+
+    /// The pids of namespace `i`'s processes named `comm`.
+    pub fn pids(&self, i: usize, comm: &str) -> Vec<u32> {
+        let out = Command::new("ip")
+            .args(["netns", "pids", &self.ns[i]])
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout)
+            .split_whitespace()
+            .filter(|p| {
+                std::fs::read_to_string(format!("/proc/{p}/comm"))
+                    .is_ok_and(|c| c.trim() == comm)
+            })
+            .filter_map(|p| p.parse().ok())
+            .collect()
     }
 
     /// The command names of the processes in namespace `i` (but its sshd).
