@@ -145,14 +145,22 @@ impl Cluster {
             .unwrap()
     }
 
-    /// The pids of namespace `i`'s processes named `comm`.
-    pub fn pids(&self, i: usize, comm: &str) -> Vec<u32> {
+    /// The pids in namespace `i`.
+    fn ns_pids(&self, i: usize) -> Vec<String> {
         let out = Command::new("ip")
             .args(["netns", "pids", &self.ns[i]])
             .output()
             .unwrap();
         String::from_utf8_lossy(&out.stdout)
             .split_whitespace()
+            .map(str::to_string)
+            .collect()
+    }
+
+    /// The pids of namespace `i`'s processes named `comm`.
+    pub fn pids(&self, i: usize, comm: &str) -> Vec<u32> {
+        self.ns_pids(i)
+            .iter()
             .filter(|p| {
                 std::fs::read_to_string(format!("/proc/{p}/comm"))
                     .is_ok_and(|c| c.trim() == comm)
@@ -163,12 +171,8 @@ impl Cluster {
 
     /// The command names of the processes in namespace `i` (but its sshd).
     pub fn processes(&self, i: usize) -> Vec<String> {
-        let out = Command::new("ip")
-            .args(["netns", "pids", &self.ns[i]])
-            .output()
-            .unwrap();
-        String::from_utf8_lossy(&out.stdout)
-            .split_whitespace()
+        self.ns_pids(i)
+            .iter()
             .filter_map(|p| std::fs::read_to_string(format!("/proc/{p}/comm")).ok())
             .map(|c| c.trim().to_string())
             .filter(|c| c != "sshd")
@@ -178,10 +182,6 @@ impl Cluster {
     /// The pids of namespace `i`'s processes named `comm` whose parent is a `softnic` (the
     /// ssh spawner's agent): the ranks.
     pub fn ranks(&self, i: usize, comm: &str) -> Vec<u32> {
-        let out = Command::new("ip")
-            .args(["netns", "pids", &self.ns[i]])
-            .output()
-            .unwrap();
         let comm_of = |p: &str| {
             std::fs::read_to_string(format!("/proc/{p}/comm"))
                 .map(|c| c.trim().to_string())
@@ -194,8 +194,8 @@ impl Cluster {
                 .and_then(|(_, rest)| rest.split_whitespace().nth(1).map(str::to_string))
                 .unwrap_or_default()
         };
-        String::from_utf8_lossy(&out.stdout)
-            .split_whitespace()
+        self.ns_pids(i)
+            .iter()
             .filter(|p| comm_of(p) == comm && comm_of(&parent_of(p)) == "softnic")
             .filter_map(|p| p.parse().ok())
             .collect()
