@@ -667,15 +667,23 @@ mod tests {
 
     #[test]
     fn a_hosts_own_nic_cpu_serves_its_lone_daemon() {
-        let mut c = Config::parse(&Config::local_default(3, 7700, "/tmp/x".into()).to_toml())
-            .unwrap();
+        let mut c =
+            Config::parse(&Config::local_default(3, 7700, "/tmp/x".into()).to_toml()).unwrap();
         c.hosts[1].nic_cpu = Some(0);
         let back = Config::parse(&c.to_toml()).unwrap();
         assert_eq!(back.hosts[1].nic_cpu, Some(0), "kept through the file");
         assert_eq!(back.nic_cpu_for(&[1]), Some(0), "the host's own");
         assert_eq!(back.nic_cpu_for(&[2]), Some(-1), "else the cluster's");
-        assert_eq!(back.nic_cpu_for(&[0, 1, 2]), Some(-1), "one thread, several hosts");
-        assert_eq!(back.nic_cpu_for(&[9]), Some(-1), "an unknown host: the cluster's");
+        assert_eq!(
+            back.nic_cpu_for(&[0, 1, 2]),
+            Some(-1),
+            "one thread, several hosts"
+        );
+        assert_eq!(
+            back.nic_cpu_for(&[9]),
+            Some(-1),
+            "an unknown host: the cluster's"
+        );
     }
 
     #[test]

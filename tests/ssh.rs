@@ -58,11 +58,14 @@ fn ssh_spawner_on_three_namespace_hosts() {
             "host {i}: its daemon, started over ssh"
         );
     }
-    // Each host's own `nic_cpu` (0, 1, 0): its daemon's NIC thread runs on that CPU alone.
+    // h0's and h1's own `nic_cpu` (0, 1): their daemons' NIC threads run on that CPU alone.
     let cpus = std::fs::read_to_string("/proc/self/status")
         .unwrap()
         .lines()
-        .find_map(|l| l.strip_prefix("Cpus_allowed_list:").map(|v| v.trim().to_string()))
+        .find_map(|l| {
+            l.strip_prefix("Cpus_allowed_list:")
+                .map(|v| v.trim().to_string())
+        })
         .unwrap();
     let allowed: Vec<u32> = cpus
         .split(',')
@@ -72,9 +75,9 @@ fn ssh_spawner_on_three_namespace_hosts() {
         })
         .collect();
     if allowed.len() >= 2 {
-        for i in 0..HOSTS {
+        for (i, cpu) in allowed.iter().take(2).enumerate() {
             let pid = c.pids(i, "softnicd")[0];
-            let want = allowed[i % 2].to_string();
+            let want = cpu.to_string();
             let lists: Vec<String> = std::fs::read_dir(format!("/proc/{pid}/task"))
                 .unwrap()
                 .filter_map(|t| {

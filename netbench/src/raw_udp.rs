@@ -168,7 +168,11 @@ impl Pinned {
         if all.len() < 2 {
             return None;
         }
-        let cpu = if rank == 0 { all[0] } else { all[all.len() - 1] };
+        let cpu = if rank == 0 {
+            all[0]
+        } else {
+            all[all.len() - 1]
+        };
         softnic::shm::cores::set_allowed(&[cpu]).ok()?;
         Some(Pinned { before })
     }

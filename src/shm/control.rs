@@ -753,7 +753,11 @@ mod tests {
             c.waiter().yield_now();
             assert_ne!(cores::current_cpu(), Some(nic), "moved off");
             assert!(!cores::allowed().unwrap().contains(&nic));
-            assert_eq!(d.waiter_cpu(), None, "a waiter that moved announces nothing");
+            assert_eq!(
+                d.waiter_cpu(),
+                None,
+                "a waiter that moved announces nothing"
+            );
             c.waiter().yield_now();
             assert!(!cores::allowed().unwrap().contains(&nic), "and keeps off");
             assert_eq!(cores::allowed_before_leaving().unwrap(), cpus);
@@ -765,7 +769,10 @@ mod tests {
             onto_nic();
             assert!(cores::off_core(nic));
             c.waiter().yield_now();
-            assert!(!cores::allowed().unwrap().contains(&nic), "GASNet's move stays");
+            assert!(
+                !cores::allowed().unwrap().contains(&nic),
+                "GASNet's move stays"
+            );
         })
         .join()
         .unwrap();

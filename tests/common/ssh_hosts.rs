@@ -81,10 +81,15 @@ impl Cluster {
             sh(&format!(
                 "ip netns exec {ns} /usr/sbin/sshd -f {d}/sshd{i}.conf -E {d}/sshd{i}.log"
             ))?;
-            // Hosts sharing this machine: each NIC on a core of its own where there are two.
+            // Hosts sharing this machine: the first two NICs on a core each (h2's unpinned:
+            // two pinned NICs on one core would only take turns).
+            let nic_cpu = if i < 2 {
+                format!("nic_cpu = {i}\n")
+            } else {
+                String::new()
+            };
             hosts.push_str(&format!(
-                "\n[[host]]\nname = \"h{i}\"\naddr = \"{addr}:7720\"\nnic_cpu = {}\n",
-                i % 2
+                "\n[[host]]\nname = \"h{i}\"\naddr = \"{addr}:7720\"\n{nic_cpu}"
             ));
         }
         let secret: String = (0..32)
@@ -162,8 +167,7 @@ impl Cluster {
         self.ns_pids(i)
             .iter()
             .filter(|p| {
-                std::fs::read_to_string(format!("/proc/{p}/comm"))
-                    .is_ok_and(|c| c.trim() == comm)
+                std::fs::read_to_string(format!("/proc/{p}/comm")).is_ok_and(|c| c.trim() == comm)
             })
             .filter_map(|p| p.parse().ok())
             .collect()
