@@ -137,15 +137,27 @@ impl Region {
         self.backing.owner_gone()
     }
 
+    /// A failed copy's status: `NoSuchEndpoint` when the process owning memory reached by copy
+    /// has exited (its copies fail while it exits, before its pidfd says so), else `e`.
+    fn why(&self, e: Status) -> Status {
+        match e {
+            Status::Fault if self.owner_gone() => Status::NoSuchEndpoint,
+            e => e,
+        }
+    }
+
     /// Copies `data` in at `off`. Bounds must have been checked (asserted); `Status::Fault` when
-    /// memory reached by copy is gone.
+    /// memory reached by copy is unmapped, `NoSuchEndpoint` when its process exited.
     pub fn write(&self, off: u64, data: &[u8]) -> Result<(), Status> {
         assert!(
             off as usize + data.len() <= self.len(),
             "write past a checked region"
         );
         let Some(base) = self.backing.ptr() else {
-            return self.backing.write_at(off as usize, data);
+            return self
+                .backing
+                .write_at(off as usize, data)
+                .map_err(|e| self.why(e));
         };
         // SAFETY: in bounds (asserted); the backing stays mapped while `self` holds it. The owner
         // process may touch these bytes concurrently, which is the contract of NIC memory.
@@ -155,8 +167,8 @@ impl Region {
     }
 
     /// Appends the bytes at `[off, off+len)` to `out`, copied once whatever the backing. Bounds
-    /// must have been checked (asserted); on `Status::Fault` (memory reached by copy that is
-    /// gone), `out` is left as it was.
+    /// must have been checked (asserted); on a failure (`Status::Fault`: memory reached by copy
+    /// unmapped; `NoSuchEndpoint`: its process exited), `out` is left as it was.
     ///
     /// Never a borrowed slice: the owner may write these bytes while the NIC reads them, as
     /// under a hardware NIC's DMA, and a `&[u8]` over them would promise Rust they cannot
@@ -187,7 +199,8 @@ impl Region {
             None => {
                 out.reserve(len);
                 self.backing
-                    .read_at(off as usize, &mut out.spare_capacity_mut()[..len])?;
+                    .read_at(off as usize, &mut out.spare_capacity_mut()[..len])
+                    .map_err(|e| self.why(e))?;
                 // SAFETY: read_at initialised these `len` bytes of spare capacity.
                 unsafe { out.set_len(at + len) };
                 Ok(())

@@ -203,5 +203,11 @@ mod tests {
         let mut out = [MaybeUninit::uninit(); 8];
         assert_eq!(m.read_at(0, &mut out), Err(Status::Fault));
         assert!(m.owner_gone(), "a copy that failed on it says why");
+        // Through a region (every engine's way in), the failure names the process as gone.
+        let r = crate::nic::memory::Region::new(Arc::new(m), crate::nic::memory::Perms::READ_WRITE);
+        let mut v = Vec::new();
+        assert_eq!(r.append_to(0, 8, &mut v), Err(Status::NoSuchEndpoint));
+        assert!(v.is_empty());
+        assert_eq!(r.write(0, b"x"), Err(Status::NoSuchEndpoint));
     }
 }
