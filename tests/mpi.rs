@@ -108,6 +108,13 @@ fn exchange_all_sizes(world: &Comm) {
     world.barrier().unwrap();
 }
 
+/// Runs `test` in a 2-rank job on 2 hosts once under each long protocol.
+fn launch_under_both_protocols(test: &str, extra: &[&str]) {
+    for proto in ["eager", "rendezvous"] {
+        launch_ok_env(test, 2, 2, extra, &[("SOFTNIC_MPI_LONG", proto)]);
+    }
+}
+
 #[test]
 fn p2p_sizes_expected_unexpected_in_order_eager() {
     if !in_job() {
@@ -141,16 +148,10 @@ fn p2p_sizes_expected_unexpected_in_order_rendezvous() {
 #[test]
 fn p2p_under_loss_both_protocols() {
     if !in_job() {
-        for proto in ["eager", "rendezvous"] {
-            launch_ok_env(
-                "p2p_under_loss_both_protocols",
-                2,
-                2,
-                &["--fault-drop", "0.1"],
-                &[("SOFTNIC_MPI_LONG", proto)],
-            );
-        }
-        return;
+        return launch_under_both_protocols(
+            "p2p_under_loss_both_protocols",
+            &["--fault-drop", "0.1"],
+        );
     }
     let world = Mpi::init().unwrap();
     exchange_all_sizes(&world);
@@ -159,16 +160,7 @@ fn p2p_under_loss_both_protocols() {
 #[test]
 fn truncation_probe_and_argument_errors() {
     if !in_job() {
-        for proto in ["eager", "rendezvous"] {
-            launch_ok_env(
-                "truncation_probe_and_argument_errors",
-                2,
-                2,
-                &[],
-                &[("SOFTNIC_MPI_LONG", proto)],
-            );
-        }
-        return;
+        return launch_under_both_protocols("truncation_probe_and_argument_errors", &[]);
     }
     let world = Mpi::init().unwrap();
     let me = world.rank();
@@ -323,16 +315,7 @@ fn long_receives_into_private_memory_wait_their_turn_for_the_staging_ring() {
 #[test]
 fn messages_to_self_under_both_protocols() {
     if !in_job() {
-        for proto in ["eager", "rendezvous"] {
-            launch_ok_env(
-                "messages_to_self_under_both_protocols",
-                2,
-                2,
-                &[],
-                &[("SOFTNIC_MPI_LONG", proto)],
-            );
-        }
-        return;
+        return launch_under_both_protocols("messages_to_self_under_both_protocols", &[]);
     }
     let world = Mpi::init().unwrap();
     let me = world.rank();

@@ -294,7 +294,6 @@ impl Daemon {
     fn session_readable(&mut self, k: usize, slot: usize) -> Result<(), DaemonError> {
         let mut bell = None;
         self.hosts[k].on_session_readable(slot, &mut bell);
-        self.publish_clients();
         if let Some(fd) = bell {
             self.poll.registry().register(
                 &mut SourceFd(&fd),

@@ -131,7 +131,12 @@ impl Mailbox {
     /// Slots free: what the receiver's published counter allows (a counter it scribbled out of
     /// range counts as nothing consumed, or everything, whichever is safe).
     pub fn free(&self) -> u64 {
-        self.geometry.nslots as u64 - (self.written - self.read_now())
+        self.room(self.read_now())
+    }
+
+    /// Slots free if the receiver has consumed `read`.
+    fn room(&self, read: u64) -> u64 {
+        self.geometry.nslots as u64 - (self.written - read)
     }
 
     /// The receiver's published count, clamped to what it can be.
@@ -150,10 +155,9 @@ impl Mailbox {
     pub fn deliver(&mut self, src: u32, tag: u8, data: &[u8]) -> bool {
         let g = self.geometry;
         let need = g.slots_for(data.len());
-        let n = g.nslots as u64;
-        if n - (self.written - self.read_seen) < need {
+        if self.room(self.read_seen) < need {
             self.read_seen = self.read_now();
-            if n - (self.written - self.read_seen) < need {
+            if self.room(self.read_seen) < need {
                 return false;
             }
         }
