@@ -59,21 +59,7 @@ fn ssh_spawner_on_three_namespace_hosts() {
         );
     }
     // h0's and h1's own `nic_cpu` (0, 1): their daemons' NIC threads run on that CPU alone.
-    let cpus = std::fs::read_to_string("/proc/self/status")
-        .unwrap()
-        .lines()
-        .find_map(|l| {
-            l.strip_prefix("Cpus_allowed_list:")
-                .map(|v| v.trim().to_string())
-        })
-        .unwrap();
-    let allowed: Vec<u32> = cpus
-        .split(',')
-        .flat_map(|r| match r.split_once('-') {
-            Some((a, b)) => (a.parse().unwrap()..=b.parse().unwrap()).collect::<Vec<u32>>(),
-            None => vec![r.parse().unwrap()],
-        })
-        .collect();
+    let allowed = softnic::shm::cores::allowed().unwrap();
     if allowed.len() >= 2 {
         for (i, cpu) in allowed.iter().take(2).enumerate() {
             let pid = c.pids(i, "softnicd")[0];

@@ -132,16 +132,11 @@ impl Region {
         self.backing.ptr().is_some()
     }
 
-    /// Whether the process owning memory reached by copy has exited.
-    pub fn owner_gone(&self) -> bool {
-        self.backing.owner_gone()
-    }
-
     /// A failed copy's status: `NoSuchEndpoint` when the process owning memory reached by copy
     /// has exited (its copies fail while it exits, before its pidfd says so), else `e`.
     fn why(&self, e: Status) -> Status {
         match e {
-            Status::Fault if self.owner_gone() => Status::NoSuchEndpoint,
+            Status::Fault if self.backing.owner_gone() => Status::NoSuchEndpoint,
             e => e,
         }
     }

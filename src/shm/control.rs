@@ -622,10 +622,6 @@ impl Control {
         self.flag(CLIENTS).store(n, Ordering::Relaxed);
     }
 
-    pub fn clients(&self) -> u32 {
-        self.flag(CLIENTS).load(Ordering::Relaxed)
-    }
-
     /// The daemon: the CPU a client gives away while it waits (see [`Waiter::yield_now`]).
     pub fn waiter_cpu(&self) -> Option<u32> {
         decode_cpu(self.flag(WAITER_CPU))

@@ -49,11 +49,15 @@ pub fn pin(index: i64) -> std::io::Result<Option<u32>> {
     Ok(Some(cpu))
 }
 
-/// Restricts the calling thread to its allowed CPUs other than `cpu`; `false` when there are
-/// none (or the kernel refuses), the thread then stays where it is.
-pub fn leave(cpu: u32) -> bool {
-    let Ok(cpus) = allowed() else { return false };
-    let rest: Vec<u32> = cpus.into_iter().filter(|&c| c != cpu).collect();
+/// The CPUs of `cpus` but `cpu`.
+fn others(cpus: &[u32], cpu: u32) -> impl Iterator<Item = u32> + '_ {
+    cpus.iter().copied().filter(move |&c| c != cpu)
+}
+
+/// Restricts the calling thread, allowed `cpus`, to those other than `cpu`; `false` when there
+/// are none (or the kernel refuses), the thread then stays where it is.
+pub fn leave(cpus: &[u32], cpu: u32) -> bool {
+    let rest: Vec<u32> = others(cpus, cpu).collect();
     !rest.is_empty() && set_allowed(&rest).is_ok()
 }
 
@@ -108,11 +112,11 @@ fn leave_nic(l: &mut Left, nic: u32, room: impl Fn(usize) -> bool) -> Placed {
     let Ok(cpus) = allowed() else {
         return Placed::Stayed;
     };
-    let others = cpus.iter().filter(|&&c| c != nic).count();
-    if others == 0 || !room(others) {
+    let n = others(&cpus, nic).count();
+    if n == 0 || !room(n) {
         return Placed::Stayed;
     }
-    let moved = leave(nic);
+    let moved = leave(&cpus, nic);
     l.stuck = !moved;
     tracing::debug!(nic, moved, "a client keeps off the NIC's core");
     if moved {
@@ -134,8 +138,7 @@ pub fn keep_off(nic: u32, sharing: u32) -> Placed {
     }
     LEFT.with_borrow_mut(|l| {
         if let (Some(cpus), false) = (&l.before, l.for_good) {
-            let others = cpus.iter().filter(|&&c| c != nic).count();
-            if sharing as usize > others && set_allowed(cpus).is_ok() {
+            if sharing as usize > others(cpus, nic).count() && set_allowed(cpus).is_ok() {
                 tracing::debug!(nic, sharing, "a client may use the NIC's core again");
                 l.before = None;
             }
@@ -200,7 +203,7 @@ mod tests {
             let mut all = rustix::process::CpuSet::new();
             cpus.iter().for_each(|&c| all.set(c as usize));
             rustix::process::sched_setaffinity(None, &all).unwrap();
-            assert!(leave(here));
+            assert!(leave(&cpus, here));
             assert!(!allowed().unwrap().contains(&here));
             assert_ne!(current_cpu(), Some(here));
         })

@@ -17,7 +17,9 @@ use crate::shm::event_ring::{CtSlot, EventRing};
 use crate::shm::ptl_call::{status_of, MeArgs, PtlCall, MAX_NIS};
 use crate::shm::CqEntry;
 use crate::transport::PushError;
-use crate::wire::{ptl_acks, push_ptl_ack, OpHeader, OpKind, OpRef, PtlHeader, PTL_ACK_LEN};
+use crate::wire::{
+    ptl_acks, push_ptl_ack, OpHeader, OpKind, OpRef, PtlHeader, Status, PTL_ACK_LEN,
+};
 
 use super::gemini::OutItem;
 use super::{Flow, HostCore};
@@ -36,8 +38,9 @@ pub(super) struct PtlStream {
 pub(super) enum StreamEnd {
     /// Its last fragment went into the transport.
     Sent,
-    /// Its memory could not be read (unmapped meanwhile).
-    Segv,
+    /// Its memory could not be read: unmapped meanwhile (`Fault`), or its process exited
+    /// (`NoSuchEndpoint`).
+    Unreadable(Status),
     /// The peer is gone (the operation fails with the others aimed at it).
     PeerGone,
 }
@@ -73,10 +76,13 @@ impl PtlStream {
                 operand: &[],
                 data: &[],
             },
-            &|at, n, b| src.gather(at, n, b).is_ok(),
+            &|at, n, b| src.gather(at, n, b),
         )
     }
 }
+
+/// Reads `n` bytes at `offset` of a stream's memory into a datagram: `read(offset, n, datagram)`.
+type ReadFragment<'a> = &'a dyn Fn(u64, u64, &mut Vec<u8>) -> Result<(), Status>;
 
 /// Pushes a stream's fragments (`kind`, `len` bytes, `sent` so far) while the transport takes
 /// them, each op (`op(sent, n)`) filled by `read(offset, n, datagram)` straight from memory;
@@ -86,15 +92,17 @@ fn emit_fragments(
     peer: u16,
     (kind, len, sent): (OpKind, u64, &mut u64),
     op: &dyn Fn(u64, u64) -> OpRef<'static>,
-    read: &dyn Fn(u64, u64, &mut Vec<u8>) -> bool,
+    read: ReadFragment<'_>,
 ) -> Option<StreamEnd> {
+    let mut why = Status::Fault;
     loop {
         if !super::gemini::stream_may_push(transport, peer) {
             return None;
         }
         let n = super::gemini::fragment_len(transport, peer, kind, len - *sent);
         let at = *sent;
-        match transport.push_op_filled(peer, &op(at, n), n as usize, &mut |b| read(at, n, b)) {
+        let mut fill = |b: &mut Vec<u8>| read(at, n, b).map_err(|s| why = s).is_ok();
+        match transport.push_op_filled(peer, &op(at, n), n as usize, &mut fill) {
             Ok(()) => {
                 *sent += n;
                 if *sent == len {
@@ -102,7 +110,7 @@ fn emit_fragments(
                 }
             }
             Err(PushError::Full(_)) => return None,
-            Err(PushError::Source) => return Some(StreamEnd::Segv),
+            Err(PushError::Source) => return Some(StreamEnd::Unreadable(why)),
             Err(_) => return Some(StreamEnd::PeerGone),
         }
     }
@@ -153,7 +161,7 @@ impl PtlReplyStream {
             peer,
             (OpKind::PtlResp, self.src.len, &mut sent),
             &|at, n| self.op(at, n, NiFail::Ok),
-            &|at, n, b| region.append_to(base + at, n as usize, b).is_ok(),
+            &|at, n, b| region.append_to(base + at, n as usize, b),
         );
         self.sent = sent;
         end
@@ -657,12 +665,10 @@ impl HostCore {
             } = self.ptl_deliver(host, &whole);
             if let Some(s) = stream {
                 // Between processes of this host a long get's reply is read at once.
-                let ok = s
-                    .region
-                    .append_to(s.at, s.len as usize, &mut resp.data)
-                    .is_ok();
-                if !ok {
-                    resp.ni_fail = crate::nic::portals::ni::copy_fail(&s.region);
+                let read = s.region.append_to(s.at, s.len as usize, &mut resp.data);
+                let ok = read.is_ok();
+                if let Err(why) = read {
+                    resp.ni_fail = crate::nic::portals::ni::copy_fail(why);
                 }
                 self.ptl_complete_with(job, target_rank, ni, |n| n.get_streamed(s.token, ok));
             }
@@ -737,8 +743,8 @@ impl HostCore {
     /// undeliverable when the process owning the memory exited meanwhile, as for a process
     /// that is gone, else a bad address).
     pub(super) fn ptl_reply_ended(&mut self, peer: u16, rs: &PtlReplyStream, end: StreamEnd) {
-        if let StreamEnd::Segv = end {
-            let f = crate::nic::portals::ni::copy_fail(&rs.src.region);
+        if let StreamEnd::Unreadable(why) = end {
+            let f = crate::nic::portals::ni::copy_fail(why);
             self.push_owned(peer, &rs.op(rs.sent, 0, f), None);
         }
         let ok = matches!(end, StreamEnd::Sent);
@@ -756,7 +762,7 @@ impl HostCore {
                     s.ni.sent(id);
                 }
             }
-            StreamEnd::Segv => {
+            StreamEnd::Unreadable(_) => {
                 // The target holds a partial message it never completes (bounded in bytes);
                 // the initiator learns of the failure as for a put from unmapped memory.
                 let resp = Response {

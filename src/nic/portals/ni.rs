@@ -21,6 +21,7 @@ use super::types::{
     me, pt, Event, EventKind, List, NiFail, ProcessId, PtlError, SearchOp, StatusRegister,
 };
 use crate::nic::memory::Region;
+use crate::wire::Status;
 
 /// An incoming message as the target NIC sees it.
 #[derive(Debug, Clone, Copy)]
@@ -917,13 +918,13 @@ impl PortalsNi {
             ReqKind::Get if stream.is_some() => {}
             ReqKind::Put => {
                 mlength = mlength.min(req.data.len() as u64);
-                if e.region.write(at, &req.data[..mlength as usize]).is_err() {
-                    return fail(self, copy_fail(&e.region));
+                if let Err(why) = e.region.write(at, &req.data[..mlength as usize]) {
+                    return fail(self, copy_fail(why));
                 }
             }
             ReqKind::Get => {
-                if e.region.append_to(at, mlength as usize, &mut data).is_err() {
-                    return fail(self, copy_fail(&e.region));
+                if let Err(why) = e.region.append_to(at, mlength as usize, &mut data) {
+                    return fail(self, copy_fail(why));
                 }
             }
             ReqKind::Atomic(op, dt) | ReqKind::FetchAtomic(op, dt) | ReqKind::Swap(op, dt) => {
@@ -1079,12 +1080,13 @@ impl PortalsNi {
     }
 }
 
-/// Why a copy to or from an entry's memory failed: its process exited (undeliverable, as to
-/// a process that is gone) or the address is bad.
-pub(crate) fn copy_fail(region: &Region) -> NiFail {
-    match region.owner_gone() {
-        true => NiFail::Undeliverable,
-        false => NiFail::Segv,
+/// What a failed copy to or from an entry's memory (its status, from [`Region`]) tells the
+/// initiator: its process exited (undeliverable, as to a process that is gone) or the address
+/// is bad.
+pub(crate) fn copy_fail(why: Status) -> NiFail {
+    match why {
+        Status::NoSuchEndpoint => NiFail::Undeliverable,
+        _ => NiFail::Segv,
     }
 }
 
