@@ -62,6 +62,96 @@ fn put_get_sizes_unaligned() {
     launch_ok("put_get_sizes_unaligned", 2, 2, &[]);
 }
 
+/// The value of `name` in this rank's host's `softnic stat`.
+fn stat_value(nic: &Nic, name: &str) -> u64 {
+    let text = nic.client().stat().unwrap();
+    text.lines()
+        .find_map(|l| l.strip_prefix(name).filter(|r| r.starts_with(' ')))
+        .unwrap_or_else(|| panic!("no {name} in:\n{text}"))
+        .trim()
+        .parse()
+        .unwrap()
+}
+
+/// Both ranks stream 1 MiB puts from registered memory at each other, long enough for the
+/// local default's one daemon to hand the last host to its bulk helper: every byte arrives,
+/// the lent host's rank goes on making blocking AMOs meanwhile, and once the stream ends the
+/// host is handed back and serves a put and a get.
+fn bulk_helper_body(nic: &mut Nic) {
+    const MIB: usize = 1 << 20;
+    const CHUNKS: usize = 8;
+    const ROUNDS: u64 = 24;
+    let me = nic.rank();
+    let peer = 1 - me;
+    let mem = nic.mem_register(CHUNKS * MIB, Perms::READ_WRITE).unwrap();
+    let src = nic.mem_register(CHUNKS * MIB, Perms::READ_WRITE).unwrap();
+    let count = nic.mem_register(8, Perms::READ_WRITE).unwrap();
+    for c in 0..CHUNKS {
+        src.bytes()[c * MIB..(c + 1) * MIB]
+            .copy_from_slice(&pattern(MIB, (me as u64) << 8 | c as u64));
+    }
+    let want: Vec<Vec<u8>> = (0..CHUNKS)
+        .map(|c| pattern(MIB, (peer as u64) << 8 | c as u64))
+        .collect();
+    nic.barrier().unwrap();
+    for round in 0..ROUNDS {
+        for c in 0..CHUNKS {
+            src.bytes()[c * MIB..c * MIB + 8].copy_from_slice(&round.to_le_bytes());
+            let chunk = &src.bytes()[c * MIB..(c + 1) * MIB];
+            nic.put_nbi(remote(peer, mem.handle, (c * MIB) as u64), chunk)
+                .unwrap();
+        }
+        if me == 1 {
+            nic.afadd(remote(0, count.handle, 0), 1).unwrap();
+        }
+        nic.gsync_wait().unwrap();
+        nic.barrier().unwrap();
+        for (c, w) in want.iter().enumerate() {
+            let got = &mem.bytes()[c * MIB..(c + 1) * MIB];
+            assert_eq!(got[..8], round.to_le_bytes(), "round {round} chunk {c}");
+            assert!(got[8..] == w[8..], "round {round} chunk {c} garbled");
+        }
+        nic.barrier().unwrap();
+    }
+    if me == 0 {
+        assert_eq!(
+            u64::from_le_bytes(count.bytes()[..8].try_into().unwrap()),
+            ROUNDS
+        );
+    } else {
+        assert!(
+            stat_value(nic, "bulk_helper_lends") >= 1,
+            "the stream never lent a host"
+        );
+        let start = std::time::Instant::now();
+        while stat_value(nic, "bulk_helper_serving") == 1 {
+            assert!(
+                start.elapsed().as_secs() < 5,
+                "the helper kept the host after the stream"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        nic.put(remote(0, mem.handle, 3), b"back").unwrap();
+        let mut back = [0u8; 4];
+        nic.get(&mut back, remote(0, mem.handle, 3)).unwrap();
+        assert_eq!(&back, b"back");
+    }
+    nic.barrier().unwrap();
+}
+
+#[test]
+fn a_stream_lends_a_host_to_the_bulk_helper_and_gets_it_back() {
+    if in_job() {
+        return bulk_helper_body(&mut init());
+    }
+    launch_ok(
+        "a_stream_lends_a_host_to_the_bulk_helper_and_gets_it_back",
+        2,
+        2,
+        &[],
+    );
+}
+
 fn afadd_body(nic: &mut Nic) {
     let mem = nic.mem_register(4096, Perms::READ_WRITE).unwrap();
     nic.barrier().unwrap();

@@ -39,6 +39,10 @@ pub struct DriverCounters {
     pub bad_commands: u64,
     /// Doorbells rung to wake a sleeping client.
     pub client_wakes: u64,
+    /// Times the bulk helper took this host's turns (see `daemon::helper`).
+    pub bulk_lends: u64,
+    /// The bulk helper turns this host now.
+    pub bulk_serving: bool,
 }
 
 /// Fewest datagrams of the window a UDP receive buffer must hold.
@@ -767,6 +771,11 @@ impl HostNic {
             ("rx_bad_frames", d.rx_bad_frames.to_string()),
             ("bad_commands", self.counters.bad_commands.to_string()),
             ("client_wakes", self.counters.client_wakes.to_string()),
+            ("bulk_helper_lends", self.counters.bulk_lends.to_string()),
+            (
+                "bulk_helper_serving",
+                u8::from(self.counters.bulk_serving).to_string(),
+            ),
         ]);
         let mut text: String = lines
             .iter()

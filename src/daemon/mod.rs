@@ -6,6 +6,7 @@
 //! syscall to be woken. A daemon pinned to a core (`nic_cpu`) yields it only to clients that
 //! wait on that core (see [`crate::shm::cores`]).
 
+mod helper;
 mod host;
 mod rx_watch;
 mod session;
@@ -18,12 +19,14 @@ use std::io;
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use mio::unix::SourceFd;
 use mio::{Events, Interest, Poll, Token};
 
 use crate::config::Config;
+use helper::Served;
 
 #[derive(Debug, thiserror::Error)]
 pub enum DaemonError {
@@ -50,12 +53,19 @@ const YIELD_EVERY: u64 = 4;
 pub struct Daemon {
     poll: Poll,
     events: Events,
-    hosts: Vec<HostNic>,
+    hosts: Vec<Arc<Served>>,
+    /// The bulk helper's thread while it serves a host (see [`helper`]).
+    helper: Option<JoinHandle<()>>,
+    /// Whether every host of the config runs here (then a host counts the datagrams its
+    /// neighbours send it instead of looking for them every turn).
+    all_here: bool,
     clock: Instant,
     spin_ns: u64,
     /// Which allowed CPU to pin the loop's thread to (`nic_cpu`), and the CPU it got.
     pin: Option<i64>,
     cpu: Option<u32>,
+    /// The CPUs the process may run on (before the loop's thread was pinned).
+    cpus: Vec<u32>,
     /// Pinned: until when idle turns keep the core unless a client waits on it (a yield that
     /// lost the core for a scheduler tick showed that the other tenant computes).
     keep_core_until: u64,
@@ -97,11 +107,17 @@ impl Daemon {
         Ok(Daemon {
             poll,
             events: Events::with_capacity(256),
-            hosts,
+            hosts: hosts
+                .into_iter()
+                .map(|h| Arc::new(Served::new(h)))
+                .collect(),
+            helper: None,
+            all_here,
             clock: Instant::now(),
             spin_ns: cfg.cluster.spin_us * 1000,
             pin: cfg.nic_cpu_for(indices),
             cpu: None,
+            cpus: Vec::new(),
             keep_core_until: 0,
             tokens: Vec::with_capacity(256),
             served: (0..cfg.hosts.len() as u16)
@@ -117,6 +133,8 @@ impl Daemon {
 
     /// Runs until `stop` is set (on the thread it pins to `nic_cpu`, if set).
     pub fn run(&mut self) -> Result<(), DaemonError> {
+        // What the bulk helper may run on: the CPUs but the NIC's.
+        self.cpus = crate::shm::cores::allowed().unwrap_or_default();
         if let Some(index) = self.pin {
             // A core of its own is an optimisation: without it the NIC still works.
             self.cpu = crate::shm::cores::pin(index).unwrap_or_else(|e| {
@@ -124,13 +142,15 @@ impl Daemon {
                 None
             });
             tracing::info!(cpu = ?self.cpu, "NIC thread placement");
-            for h in &mut self.hosts {
-                h.nic_cpu = self.cpu;
+            for h in &self.hosts {
+                h.turn_lock().nic_cpu = self.cpu;
             }
         }
         let mut idle_since = self.now();
+        let mut busy_since = idle_since;
         let mut busy_turns = 0u64;
         let mut idle_turns = 0u64;
+        let mut sent_to = Vec::new();
         while !self.stop.load(Ordering::Relaxed) {
             // One clock read per turn, shared by every host (a read is a good part of an idle
             // turn, and idle turns are how fast new work is seen).
@@ -138,12 +158,21 @@ impl Daemon {
             let now = at.duration_since(self.clock).as_nanos() as u64;
             let mut busy = false;
             for k in 0..self.hosts.len() {
-                busy |= self.hosts[k].turn(now, at);
+                if self.hosts[k].lent() {
+                    continue;
+                }
+                {
+                    let mut h = self.hosts[k].turn_lock();
+                    busy |= h.turn(now, at);
+                    sent_to.clear();
+                    sent_to.extend_from_slice(&h.sent_to);
+                }
                 // Loopback to a host of this process: the datagram is in its socket already.
-                for i in 0..self.hosts[k].sent_to.len() {
-                    let to = self.hosts[k].sent_to[i] as usize;
-                    if let Some(j) = self.served.get(to).copied().flatten() {
-                        self.hosts[j].rx_watch.expect();
+                for &to in &sent_to {
+                    if let Some(j) = self.served.get(to as usize).copied().flatten() {
+                        if !self.hosts[j].lent() {
+                            self.hosts[j].turn_lock().rx_watch.expect();
+                        }
                     }
                 }
             }
@@ -152,12 +181,18 @@ impl Daemon {
                 busy_turns += 1;
                 idle_turns = 0;
                 idle_since = now;
-                // A long busy stretch still looks at new connections now and then.
+                // A long busy stretch still looks at new connections now and then, and may
+                // hand a host to the bulk helper.
                 if busy_turns.is_multiple_of(64) {
                     self.poll_events(Some(Duration::ZERO))?;
+                    self.join_helper();
+                    if now - busy_since >= helper::LEND_AFTER_NS {
+                        self.lend();
+                    }
                 }
                 continue;
             }
+            busy_since = now;
             // Idle. A turn that finds nothing makes no syscall (rings are shared memory, and
             // datagrams between hosts of this process are counted, see `rx_watch`), so spin on
             // turns; every 16th idle turn look at the sockets and ask epoll (attach sockets,
@@ -166,16 +201,20 @@ impl Daemon {
             // it until the next tick — and after `spin_us` sleep in epoll.
             idle_turns += 1;
             if idle_turns.is_multiple_of(16) {
+                self.join_helper();
                 // Datagrams not sent by this process (none are expected when it runs every
                 // host): look at the sockets now and then.
-                self.hosts.iter_mut().for_each(|h| h.rx_watch.mark());
+                for h in self.hosts.iter().filter(|h| !h.lent()) {
+                    h.turn_lock().rx_watch.mark();
+                }
                 if self.poll_events(Some(Duration::ZERO))? {
                     idle_since = now;
                     continue;
                 }
             }
             let idle = now - idle_since;
-            if idle < self.spin_ns {
+            // A lent host comes back without a wake-up: no sleep until it has.
+            if idle < self.spin_ns || self.helper.is_some() {
                 if idle_turns.is_multiple_of(YIELD_EVERY) && self.may_yield(now) {
                     self.yield_core();
                 } else {
@@ -186,7 +225,53 @@ impl Daemon {
                 idle_since = self.now();
             }
         }
+        if let Some(t) = self.helper.take() {
+            let _ = t.join();
+        }
         Ok(())
+    }
+
+    /// Hands the last host to the bulk helper (the loop keeps the others), if this process
+    /// serves more than one and none is lent yet.
+    fn lend(&mut self) {
+        if self.helper.is_some() || self.hosts.len() < 2 {
+            return;
+        }
+        // The loop no longer sees what the helper's host sends its neighbours: look every turn.
+        for h in &self.hosts {
+            h.turn_lock().rx_watch.every_turn = true;
+        }
+        let host = self.hosts[self.hosts.len() - 1].clone();
+        let place = helper::Place {
+            cpus: self.cpus.clone(),
+            nic: self.cpu,
+        };
+        match helper::lend(host, place, self.clock, self.stop.clone()) {
+            Ok(t) => {
+                tracing::debug!("bulk helper serves the last host");
+                self.helper = Some(t);
+            }
+            Err(e) => {
+                tracing::warn!("no bulk helper: {e}");
+                self.restore_watch();
+            }
+        }
+    }
+
+    /// Takes back a host whose helper finished.
+    fn join_helper(&mut self) {
+        if self.helper.as_ref().is_some_and(JoinHandle::is_finished) {
+            if let Some(t) = self.helper.take() {
+                let _ = t.join();
+            }
+            self.restore_watch();
+        }
+    }
+
+    fn restore_watch(&mut self) {
+        for h in &self.hosts {
+            h.turn_lock().rx_watch.every_turn = !self.all_here;
+        }
     }
 
     /// Whether an idle turn gives the core away: unpinned, always (anyone may share it);
@@ -196,8 +281,11 @@ impl Daemon {
     }
 
     fn waiter_here(&self) -> bool {
-        self.cpu
-            .is_some_and(|cpu| self.hosts.iter().any(|h| h.waiter_on(cpu)))
+        self.cpu.is_some_and(|cpu| {
+            self.hosts
+                .iter()
+                .any(|h| !h.lent() && h.turn_lock().waiter_on(cpu))
+        })
     }
 
     /// Yields; a pinned daemon whose yield lost the core for longer than a wait takes (a rank
@@ -212,31 +300,33 @@ impl Daemon {
     }
 
     fn sleep(&mut self) -> Result<(), DaemonError> {
+        // No host is lent here (the loop does not sleep while one is).
         let mut pending = false;
         for h in &self.hosts {
-            pending |= h.set_sleeping(true);
+            pending |= h.turn_lock().set_sleeping(true);
         }
         if !pending {
-            for h in &mut self.hosts {
-                h.arm(self.poll.registry())?;
+            for h in &self.hosts {
+                h.turn_lock().arm(self.poll.registry())?;
             }
             let now = self.now();
             let next = self
                 .hosts
                 .iter()
-                .filter_map(|h| h.core.next_deadline())
+                .filter_map(|h| h.turn_lock().core.next_deadline())
                 .min();
             let wait = next
                 .map_or(50_000_000, |t| t.saturating_sub(now))
                 .min(50_000_000);
             self.poll_events(Some(Duration::from_nanos(wait)))?;
-            for h in &mut self.hosts {
+            for h in &self.hosts {
+                let mut h = h.turn_lock();
                 h.disarm(self.poll.registry())?;
                 h.rx_watch.mark();
             }
         }
         for h in &self.hosts {
-            h.set_sleeping(false);
+            h.turn_lock().set_sleeping(false);
         }
         Ok(())
     }
@@ -256,10 +346,11 @@ impl Daemon {
         for &t in &tokens {
             let (k, kind) = (t / STRIDE, t % STRIDE);
             match kind {
-                0 => self.hosts[k].rx_watch.mark(),
+                0 => self.hosts[k].lock().rx_watch.mark(),
                 1 => {
-                    for slot in self.hosts[k].accept() {
-                        let fd = self.hosts[k].sessions[slot]
+                    let accepted = self.hosts[k].lock().accept();
+                    for slot in accepted {
+                        let fd = self.hosts[k].lock().sessions[slot]
                             .as_ref()
                             .map(|s| s.sock.as_raw_fd());
                         if let Some(fd) = fd {
@@ -276,7 +367,7 @@ impl Daemon {
                 n => {
                     // A doorbell: reset it; the next turn drains that client's ring.
                     let slot = (n - 3) / 2;
-                    if let Some(Some(s)) = self.hosts[k].sessions.get(slot) {
+                    if let Some(Some(s)) = self.hosts[k].lock().sessions.get(slot) {
                         if let Some(a) = &s.attached {
                             let mut b = [0u8; 8];
                             let _ = rustix::io::read(&a.daemon_bell, &mut b);
@@ -293,7 +384,7 @@ impl Daemon {
     /// detach, which also removes them from epoll.
     fn session_readable(&mut self, k: usize, slot: usize) -> Result<(), DaemonError> {
         let mut bell = None;
-        self.hosts[k].on_session_readable(slot, &mut bell);
+        self.hosts[k].lock().on_session_readable(slot, &mut bell);
         if let Some(fd) = bell {
             self.poll.registry().register(
                 &mut SourceFd(&fd),
@@ -307,12 +398,15 @@ impl Daemon {
     /// After attaches or detaches: every client learns how many share the machine with it.
     fn publish_clients(&mut self) {
         let mut changed = false;
-        for h in &mut self.hosts {
-            changed |= std::mem::take(&mut h.clients_changed);
+        for h in &self.hosts {
+            // Every turn: a lent host only when its helper is between turns.
+            if let Some(mut h) = h.try_turn_lock() {
+                changed |= std::mem::take(&mut h.clients_changed);
+            }
         }
         if changed {
-            let n = self.hosts.iter().map(HostNic::clients).sum();
-            self.hosts.iter().for_each(|h| h.publish_clients(n));
+            let n = self.hosts.iter().map(|h| h.lock().clients()).sum();
+            self.hosts.iter().for_each(|h| h.lock().publish_clients(n));
         }
     }
 
@@ -320,7 +414,7 @@ impl Daemon {
     pub fn stat_text(&self) -> String {
         self.hosts
             .iter()
-            .map(|h| h.stat_text())
+            .map(|h| h.lock().stat_text())
             .collect::<Vec<_>>()
             .join("\n")
     }

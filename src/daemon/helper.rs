@@ -1,0 +1,178 @@
+//! The bulk helper: a second NIC thread that serves one of this process's hosts while traffic
+//! keeps the loop busy, and ends once that host has been quiet a while.
+//!
+//! The local default runs every host in one loop: on two cores that keeps a second spinning
+//! thread away from the ranks, and a live second thread would cost every socket call a file
+//! reference (measured: +0.23 µs a round trip). But a stream then has one core seal, send,
+//! open and copy both sides' datagrams. So when the loop has been busy without a break for
+//! [`LEND_AFTER_NS`], one host's turns move to a helper thread; it hands the host back (and
+//! exits) after [`RETURN_AFTER_NS`] without work. The host core is untouched: the same turns
+//! run, on another thread.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+use super::HostNic;
+use crate::shm::cores;
+
+/// Busy this long without an idle turn: lend a host (a 1 MiB transfer takes ~0.5 ms here, so
+/// a ping-pong of single large messages stays in one thread).
+pub(super) const LEND_AFTER_NS: u64 = 2_000_000;
+/// The helper's host idle this long: back to the loop, and the thread ends.
+const RETURN_AFTER_NS: u64 = 2_000_000;
+/// Idle helper turns between yields (ranks share its core).
+const YIELD_EVERY: u64 = 4;
+
+/// A host NIC and who turns it: the loop, or (lent) the helper.
+pub(super) struct Served {
+    nic: Mutex<HostNic>,
+    /// The helper serves it: the loop skips its turns.
+    lent: AtomicBool,
+    /// The loop waits for the lock (an attach event, a count to publish): the helper stands
+    /// back between turns until it has been served.
+    wanted: AtomicBool,
+}
+
+impl Served {
+    pub fn new(h: HostNic) -> Served {
+        Served {
+            nic: Mutex::new(h),
+            lent: AtomicBool::new(false),
+            wanted: AtomicBool::new(false),
+        }
+    }
+
+    pub fn lent(&self) -> bool {
+        self.lent.load(Ordering::Acquire)
+    }
+
+    /// The NIC for whoever turns it (the loop for hosts not lent: never contended).
+    pub fn turn_lock(&self) -> MutexGuard<'_, HostNic> {
+        // A turn that panicked took the process down with it; nothing half-done to guard.
+        self.nic.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The NIC if no one holds it (a lent host between its helper's turns).
+    pub fn try_turn_lock(&self) -> Option<MutexGuard<'_, HostNic>> {
+        match self.nic.try_lock() {
+            Ok(g) => Some(g),
+            Err(std::sync::TryLockError::Poisoned(e)) => Some(e.into_inner()),
+            Err(std::sync::TryLockError::WouldBlock) => None,
+        }
+    }
+
+    /// The NIC for the loop, whoever turns it: a lent host's helper lets go after its turn.
+    pub fn lock(&self) -> Wanted<'_> {
+        if !self.lent() {
+            return Wanted {
+                guard: Some(self.turn_lock()),
+                flag: None,
+            };
+        }
+        self.wanted.store(true, Ordering::Release);
+        Wanted {
+            guard: Some(self.turn_lock()),
+            flag: Some(&self.wanted),
+        }
+    }
+}
+
+/// The loop's hold on a host; the helper may go on once it is dropped.
+pub(super) struct Wanted<'a> {
+    guard: Option<MutexGuard<'a, HostNic>>,
+    flag: Option<&'a AtomicBool>,
+}
+
+impl std::ops::Deref for Wanted<'_> {
+    type Target = HostNic;
+    fn deref(&self) -> &HostNic {
+        self.guard.as_ref().expect("held until dropped")
+    }
+}
+
+impl std::ops::DerefMut for Wanted<'_> {
+    fn deref_mut(&mut self) -> &mut HostNic {
+        self.guard.as_mut().expect("held until dropped")
+    }
+}
+
+impl Drop for Wanted<'_> {
+    fn drop(&mut self) {
+        if let Some(f) = self.flag {
+            f.store(false, Ordering::Release);
+        }
+        self.guard = None;
+    }
+}
+
+/// Where the helper runs: the process's CPUs but the loop's (`nic`, if it is pinned) — a
+/// thread starts with its parent's affinity, which would put both NIC threads on one core.
+pub(super) struct Place {
+    pub cpus: Vec<u32>,
+    pub nic: Option<u32>,
+}
+
+/// Hands `host` to a new helper thread, which turns it on the loop's clock until it has been
+/// idle [`RETURN_AFTER_NS`] or `stop` is set, then gives it back.
+pub(super) fn lend(
+    host: Arc<Served>,
+    place: Place,
+    clock: Instant,
+    stop: Arc<AtomicBool>,
+) -> std::io::Result<JoinHandle<()>> {
+    host.lent.store(true, Ordering::Release);
+    let h = host.clone();
+    let spawned = std::thread::Builder::new()
+        .name("softnicd-bulk".into())
+        .spawn(move || {
+            let placed = match place.nic {
+                Some(nic) => cores::leave(&place.cpus, nic),
+                None => cores::set_allowed(&place.cpus).is_ok(),
+            };
+            if !placed {
+                tracing::debug!("bulk helper stays on the loop's CPUs");
+            }
+            serve(&h, clock, &stop)
+        });
+    if spawned.is_err() {
+        host.lent.store(false, Ordering::Release);
+    }
+    spawned
+}
+
+fn serve(host: &Served, clock: Instant, stop: &AtomicBool) {
+    {
+        let mut h = host.turn_lock();
+        h.counters.bulk_lends += 1;
+        h.counters.bulk_serving = true;
+    }
+    let mut idle_since = clock.elapsed().as_nanos() as u64;
+    let mut idle_turns = 0u64;
+    while !stop.load(Ordering::Relaxed) {
+        let at = Instant::now();
+        let now = at.duration_since(clock).as_nanos() as u64;
+        let busy = host.turn_lock().turn(now, at);
+        while host.wanted.load(Ordering::Acquire) {
+            std::hint::spin_loop();
+        }
+        if busy {
+            idle_since = now;
+            idle_turns = 0;
+            continue;
+        }
+        if now - idle_since >= RETURN_AFTER_NS {
+            break;
+        }
+        idle_turns += 1;
+        if idle_turns.is_multiple_of(YIELD_EVERY) {
+            std::thread::yield_now();
+        } else {
+            std::hint::spin_loop();
+        }
+    }
+    tracing::debug!("bulk helper hands its host back");
+    host.turn_lock().counters.bulk_serving = false;
+    host.lent.store(false, Ordering::Release);
+}
