@@ -17,7 +17,7 @@ pub use session::{CMD_RING_BYTES, CQ_ENTRIES};
 
 use std::io;
 use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -56,6 +56,8 @@ pub struct Daemon {
     hosts: Vec<Arc<Served>>,
     /// The bulk helper's thread while it serves a host (see [`helper`]).
     helper: Option<JoinHandle<()>>,
+    /// The loop's busy share (per mille) of the last window, for the helper to weigh.
+    loop_load: Arc<AtomicU32>,
     /// Whether every host of the config runs here (then a host counts the datagrams its
     /// neighbours send it instead of looking for them every turn).
     all_here: bool,
@@ -112,6 +114,7 @@ impl Daemon {
                 .map(|h| Arc::new(Served::new(h)))
                 .collect(),
             helper: None,
+            loop_load: Arc::new(AtomicU32::new(0)),
             all_here,
             clock: Instant::now(),
             spin_ns: cfg.cluster.spin_us * 1000,
@@ -151,12 +154,24 @@ impl Daemon {
         let mut busy_turns = 0u64;
         let mut idle_turns = 0u64;
         let mut sent_to = Vec::new();
+        // The loop's load, measured while a host is lent.
+        let mut load: Option<helper::Load> = None;
+        let mut busy = false;
         while !self.stop.load(Ordering::Relaxed) {
             // One clock read per turn, shared by every host (a read is a good part of an idle
             // turn, and idle turns are how fast new work is seen).
             let at = std::time::Instant::now();
             let now = at.duration_since(self.clock).as_nanos() as u64;
-            let mut busy = false;
+            match (&self.helper, &mut load) {
+                (None, _) => load = None,
+                (Some(_), None) => load = Some(helper::Load::new(now)),
+                (Some(_), Some(l)) => {
+                    if let Some(share) = l.turn(now, busy) {
+                        self.loop_load.store(share, Ordering::Relaxed);
+                    }
+                }
+            }
+            busy = false;
             for k in 0..self.hosts.len() {
                 if self.hosts[k].lent() {
                     continue;
@@ -246,7 +261,8 @@ impl Daemon {
             cpus: self.cpus.clone(),
             nic: self.cpu,
         };
-        match helper::lend(host, place, self.clock, self.stop.clone()) {
+        let loop_load = self.loop_load.clone();
+        match helper::lend(host, place, self.clock, loop_load, self.stop.clone()) {
             Ok(t) => {
                 tracing::debug!("bulk helper serves the last host");
                 self.helper = Some(t);
