@@ -1,5 +1,5 @@
 //! The bulk helper: a second NIC thread that serves one of this process's hosts while traffic
-//! keeps the loop busy, and ends once that host has been quiet a while.
+//! keeps the loop busy, and ends once one thread is enough again.
 //!
 //! The local default runs every host in one loop: on two cores that keeps a second spinning
 //! thread away from the ranks, and a live second thread would cost every socket call a file
@@ -20,8 +20,8 @@ use std::time::Instant;
 use super::HostNic;
 use crate::shm::cores;
 
-/// Busy this long without an idle turn: lend a host (a 1 MiB transfer takes ~0.5 ms here, so
-/// a ping-pong of single large messages stays in one thread).
+/// Busy this long without an idle turn: lend a host (streams, RandomAccess floods and
+/// ping-pongs of MiB messages get there; small ping-pongs idle between round trips).
 pub(super) const LEND_AFTER_NS: u64 = 2_000_000;
 /// The window over which each thread measures its busy share.
 const WINDOW_NS: u64 = 1_000_000;
@@ -205,7 +205,8 @@ fn serve(host: &Served, clock: Instant, loop_load: &AtomicU32, stop: &AtomicBool
         }
         busy = host.turn_lock().turn(now, at);
         while host.wanted.load(Ordering::Acquire) {
-            std::hint::spin_loop();
+            // Rare (attach events), and the loop may share this CPU (placement refused).
+            std::thread::yield_now();
         }
         if busy {
             idle_turns = 0;

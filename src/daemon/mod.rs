@@ -136,6 +136,16 @@ impl Daemon {
 
     /// Runs until `stop` is set (on the thread it pins to `nic_cpu`, if set).
     pub fn run(&mut self) -> Result<(), DaemonError> {
+        let ran = self.run_loop();
+        // The helper ends with the loop, whatever ended it.
+        if let Some(t) = self.helper.take() {
+            self.stop.store(true, Ordering::Relaxed);
+            Self::joined(t);
+        }
+        ran
+    }
+
+    fn run_loop(&mut self) -> Result<(), DaemonError> {
         // What the bulk helper may run on: the CPUs but the NIC's.
         self.cpus = crate::shm::cores::allowed().unwrap_or_default();
         if let Some(index) = self.pin {
@@ -240,16 +250,14 @@ impl Daemon {
                 idle_since = self.now();
             }
         }
-        if let Some(t) = self.helper.take() {
-            let _ = t.join();
-        }
         Ok(())
     }
 
     /// Hands the last host to the bulk helper (the loop keeps the others), if this process
     /// serves more than one and none is lent yet.
     fn lend(&mut self) {
-        if self.helper.is_some() || self.hosts.len() < 2 {
+        // One CPU: a second thread would only take turns with the loop.
+        if self.helper.is_some() || self.hosts.len() < 2 || self.cpus.len() < 2 {
             return;
         }
         // The loop no longer sees what the helper's host sends its neighbours: look every turn.
@@ -278,9 +286,17 @@ impl Daemon {
     fn join_helper(&mut self) {
         if self.helper.as_ref().is_some_and(JoinHandle::is_finished) {
             if let Some(t) = self.helper.take() {
-                let _ = t.join();
+                Self::joined(t);
             }
             self.restore_watch();
+        }
+    }
+
+    /// Joins the helper; a panic in its turns is the loop's, as if the loop had made the turn
+    /// (its host would otherwise stay lent, and unserved, for good).
+    fn joined(t: JoinHandle<()>) {
+        if let Err(panic) = t.join() {
+            std::panic::resume_unwind(panic);
         }
     }
 
