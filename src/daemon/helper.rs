@@ -36,8 +36,8 @@ pub(super) struct Served {
     nic: Mutex<HostNic>,
     /// The helper serves it: the loop skips its turns.
     lent: AtomicBool,
-    /// The loop waits for the lock (an attach event, a count to publish): the helper stands
-    /// back between turns until it has been served.
+    /// The loop waits for the lock (an attach event): the helper stands back between turns
+    /// until it has been served.
     wanted: AtomicBool,
 }
 
@@ -58,15 +58,6 @@ impl Served {
     pub fn turn_lock(&self) -> MutexGuard<'_, HostNic> {
         // A turn that panicked took the process down with it; nothing half-done to guard.
         self.nic.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// The NIC if no one holds it (a lent host between its helper's turns).
-    pub fn try_turn_lock(&self) -> Option<MutexGuard<'_, HostNic>> {
-        match self.nic.try_lock() {
-            Ok(g) => Some(g),
-            Err(std::sync::TryLockError::Poisoned(e)) => Some(e.into_inner()),
-            Err(std::sync::TryLockError::WouldBlock) => None,
-        }
     }
 
     /// The NIC for the loop, whoever turns it: a lent host's helper lets go after its turn.

@@ -56,6 +56,8 @@ pub struct Daemon {
     hosts: Vec<Arc<Served>>,
     /// The bulk helper's thread while it serves a host (see [`helper`]).
     helper: Option<JoinHandle<()>>,
+    /// An attach socket had an event since clients were last counted.
+    attach_events: bool,
     /// The loop's busy share (per mille) of the last window, for the helper to weigh.
     loop_load: Arc<AtomicU32>,
     /// Whether every host of the config runs here (then a host counts the datagrams its
@@ -114,6 +116,7 @@ impl Daemon {
                 .map(|h| Arc::new(Served::new(h)))
                 .collect(),
             helper: None,
+            attach_events: false,
             loop_load: Arc::new(AtomicU32::new(0)),
             all_here,
             clock: Instant::now(),
@@ -417,6 +420,7 @@ impl Daemon {
     fn session_readable(&mut self, k: usize, slot: usize) -> Result<(), DaemonError> {
         let mut bell = None;
         self.hosts[k].lock().on_session_readable(slot, &mut bell);
+        self.attach_events = true;
         if let Some(fd) = bell {
             self.poll.registry().register(
                 &mut SourceFd(&fd),
@@ -429,12 +433,12 @@ impl Daemon {
 
     /// After attaches or detaches: every client learns how many share the machine with it.
     fn publish_clients(&mut self) {
-        let mut changed = false;
-        for h in &self.hosts {
-            // Every turn: a lent host only when its helper is between turns.
-            if let Some(mut h) = h.try_turn_lock() {
-                changed |= std::mem::take(&mut h.clients_changed);
-            }
+        // Every turn, so not a lent host: taking its lock between the helper's turns made the
+        // helper sleep on it and the loop's unlock a futex wake-up. Attaches come through the
+        // loop's events (`attach_events`); a lent host's detaches wait for its return.
+        let mut changed = std::mem::take(&mut self.attach_events);
+        for h in self.hosts.iter().filter(|h| !h.lent()) {
+            changed |= std::mem::take(&mut h.turn_lock().clients_changed);
         }
         if changed {
             let n = self.hosts.iter().map(|h| h.lock().clients()).sum();
