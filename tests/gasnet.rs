@@ -588,6 +588,39 @@ fn floods_of_requests_both_ways_without_polling_all_arrive() {
     assert_eq!(*got.borrow(), N);
 }
 
+/// The udp conduit as GASNet's own sends its datagrams (`SOFTNIC_UDP_AUTH=0`: a tag in clear,
+/// the baseline netbench measures): Active Messages of every kind and put/get of every size
+/// work as sealed; a value other than 0 or 1 is refused at init, naming the variable.
+#[test]
+fn udp_conduit_with_tags_in_clear() {
+    if !in_job() {
+        let clear = [ENV_SEG, ("SOFTNIC_UDP_AUTH", "0")];
+        for test in [
+            "active_messages_every_category_and_argument_count",
+            "put_get_sizes_offsets_and_handles",
+            "floods_of_requests_both_ways_without_polling_all_arrive",
+        ] {
+            launch_ok_env(test, 2, 2, &["--conduit", "udp"], &clear);
+        }
+        let out = launch_env(
+            "udp_conduit_with_tags_in_clear",
+            2,
+            2,
+            &["--conduit", "udp"],
+            &[ENV_SEG, ("SOFTNIC_UDP_AUTH", "maybe")],
+        );
+        let text = output_text(&out);
+        assert!(!out.status.success(), "{text}");
+        assert!(text.contains("SOFTNIC_UDP_AUTH=maybe"), "{text}");
+        return;
+    }
+    // Only reached with a bad SOFTNIC_UDP_AUTH: init must refuse it.
+    let e = Gasnet::init(vec![])
+        .err()
+        .expect("SOFTNIC_UDP_AUTH=maybe refused");
+    panic!("{e}");
+}
+
 /// Remote atomics (GASNet-EX atomic domain ops on u64): every operation against a local model,
 /// concurrent fetch-adds from every node on one word (each prior value seen exactly once), NBI
 /// updates, and the argument checks. Over portals the target's NIC runs them.

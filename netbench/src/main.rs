@@ -272,6 +272,11 @@ fn main() -> anyhow::Result<()> {
         );
         // Single-threaded here: nothing else reads the environment concurrently.
         std::env::set_var("SOFTNIC_CONDUIT", &conduit);
+        // The baseline at its strongest: datagrams as GASNet's udp-conduit sends them, a tag
+        // in clear instead of sealed (unless the caller chose).
+        if std::env::var_os("SOFTNIC_UDP_AUTH").is_none() {
+            std::env::set_var("SOFTNIC_UDP_AUTH", "0");
+        }
         return run_gasnet(&args, &ctx);
     }
     if args.api.as_deref() == Some("mpi") {

@@ -64,6 +64,9 @@ pub struct TransportConfig {
     pub lazy_delay: u64,
     /// Least time between two answers to stale datagrams from one peer.
     pub stale_answer_gap: u64,
+    /// Seal every datagram (AES-256-GCM); `false`: a tag in clear, as GASNet's udp-conduit
+    /// (see [`crate::wire::Key::tagging`]) — for the udp conduit's baseline mode only.
+    pub authenticate: bool,
 }
 
 impl Default for TransportConfig {
@@ -79,6 +82,7 @@ impl Default for TransportConfig {
             ack_delay: 100_000,
             lazy_delay: 50_000,
             stale_answer_gap: 1_000_000,
+            authenticate: true,
         }
     }
 }
@@ -445,13 +449,17 @@ impl Transport {
                 .cloned()
                 .unwrap_or(crate::wire::Key([0; 32]))
         };
+        let protect = |k: &crate::wire::Key, sender: u16| match cfg.authenticate {
+            true => k.sealing(sender),
+            false => k.tagging(sender),
+        };
         let mut t = Transport {
             host,
             body_cap: body_len_for(cfg.mtu),
             tx_keys: (0..nhosts.max(1))
-                .map(|i| secret(i).sealing(host))
+                .map(|i| protect(&secret(i), host))
                 .collect(),
-            rx_keys: (0..nhosts.max(1)).map(|i| secret(i).sealing(i)).collect(),
+            rx_keys: (0..nhosts.max(1)).map(|i| protect(&secret(i), i)).collect(),
             nonce: 0,
             auth_failures_from: vec![0; nhosts as usize],
             wall_at_probe: (0, 0),

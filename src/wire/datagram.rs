@@ -59,7 +59,7 @@ impl Key {
             "softnic 2026-11 datagram sealing key (AES-256-GCM)",
             &material,
         );
-        SealKey {
+        SealKey::Aead {
             small: LessSafeKey::new(
                 UnboundKey::new(&AES_256_GCM, &k).expect("a 32-byte AES-256 key"),
             ),
@@ -69,12 +69,36 @@ impl Key {
             ),
         }
     }
+
+    /// Host `sender`'s datagrams under this secret carry a tag in clear instead of being
+    /// sealed: the protection of GASNet's udp-conduit (AM-2 tags), which only keeps other
+    /// jobs' datagrams out — anyone who sees one can forge the next. For the udp conduit's
+    /// baseline mode only (`SOFTNIC_UDP_AUTH=0`).
+    pub fn tagging(&self, sender: u16) -> SealKey {
+        let mut material = [0u8; 34];
+        material[..32].copy_from_slice(&self.0);
+        material[32..].copy_from_slice(&sender.to_le_bytes());
+        let k = blake3::derive_key(
+            "softnic 2026-11 datagram tag in clear (AM-2 style)",
+            &material,
+        );
+        let mut tag = [0u8; TAG_LEN];
+        tag.copy_from_slice(&k[..TAG_LEN]);
+        SealKey::Tag(tag)
+    }
 }
 
-/// An AES-256-GCM key of one sending host (see [`Key::sealing`]), in both implementations.
-pub struct SealKey {
-    small: LessSafeKey,
-    large: aws_lc_rs::aead::LessSafeKey,
+/// How one sending host's datagrams are protected (see [`Key::sealing`], [`Key::tagging`]).
+// One per peer, made once and never moved: a box would only add a pointer to every seal.
+#[allow(clippy::large_enum_variant)]
+pub enum SealKey {
+    /// AES-256-GCM, in both implementations.
+    Aead {
+        small: LessSafeKey,
+        large: aws_lc_rs::aead::LessSafeKey,
+    },
+    /// The body in clear and this tag after it.
+    Tag([u8; TAG_LEN]),
 }
 
 impl std::fmt::Debug for SealKey {
@@ -187,10 +211,12 @@ impl DatagramHeader {
         let (header, rest) = buf.split_at_mut(HEADER_LEN);
         let nonce = nonce_of(header);
         let (body, tail) = rest.split_at_mut(len - HEADER_LEN);
-        let tag = if body.len() >= LARGE_BODY {
-            seal_with!(aws_lc_rs, key.large, nonce, header, body)
-        } else {
-            seal_with!(ring, key.small, nonce, header, body)
+        let tag = match key {
+            SealKey::Aead { large, .. } if body.len() >= LARGE_BODY => {
+                seal_with!(aws_lc_rs, large, nonce, header, body)
+            }
+            SealKey::Aead { small, .. } => seal_with!(ring, small, nonce, header, body),
+            SealKey::Tag(tag) => *tag,
         };
         tail[..TAG_LEN].copy_from_slice(&tag);
         len + TAG_LEN
@@ -232,10 +258,14 @@ impl DatagramHeader {
         };
         let (header, rest) = dgram.split_at_mut(HEADER_LEN);
         let nonce = nonce_of(header);
-        let body = if rest.len() - TAG_LEN >= LARGE_BODY {
-            open_with!(aws_lc_rs, key.large, nonce, header, rest)
-        } else {
-            open_with!(ring, key.small, nonce, header, rest)
+        let body_len = rest.len() - TAG_LEN;
+        let body = match key {
+            SealKey::Aead { large, .. } if body_len >= LARGE_BODY => {
+                open_with!(aws_lc_rs, large, nonce, header, rest)
+            }
+            SealKey::Aead { small, .. } => open_with!(ring, small, nonce, header, rest),
+            SealKey::Tag(tag) if rest[body_len..] == tag[..] => Ok(&mut rest[..body_len]),
+            SealKey::Tag(_) => Err(WireError::BadTag),
         }?;
         Ok((h, &*body))
     }
@@ -248,6 +278,62 @@ mod tests {
 
     fn key() -> SealKey {
         Key([7; 32]).sealing(3)
+    }
+
+    /// The udp conduit's baseline mode: the body travels in clear with the sender's tag; a
+    /// datagram of another job or claiming another sender, or with the tag changed, is refused.
+    #[test]
+    fn tagged_datagrams_carry_the_body_in_clear_and_check_the_tag() {
+        let h = DatagramHeader {
+            flags: 0,
+            src_host: 3,
+            dst_host: 4,
+            src_epoch: 9,
+            dst_epoch: 12,
+            seq: 10,
+            ack: 11,
+            sack: 0,
+            nonce: 77,
+        };
+        let key = Key([7; 32]).tagging(3);
+        let tagged = || {
+            let mut buf = vec![0u8; 100];
+            h.write(&mut buf);
+            buf[HEADER_LEN..HEADER_LEN + 3].copy_from_slice(b"abc");
+            let n = DatagramHeader::seal(&key, &mut buf, HEADER_LEN + 3);
+            buf.truncate(n);
+            buf
+        };
+        let mut buf = tagged();
+        assert_eq!(
+            &buf[HEADER_LEN..HEADER_LEN + 3],
+            b"abc",
+            "the body is in clear"
+        );
+        let (got, body) = DatagramHeader::open(&key, &mut buf).unwrap();
+        assert_eq!((got, body), (h, &b"abc"[..]));
+        for other in [
+            Key([8; 32]).tagging(3),
+            Key([7; 32]).tagging(4),
+            Key([7; 32]).sealing(3),
+        ] {
+            assert_eq!(
+                DatagramHeader::open(&other, &mut tagged()).map(|_| ()),
+                Err(WireError::BadTag)
+            );
+        }
+        let mut b = tagged();
+        let last = b.len() - 1;
+        b[last] ^= 1;
+        assert_eq!(
+            DatagramHeader::open(&key, &mut b).map(|_| ()),
+            Err(WireError::BadTag)
+        );
+        // A sealed datagram does not pass for a tagged one.
+        let mut sealed = vec![0u8; 100];
+        h.write(&mut sealed);
+        let n = DatagramHeader::seal(&Key([7; 32]).sealing(3), &mut sealed, HEADER_LEN + 3);
+        assert!(DatagramHeader::open(&key, &mut sealed[..n]).is_err());
     }
 
     #[test]
@@ -332,11 +418,14 @@ mod tests {
             // The same datagram sealed by each implementation by hand.
             let (header, rest) = plain.split_at(HEADER_LEN);
             let nonce = nonce_of(header);
+            let SealKey::Aead { small, large } = &k else {
+                unreachable!("sealing gives AEAD keys")
+            };
             let mut by_ring = rest[..body_len].to_vec();
-            let t = seal_with!(ring, k.small, nonce, header, &mut by_ring);
+            let t = seal_with!(ring, small, nonce, header, &mut by_ring);
             by_ring.extend_from_slice(&t);
             let mut by_aws = rest[..body_len].to_vec();
-            let t = seal_with!(aws_lc_rs, k.large, nonce, header, &mut by_aws);
+            let t = seal_with!(aws_lc_rs, large, nonce, header, &mut by_aws);
             by_aws.extend_from_slice(&t);
             assert_eq!(by_ring, by_aws, "body of {body_len} bytes");
             assert_eq!(&buf[HEADER_LEN..], &by_ring[..], "body of {body_len} bytes");

@@ -5,7 +5,9 @@
 //!
 //! Addresses: node n listens on its host's address from the cluster config (127.1.x.y without
 //! one) at a port derived from the job id and n ([`JobInfo::rank_addrs`]), so concurrent jobs do
-//! not collide and no exchange is needed. The job key authenticates datagrams.
+//! not collide and no exchange is needed. The job key authenticates datagrams, or with
+//! `SOFTNIC_UDP_AUTH=0` only tags them in clear as GASNet's udp-conduit does (AM-2 tags: other
+//! jobs' datagrams are kept out, forgeries are not) — the baseline netbench measures.
 
 use std::collections::VecDeque;
 use std::net::SocketAddr;
@@ -38,6 +40,18 @@ pub struct UdpConduit {
 /// The salt of the udp conduit's ports (see [`JobInfo::rank_addrs`]).
 const PORT_SALT: u16 = 1;
 
+/// `SOFTNIC_UDP_AUTH`: `1` (the default) seals every datagram as the daemons do, `0` tags
+/// them in clear as GASNet's udp-conduit does.
+fn authenticate() -> Result<bool, GasnetError> {
+    match std::env::var("SOFTNIC_UDP_AUTH").as_deref() {
+        Err(_) | Ok("1") => Ok(true),
+        Ok("0") => Ok(false),
+        Ok(v) => Err(GasnetError::Setup(format!(
+            "SOFTNIC_UDP_AUTH={v}: 1 (seal datagrams) or 0 (a tag in clear, as GASNet's udp-conduit)"
+        ))),
+    }
+}
+
 impl UdpConduit {
     pub fn new(job: &JobInfo, segment_len: usize) -> Result<UdpConduit, GasnetError> {
         if job.size > 65_535 {
@@ -62,6 +76,7 @@ impl UdpConduit {
             mtu,
             window: 128,
             max_queued: 256,
+            authenticate: authenticate()?,
             ..Default::default()
         };
         let t = Transport::new(job.rank as u16, job.size as u16, key, cfg, rand::random());
