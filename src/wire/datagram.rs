@@ -55,13 +55,7 @@ pub struct Key(pub [u8; 32]);
 impl Key {
     /// The key host `sender`'s datagrams under this secret are sealed with.
     pub fn sealing(&self, sender: u16) -> SealKey {
-        let mut material = [0u8; 34];
-        material[..32].copy_from_slice(&self.0);
-        material[32..].copy_from_slice(&sender.to_le_bytes());
-        let k = blake3::derive_key(
-            "softnic 2026-11 datagram sealing key (AES-256-GCM)",
-            &material,
-        );
+        let k = self.derive("softnic 2026-11 datagram sealing key (AES-256-GCM)", sender);
         SealKey::Aead {
             small: LessSafeKey::new(
                 UnboundKey::new(&AES_256_GCM, &k).expect("a 32-byte AES-256 key"),
@@ -78,16 +72,18 @@ impl Key {
     /// jobs' datagrams out — anyone who sees one can forge the next. For the udp conduit's
     /// baseline mode only (`SOFTNIC_UDP_AUTH=0`).
     pub fn tagging(&self, sender: u16) -> SealKey {
-        let mut material = [0u8; 34];
-        material[..32].copy_from_slice(&self.0);
-        material[32..].copy_from_slice(&sender.to_le_bytes());
-        let k = blake3::derive_key(
-            "softnic 2026-11 datagram tag in clear (AM-2 style)",
-            &material,
-        );
+        let k = self.derive("softnic 2026-11 datagram tag in clear (AM-2 style)", sender);
         let mut tag = [0u8; TAG_LEN];
         tag.copy_from_slice(&k[..TAG_LEN]);
         SealKey::Tag(tag)
+    }
+
+    /// 32 bytes for host `sender` under this secret, by purpose (`context`).
+    fn derive(&self, context: &str, sender: u16) -> [u8; 32] {
+        let mut material = [0u8; 34];
+        material[..32].copy_from_slice(&self.0);
+        material[32..].copy_from_slice(&sender.to_le_bytes());
+        blake3::derive_key(context, &material)
     }
 }
 
@@ -283,30 +279,38 @@ mod tests {
         Key([7; 32]).sealing(3)
     }
 
-    /// The udp conduit's baseline mode: the body travels in clear with the sender's tag; a
-    /// datagram of another job or claiming another sender, or with the tag changed, is refused.
-    #[test]
-    fn tagged_datagrams_carry_the_body_in_clear_and_check_the_tag() {
-        let h = DatagramHeader {
-            flags: 0,
+    /// The header the envelope tests use (3 → 4).
+    fn header(flags: u8, sack: u64) -> DatagramHeader {
+        DatagramHeader {
+            flags,
             src_host: 3,
             dst_host: 4,
             src_epoch: 9,
             dst_epoch: 12,
             seq: 10,
             ack: 11,
-            sack: 0,
+            sack,
             nonce: 77,
-        };
+        }
+    }
+
+    /// Header `h` and the body "abc", protected with `key`.
+    fn protected(key: &SealKey, h: &DatagramHeader) -> Vec<u8> {
+        let mut buf = vec![0u8; 100];
+        h.write(&mut buf);
+        buf[HEADER_LEN..HEADER_LEN + 3].copy_from_slice(b"abc");
+        let n = DatagramHeader::seal(key, &mut buf, HEADER_LEN + 3);
+        buf.truncate(n);
+        buf
+    }
+
+    /// The udp conduit's baseline mode: the body travels in clear with the sender's tag; a
+    /// datagram of another job or claiming another sender, or with the tag changed, is refused.
+    #[test]
+    fn tagged_datagrams_carry_the_body_in_clear_and_check_the_tag() {
+        let h = header(0, 0);
         let key = Key([7; 32]).tagging(3);
-        let tagged = || {
-            let mut buf = vec![0u8; 100];
-            h.write(&mut buf);
-            buf[HEADER_LEN..HEADER_LEN + 3].copy_from_slice(b"abc");
-            let n = DatagramHeader::seal(&key, &mut buf, HEADER_LEN + 3);
-            buf.truncate(n);
-            buf
-        };
+        let tagged = || protected(&key, &h);
         let mut buf = tagged();
         assert_eq!(
             &buf[HEADER_LEN..HEADER_LEN + 3],
@@ -333,33 +337,13 @@ mod tests {
             Err(WireError::BadTag)
         );
         // A sealed datagram does not pass for a tagged one.
-        let mut sealed = vec![0u8; 100];
-        h.write(&mut sealed);
-        let n = DatagramHeader::seal(&Key([7; 32]).sealing(3), &mut sealed, HEADER_LEN + 3);
-        assert!(DatagramHeader::open(&key, &mut sealed[..n]).is_err());
+        assert!(DatagramHeader::open(&key, &mut protected(&self::key(), &h)).is_err());
     }
 
     #[test]
     fn round_trip_and_tag() {
-        let h = DatagramHeader {
-            flags: 1,
-            src_host: 3,
-            dst_host: 4,
-            src_epoch: 9,
-            dst_epoch: 12,
-            seq: 10,
-            ack: 11,
-            sack: 0b101,
-            nonce: 77,
-        };
-        let sealed = || {
-            let mut buf = vec![0u8; 100];
-            h.write(&mut buf);
-            buf[HEADER_LEN..HEADER_LEN + 3].copy_from_slice(b"abc");
-            let n = DatagramHeader::seal(&key(), &mut buf, HEADER_LEN + 3);
-            buf.truncate(n);
-            buf
-        };
+        let h = header(1, 0b101);
+        let sealed = || protected(&key(), &h);
         let mut buf = sealed();
         assert_ne!(
             &buf[HEADER_LEN..HEADER_LEN + 3],
