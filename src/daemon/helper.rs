@@ -62,36 +62,34 @@ impl Served {
 
     /// The NIC for the loop, whoever turns it: a lent host's helper lets go after its turn.
     pub fn lock(&self) -> Wanted<'_> {
-        if !self.lent() {
-            return Wanted {
-                guard: Some(self.turn_lock()),
-                flag: None,
-            };
-        }
-        self.wanted.store(true, Ordering::Release);
+        let flag = self.lent().then(|| {
+            self.wanted.store(true, Ordering::Release);
+            &self.wanted
+        });
         Wanted {
-            guard: Some(self.turn_lock()),
-            flag: Some(&self.wanted),
+            guard: self.turn_lock(),
+            flag,
         }
     }
 }
 
-/// The loop's hold on a host; the helper may go on once it is dropped.
+/// The loop's hold on a host; the helper may go on once it is dropped (the flag is cleared
+/// first, then the guard, a field, unlocks).
 pub(super) struct Wanted<'a> {
-    guard: Option<MutexGuard<'a, HostNic>>,
+    guard: MutexGuard<'a, HostNic>,
     flag: Option<&'a AtomicBool>,
 }
 
 impl std::ops::Deref for Wanted<'_> {
     type Target = HostNic;
     fn deref(&self) -> &HostNic {
-        self.guard.as_ref().expect("held until dropped")
+        &self.guard
     }
 }
 
 impl std::ops::DerefMut for Wanted<'_> {
     fn deref_mut(&mut self) -> &mut HostNic {
-        self.guard.as_mut().expect("held until dropped")
+        &mut self.guard
     }
 }
 
@@ -100,7 +98,6 @@ impl Drop for Wanted<'_> {
         if let Some(f) = self.flag {
             f.store(false, Ordering::Release);
         }
-        self.guard = None;
     }
 }
 

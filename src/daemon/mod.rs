@@ -56,8 +56,9 @@ pub struct Daemon {
     hosts: Vec<Arc<Served>>,
     /// The bulk helper's thread while it serves a host (see [`helper`]).
     helper: Option<JoinHandle<()>>,
-    /// An attach socket had an event since clients were last counted.
-    attach_events: bool,
+    /// Clients may have attached or detached since they were last counted: an attach
+    /// socket's event, or a host the loop turned said so.
+    clients_stale: bool,
     /// The loop's busy share (per mille) of the last window, for the helper to weigh.
     loop_load: Arc<AtomicU32>,
     /// Whether every host of the config runs here (then a host counts the datagrams its
@@ -116,7 +117,7 @@ impl Daemon {
                 .map(|h| Arc::new(Served::new(h)))
                 .collect(),
             helper: None,
-            attach_events: false,
+            clients_stale: false,
             loop_load: Arc::new(AtomicU32::new(0)),
             all_here,
             clock: Instant::now(),
@@ -192,6 +193,7 @@ impl Daemon {
                 {
                     let mut h = self.hosts[k].turn_lock();
                     busy |= h.turn(now, at);
+                    self.clients_stale |= std::mem::take(&mut h.clients_changed);
                     sent_to.clear();
                     sent_to.extend_from_slice(&h.sent_to);
                 }
@@ -420,7 +422,7 @@ impl Daemon {
     fn session_readable(&mut self, k: usize, slot: usize) -> Result<(), DaemonError> {
         let mut bell = None;
         self.hosts[k].lock().on_session_readable(slot, &mut bell);
-        self.attach_events = true;
+        self.clients_stale = true;
         if let Some(fd) = bell {
             self.poll.registry().register(
                 &mut SourceFd(&fd),
@@ -433,14 +435,10 @@ impl Daemon {
 
     /// After attaches or detaches: every client learns how many share the machine with it.
     fn publish_clients(&mut self) {
-        // Every turn, so not a lent host: taking its lock between the helper's turns made the
-        // helper sleep on it and the loop's unlock a futex wake-up. Attaches come through the
-        // loop's events (`attach_events`); a lent host's detaches wait for its return.
-        let mut changed = std::mem::take(&mut self.attach_events);
-        for h in self.hosts.iter().filter(|h| !h.lent()) {
-            changed |= std::mem::take(&mut h.turn_lock().clients_changed);
-        }
-        if changed {
+        // Not from a lent host's lock every turn: the helper slept on it and the loop's unlock
+        // woke it. Attaches come through the loop's events; a lent host's detaches are seen
+        // when it is back.
+        if std::mem::take(&mut self.clients_stale) {
             let n = self.hosts.iter().map(|h| h.lock().clients()).sum();
             self.hosts.iter().for_each(|h| h.lock().publish_clients(n));
         }
