@@ -928,6 +928,39 @@ fn senders_that_leave_at_once_still_deliver_everything() {
     flood_node_zero(300);
 }
 
+/// A node leaves right after a barrier that ended a stream (netbench's bw): the barrier's last
+/// implicit reply, sent from a host the local default's bulk helper still turned, reaches
+/// node 0 — which waited out its 5 s exit drain for it when the daemon dropped commands still
+/// in a leaving process's ring. Each of 3 jobs: node 0's leave takes well under that.
+#[test]
+fn a_node_leaving_after_a_stream_leaves_no_reply_behind() {
+    const TEST: &str = "a_node_leaving_after_a_stream_leaves_no_reply_behind";
+    if !in_job() {
+        for _ in 0..3 {
+            launch_ok_env(TEST, 2, 2, &["--conduit", "portals"], &[ENV_SEG]);
+        }
+        return;
+    }
+    const MIB: usize = 1 << 20;
+    let mut g = Gasnet::init(Vec::new()).unwrap();
+    g.barrier().unwrap();
+    if g.mynode() == 0 {
+        let src = vec![7u8; MIB];
+        for _ in 0..300 {
+            g.put_nbi(1, 0, &src).unwrap();
+        }
+        g.wait_syncnbi_all().unwrap();
+    }
+    g.barrier().unwrap();
+    let t = std::time::Instant::now();
+    drop(g);
+    assert!(
+        t.elapsed() < std::time::Duration::from_secs(2),
+        "leaving took {:?}: an Active Message was never answered",
+        t.elapsed()
+    );
+}
+
 /// extoll: every argument count with Medium payloads around the room the first VELO message
 /// leaves (62 bytes after the length, minus header and arguments), up to 8192 B; 8193 is too
 /// large.

@@ -44,6 +44,8 @@ const SPIN_POLLS: u32 = 64;
 /// these machines, and a yield is a context switch when the cores are busy.
 const SPIN_FOR: Duration = Duration::from_micros(20);
 const YIELD_FOR: Duration = Duration::from_micros(500);
+/// How long a leaving client waits for its daemon to take the commands still in its ring.
+const LEAVE_WAIT: Duration = Duration::from_secs(2);
 
 pub struct Client {
     sock: OwnedFd,
@@ -310,5 +312,22 @@ impl Client {
         let mut fds = [PollFd::new(&self.sock, PollFlags::IN)];
         matches!(poll(&mut fds, 0), Ok(1))
             && fds[0].revents().intersects(PollFlags::HUP | PollFlags::ERR)
+    }
+}
+
+impl Drop for Client {
+    /// A leaving process hands its last commands over before its socket closes: like a NIC
+    /// that runs the descriptors it was given, the daemon should see every command published
+    /// (an unsynchronised put_nbi, a GASNet node's last implicit reply). Bounded: a daemon
+    /// that is gone or stuck does not hold the process.
+    fn drop(&mut self) {
+        let start = Instant::now();
+        while !self.control.cmd_consumed() && start.elapsed() < LEAVE_WAIT {
+            self.ring_if_sleeping();
+            if self.daemon_gone() {
+                break;
+            }
+            std::thread::sleep(Duration::from_micros(50));
+        }
     }
 }

@@ -535,7 +535,7 @@ impl HostNic {
             let mut fds = Vec::new();
             let n = match attach::recv(s.sock.as_fd(), &mut buf, &mut fds) {
                 Ok(0) => {
-                    self.detach(slot);
+                    self.leave(slot);
                     return false;
                 }
                 Ok(n) => n,
@@ -681,6 +681,25 @@ impl HostNic {
                 }
             }
         }
+    }
+
+    /// A client closed its socket: the commands it published before are run first, as a NIC
+    /// runs the descriptors it was handed (a GASNet node's last implicit reply is one: its
+    /// requester would otherwise wait for it), then the client is dropped. Stops early when
+    /// the core pushes back: what it cannot take now is lost with the client.
+    fn leave(&mut self, slot: usize) {
+        let now = self.now();
+        while self
+            .sessions
+            .get(slot)
+            .and_then(|s| s.as_ref()?.attached.as_ref())
+            .is_some_and(|a| a.control.cmd_pending())
+        {
+            if !self.drain_commands(now, slot) {
+                break;
+            }
+        }
+        self.detach(slot);
     }
 
     /// Drops a client: its memory becomes unreachable (remote ops get NoSuchEndpoint), its

@@ -448,6 +448,11 @@ impl Control {
         true
     }
 
+    /// Whether the daemon has taken every command this client published.
+    pub fn cmd_consumed(&self) -> bool {
+        self.atomic(CMD_HEAD).load(Ordering::Acquire) == self.cmd_tail.get()
+    }
+
     // ---- daemon side: command consumer ----
 
     /// Copies the next command record's body into `buf`; returns the record length to pass to
