@@ -103,17 +103,18 @@ pub enum Placed {
     Stayed,
 }
 
-/// Moves the calling thread off `nic` if it runs there (`room`: whether the other CPUs hold
-/// the clients); remembers how to come back.
-fn leave_nic(l: &mut Left, nic: u32, room: impl Fn(usize) -> bool) -> Placed {
-    if l.before.is_some() || l.stuck || current_cpu() != Some(nic) {
+/// Moves the calling thread off `nic` if it runs there, or (`anywhere`) keeps it from going
+/// there if it may (`room`: whether the other CPUs hold the clients); remembers how to come
+/// back.
+fn leave_nic(l: &mut Left, nic: u32, anywhere: bool, room: impl Fn(usize) -> bool) -> Placed {
+    if l.before.is_some() || l.stuck || (!anywhere && current_cpu() != Some(nic)) {
         return Placed::Stayed;
     }
     let Ok(cpus) = allowed() else {
         return Placed::Stayed;
     };
     let n = others(&cpus, nic).count();
-    if n == 0 || !room(n) {
+    if n == 0 || n == cpus.len() || !room(n) {
         return Placed::Stayed;
     }
     let moved = leave(&cpus, nic);
@@ -144,17 +145,19 @@ pub fn keep_off(nic: u32, sharing: u32) -> Placed {
             }
             return Placed::Stayed;
         }
-        leave_nic(l, nic, |others| sharing as usize <= others)
+        leave_nic(l, nic, false, |others| sharing as usize <= others)
     })
 }
 
 /// For a GASNet wait that outlasts its first spin: whether this thread runs on another core
-/// than the NIC's `nic`, moving off it for good if it is on it (GASNet's waits measured
-/// faster so even where the ranks then crowd the other cores: AM Short 11 against 12–14 µs,
-/// two ranks on two cores).
+/// than the NIC's `nic`, keeping off it for good (GASNet's waits measured faster so even
+/// where the ranks then crowd the other cores: AM Short 11 against 12–14 µs, two ranks on two
+/// cores). Wherever the thread runs at that moment: a rank that was elsewhere at its first
+/// long wait, and not kept off, was later put on the NIC's core by the scheduler and stayed
+/// (AM Short 12.4–13.0 µs in those jobs, against 10.5 with both ranks off it).
 pub fn off_core(nic: u32) -> bool {
     LEFT.with_borrow_mut(|l| {
-        if leave_nic(l, nic, |_| true) == Placed::Moved || l.before.is_some() {
+        if leave_nic(l, nic, true, |_| true) == Placed::Moved || l.before.is_some() {
             l.for_good = true;
         }
     });
@@ -206,6 +209,31 @@ mod tests {
             assert!(leave(&cpus, here));
             assert!(!allowed().unwrap().contains(&here));
             assert_ne!(current_cpu(), Some(here));
+        })
+        .join()
+        .unwrap();
+    }
+
+    #[test]
+    fn a_gasnet_wait_keeps_off_the_nic_core_from_wherever_it_runs() {
+        std::thread::spawn(|| {
+            let cpus = allowed().unwrap();
+            if cpus.len() < 2 {
+                eprintln!("skipped: one CPU allowed, nowhere to move");
+                return;
+            }
+            // The NIC's core is the first; the thread runs on the last, still allowed both.
+            let nic = cpus[0];
+            pin(-1).unwrap().expect("two CPUs");
+            let mut all = rustix::process::CpuSet::new();
+            cpus.iter().for_each(|&c| all.set(c as usize));
+            rustix::process::sched_setaffinity(None, &all).unwrap();
+            assert!(off_core(nic), "it runs elsewhere");
+            assert!(
+                !allowed().unwrap().contains(&nic),
+                "the scheduler may no longer put it on the NIC's core"
+            );
+            assert_eq!(allowed_before_leaving().unwrap(), cpus);
         })
         .join()
         .unwrap();
