@@ -190,15 +190,24 @@ mod tests {
         assert_eq!(pick(&[], -1), None);
     }
 
-    #[test]
-    fn a_thread_that_leaves_a_core_no_longer_runs_there() {
-        // In a thread of its own: the affinity it loses must not leak into other tests.
+    /// Runs `f` with the CPUs allowed in a thread of its own (the affinity it changes must not
+    /// leak into other tests), if there are two or more.
+    fn with_two_cpus(f: impl FnOnce(Vec<u32>) + Send + 'static) {
         std::thread::spawn(|| {
             let cpus = allowed().unwrap();
             if cpus.len() < 2 {
                 eprintln!("skipped: one CPU allowed, nowhere to move");
                 return;
             }
+            f(cpus)
+        })
+        .join()
+        .unwrap();
+    }
+
+    #[test]
+    fn a_thread_that_leaves_a_core_no_longer_runs_there() {
+        with_two_cpus(|cpus| {
             let here = pin(0).unwrap().expect("two CPUs");
             assert_eq!(here, cpus[0]);
             assert_eq!(current_cpu(), Some(here), "pinned threads run where pinned");
@@ -209,19 +218,12 @@ mod tests {
             assert!(leave(&cpus, here));
             assert!(!allowed().unwrap().contains(&here));
             assert_ne!(current_cpu(), Some(here));
-        })
-        .join()
-        .unwrap();
+        });
     }
 
     #[test]
     fn a_gasnet_wait_keeps_off_the_nic_core_from_wherever_it_runs() {
-        std::thread::spawn(|| {
-            let cpus = allowed().unwrap();
-            if cpus.len() < 2 {
-                eprintln!("skipped: one CPU allowed, nowhere to move");
-                return;
-            }
+        with_two_cpus(|cpus| {
             // The NIC's core is the first; the thread runs on the last, still allowed both.
             let nic = cpus[0];
             pin(-1).unwrap().expect("two CPUs");
@@ -234,8 +236,6 @@ mod tests {
                 "the scheduler may no longer put it on the NIC's core"
             );
             assert_eq!(allowed_before_leaving().unwrap(), cpus);
-        })
-        .join()
-        .unwrap();
+        });
     }
 }
