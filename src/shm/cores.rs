@@ -114,7 +114,7 @@ fn leave_nic(l: &mut Left, nic: u32, anywhere: bool, room: impl Fn(usize) -> boo
         return Placed::Stayed;
     };
     let n = others(&cpus, nic).count();
-    if n == 0 || n == cpus.len() || !room(n) {
+    if n == 0 || !cpus.contains(&nic) || !room(n) {
         return Placed::Stayed;
     }
     let moved = leave(&cpus, nic);

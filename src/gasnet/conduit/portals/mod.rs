@@ -407,13 +407,7 @@ impl Conduit for PortalsConduit {
 
     fn outgoing(&self) -> bool {
         // A request's slot is freed once its target's NIC took it and the target answered.
-        // Replies and Long payloads count until their ACK: a process that leaves takes its
-        // memory with it, and its daemon drops what is still to be sent from there (a
-        // barrier's last implicit reply was lost so, its requester waiting out EXIT_DRAIN).
-        !self.resend.is_empty()
-            || self.req.iter().any(Option::is_some)
-            || self.free_rep.len() < REP_SLOTS
-            || self.ring.in_use()
+        !self.resend.is_empty() || self.req.iter().any(Option::is_some)
     }
 
     fn nodes(&self) -> u32 {
