@@ -71,12 +71,12 @@ pub fn put_pingpong(
     let size = size.clamp(8, b.max);
     d.barrier()?;
     let waiter = d.nic().client().waiter();
-    let warm = ctx.warmup();
-    let mut samples = Vec::with_capacity(ctx.iters);
+    let warm = ctx.lat_warmup(size);
+    let mut samples = Vec::with_capacity(ctx.lat_iters(size));
     let flag = b.inn + size as u64 - 8;
     if ctx.job.rank < 2 {
         let peer = 1 - ctx.job.rank;
-        for i in 1..=(warm + ctx.iters) as u64 {
+        for i in 1..=(warm + ctx.lat_iters(size)) as u64 {
             let t = Instant::now();
             let arrived = |b: &Bufs| b.word(flag) == i;
             if ctx.job.rank == 1 {
@@ -117,7 +117,7 @@ fn blocking(
     d.barrier()?;
     let mut samples = Vec::new();
     if ctx.job.rank == 0 {
-        samples = crate::time_calls(ctx.warmup(), ctx.iters, || f(d))?;
+        samples = crate::time_calls(ctx.lat_warmup(size), ctx.lat_iters(size), || f(d))?;
     }
     d.barrier()?;
     Ok((ctx.job.rank == 0).then(|| row(ctx, "pingpong", op, size).with_latency(&mut samples)))

@@ -97,11 +97,11 @@ impl Ex {
 /// `op: "velo"`: half the round trip of `size` bytes in VELO messages (up to 8 KiB).
 pub fn velo_pingpong(ctx: &Ctx, ex: &mut Ex, size: usize) -> anyhow::Result<Option<Row>> {
     ex.barrier()?;
-    let warm = ctx.warmup();
-    let mut samples = Vec::with_capacity(ctx.iters);
+    let warm = ctx.lat_warmup(size);
+    let mut samples = Vec::with_capacity(ctx.lat_iters(size));
     if ctx.job.rank < 2 {
         let peer = 1 - ctx.job.rank;
-        for i in 0..warm + ctx.iters {
+        for i in 0..warm + ctx.lat_iters(size) {
             let t = Instant::now();
             if ctx.job.rank == 0 {
                 ex.velo_send(peer, size, 1)?;
@@ -134,14 +134,14 @@ pub fn rma_pingpong(
         size.min(ex.max)
     };
     ex.barrier()?;
-    let warm = ctx.warmup();
-    let mut samples = Vec::with_capacity(ctx.iters);
+    let warm = ctx.lat_warmup(size);
+    let mut samples = Vec::with_capacity(ctx.lat_iters(size));
     if ctx.job.rank < 2 {
         let peer = 1 - ctx.job.rank;
         let conn = ex.conns[peer as usize];
         let dst = ex.buf.nla_at(ex.max as u64);
         let buf = ex.buf.clone();
-        for i in 0..warm + ctx.iters {
+        for i in 0..warm + ctx.lat_iters(size) {
             let t = Instant::now();
             let put = |ex: &mut Ex| -> anyhow::Result<()> {
                 if immediate {
@@ -179,7 +179,7 @@ pub fn rma_get(ctx: &Ctx, ex: &mut Ex, size: usize) -> anyhow::Result<Option<Row
         let conn = ex.conns[1];
         let src = ex.buf.nla_at(0);
         let buf = ex.buf.clone();
-        samples = crate::time_calls(ctx.warmup(), ctx.iters, || {
+        samples = crate::time_calls(ctx.lat_warmup(size), ctx.lat_iters(size), || {
             ex.rma.post_get(
                 conn,
                 &buf,

@@ -57,7 +57,7 @@ pub fn am(
     let payload = vec![7u8; size];
     let mut samples = Vec::new();
     if ctx.job.rank == 0 {
-        samples = crate::time_calls(ctx.warmup(), ctx.iters, || {
+        samples = crate::time_calls(ctx.lat_warmup(size), ctx.lat_iters(size), || {
             let before = pongs.get();
             match op {
                 "am_short" => g.am_request_short(1, H_PING, &[1, 2])?,
@@ -102,7 +102,7 @@ pub fn blocking(ctx: &Ctx, g: &mut Gasnet, get: bool, size: usize) -> anyhow::Re
     let mut buf = vec![1u8; size];
     let mut samples = Vec::new();
     if ctx.job.rank == 0 {
-        samples = crate::time_calls(ctx.warmup(), ctx.iters, || {
+        samples = crate::time_calls(ctx.lat_warmup(size), ctx.lat_iters(size), || {
             if get {
                 g.get(&mut buf, 1, 0)?;
             } else {

@@ -49,13 +49,13 @@ pub fn put_pingpong(
     let size = size.max(8);
     nic.barrier()?;
     let waiter = nic.client().waiter();
-    let warm = ctx.iters / 10 + 10;
-    let mut samples = Vec::with_capacity(ctx.iters);
+    let warm = ctx.lat_warmup(size);
+    let mut samples = Vec::with_capacity(ctx.lat_iters(size));
     let (out, inn) = (b.out_off(), b.in_off());
     let flag = inn + size - 8;
     if ctx.job.rank < 2 {
         let peer = 1 - ctx.job.rank;
-        for i in 1..=(warm + ctx.iters) as u64 {
+        for i in 1..=(warm + ctx.lat_iters(size)) as u64 {
             let t = Instant::now();
             if ctx.job.rank == 1 {
                 let mem = &b.mem;
@@ -101,7 +101,7 @@ fn blocking(
     nic.barrier()?;
     let mut samples = Vec::new();
     if ctx.job.rank == 0 {
-        samples = crate::time_calls(ctx.warmup(), ctx.iters, || f(nic))?;
+        samples = crate::time_calls(ctx.lat_warmup(size), ctx.lat_iters(size), || f(nic))?;
     }
     nic.barrier()?;
     Ok((ctx.job.rank == 0).then(|| {

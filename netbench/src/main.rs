@@ -73,6 +73,8 @@ struct Args {
     /// Message sizes in bytes, comma separated (k and m suffixes allowed).
     #[arg(long, value_delimiter = ',', value_parser = parse_size)]
     sizes: Option<Vec<usize>>,
+    /// Timed iterations; latency rows of messages up to 8 KiB take ten times as many (OSU's
+    /// rule).
     #[arg(long, default_value_t = 1000)]
     iters: usize,
     /// RandomAccess table: 2^N 64-bit words per rank.
@@ -203,10 +205,31 @@ pub struct Ctx {
     pub transport: Option<String>,
 }
 
+/// Messages up to this size take ten times `--iters` in latency rows (OSU's rule:
+/// `LARGE_MESSAGE_SIZE`, 10,000 iterations below it and 1,000 above).
+pub const SMALL_MAX: usize = 8192;
+
 impl Ctx {
     /// Untimed calls before the timed ones.
     pub fn warmup(&self) -> usize {
         self.iters / 10 + 10
+    }
+
+    /// Timed round trips of a point-to-point latency row of `size` bytes: ten times `--iters`
+    /// for small messages, as OSU's latency tests count them. A thousand 10 µs round trips are
+    /// 10 ms, shorter than this class of machine's moods (a core's speed halves for hundreds
+    /// of milliseconds at a time): whole jobs then landed in one mode or the other.
+    pub fn lat_iters(&self, size: usize) -> usize {
+        if size <= SMALL_MAX {
+            self.iters.saturating_mul(10)
+        } else {
+            self.iters
+        }
+    }
+
+    /// Untimed round trips before [`Ctx::lat_iters`] timed ones.
+    pub fn lat_warmup(&self, size: usize) -> usize {
+        self.lat_iters(size) / 10 + 10
     }
 
     pub fn row(&self, bench: &str, api: &str, conduit: &str, op: &str, size: usize) -> Row {

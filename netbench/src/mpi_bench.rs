@@ -64,11 +64,11 @@ pub fn pingpong(ctx: &Ctx, w: &Comm, size: usize) -> anyhow::Result<Option<Row>>
     w.barrier()?;
     let mut out = vec![7u8; size];
     let mut inn = vec![0u8; size];
-    let mut samples = Vec::with_capacity(ctx.iters);
-    let warm = ctx.warmup();
+    let mut samples = Vec::with_capacity(ctx.lat_iters(size));
+    let warm = ctx.lat_warmup(size);
     if w.rank() < 2 {
         let peer = 1 - w.rank() as i32;
-        for i in 0..warm + ctx.iters {
+        for i in 0..warm + ctx.lat_iters(size) {
             if size >= 8 {
                 out[..8].copy_from_slice(&(i as u64).to_le_bytes());
             }
@@ -163,12 +163,12 @@ pub fn rma(
     w.barrier()?;
     let mut samples = Vec::new();
     if w.rank() == 0 {
-        let warm = ctx.warmup();
+        let warm = ctx.lat_warmup(size);
         let origin = vec![1u8; size];
         let mut back = vec![0u8; size];
         let words = vec![1u64; (size / 8).max(1)];
-        let mut empty = Vec::with_capacity(ctx.iters);
-        for i in 0..warm + ctx.iters {
+        let mut empty = Vec::with_capacity(ctx.lat_iters(size));
+        for i in 0..warm + ctx.lat_iters(size) {
             let t = Instant::now();
             win.lock(LockType::Shared, 1, 0)?;
             win.unlock(1)?;

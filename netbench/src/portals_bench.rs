@@ -85,12 +85,12 @@ pub fn put_pingpong(
     let size = size.max(8);
     p.endpoint().barrier()?;
     let waiter = p.endpoint().client().waiter();
-    let warm = ctx.iters / 10 + 10;
-    let mut samples = Vec::with_capacity(ctx.iters);
+    let warm = ctx.lat_warmup(size);
+    let mut samples = Vec::with_capacity(ctx.lat_iters(size));
     if ctx.job.rank < 2 {
         let peer = 1 - ctx.job.rank;
         let flag = size - 8;
-        for i in 1..=(warm + ctx.iters) as u64 {
+        for i in 1..=(warm + ctx.lat_iters(size)) as u64 {
             let t = Instant::now();
             let arrived = |m: &MemRegion| {
                 u64::from_le_bytes(m.bytes()[flag..flag + 8].try_into().unwrap()) == i
@@ -136,11 +136,11 @@ pub fn put_blocking(
     size: usize,
 ) -> anyhow::Result<Option<Row>> {
     p.endpoint().barrier()?;
-    let mut samples = Vec::with_capacity(ctx.iters);
+    let mut samples = Vec::with_capacity(ctx.lat_iters(size));
     if ctx.job.rank == 0 {
-        let warm = ctx.iters / 10 + 10;
+        let warm = ctx.lat_warmup(size);
         let mut acked = p.ct_get(s.ni, s.ct)?.success;
-        for i in 0..warm + ctx.iters {
+        for i in 0..warm + ctx.lat_iters(size) {
             let t = Instant::now();
             p.put(
                 s.ni,
@@ -180,10 +180,10 @@ pub fn get_like(
     fetch: bool,
 ) -> anyhow::Result<Option<Row>> {
     p.endpoint().barrier()?;
-    let mut samples = Vec::with_capacity(ctx.iters);
+    let mut samples = Vec::with_capacity(ctx.lat_iters(size));
     if ctx.job.rank == 0 {
-        let warm = ctx.iters / 10 + 10;
-        for i in 0..warm + ctx.iters {
+        let warm = ctx.lat_warmup(size);
+        for i in 0..warm + ctx.lat_iters(size) {
             let t = Instant::now();
             if fetch {
                 p.fetch_atomic(

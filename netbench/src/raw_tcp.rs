@@ -95,9 +95,9 @@ pub fn pingpong(ctx: &Ctx, c: &mut Conn, size: usize) -> anyhow::Result<Option<R
     let _pin = Pinned::apart(ctx.job.rank);
     c.s.set_nonblocking(true)?;
     let msg = vec![0x5au8; size.max(1)];
-    let warm = ctx.iters / 10 + 10;
-    let mut samples = Vec::with_capacity(ctx.iters);
-    for i in 0..warm + ctx.iters {
+    let warm = ctx.lat_warmup(size);
+    let mut samples = Vec::with_capacity(ctx.lat_iters(size));
+    for i in 0..warm + ctx.lat_iters(size) {
         let t = Instant::now();
         if ctx.job.rank == 0 {
             c.write_all(&msg)?;

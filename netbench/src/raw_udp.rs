@@ -102,9 +102,9 @@ pub fn pingpong(ctx: &Ctx, p: &mut Pair, size: usize) -> Option<Row> {
     let _pin = Pinned::apart(ctx.job.rank);
     let size = size.clamp(1, 65_000);
     let msg = vec![0x5au8; size];
-    let warm = ctx.iters / 10 + 10;
-    let mut samples = Vec::with_capacity(ctx.iters);
-    for i in 0..warm + ctx.iters {
+    let warm = ctx.lat_warmup(size);
+    let mut samples = Vec::with_capacity(ctx.lat_iters(size));
+    for i in 0..warm + ctx.lat_iters(size) {
         if ctx.job.rank == 0 {
             let t = Instant::now();
             p.sock.send_to(&msg, p.peer).ok();

@@ -51,11 +51,17 @@ pub struct Row {
 
 impl Row {
     /// This row with the median and 99th percentile of `samples` (µs) as its latency.
+    /// The median and 99th percentile of `samples`, and their number as `iters`.
     pub fn with_latency(self, samples: &mut [f64]) -> Row {
         let (m, q) = median_p99(samples);
         Row {
             lat_us: Some(m),
             lat_us_p99: Some(q),
+            iters: if samples.is_empty() {
+                self.iters
+            } else {
+                samples.len()
+            },
             ..self
         }
     }
