@@ -720,6 +720,40 @@ fn remote_atomics_every_op_and_concurrent_fetch_add() {
     g.barrier().unwrap();
 }
 
+/// Implicit atomics (the portals conduit's counted ones) to a node that has left fail, and the
+/// sync that reports them names the node and the NIC's reason — not a bare count, not a hang.
+#[test]
+fn implicit_atomics_to_a_node_that_left_fail_naming_node_and_reason() {
+    use softnic::gasnet::AdOp;
+    const TEST: &str = "implicit_atomics_to_a_node_that_left_fail_naming_node_and_reason";
+    if !in_job() {
+        return launch_ok_env(TEST, 2, 2, &["--conduit", "portals"], &[ENV_SEG]);
+    }
+    let mut g = Gasnet::init(vec![]).unwrap();
+    g.barrier().unwrap();
+    if g.mynode() == 1 {
+        // Leaves at once: its daemon forgets it when the process is gone.
+        return;
+    }
+    let start = std::time::Instant::now();
+    let e = loop {
+        assert!(
+            start.elapsed() < std::time::Duration::from_secs(20),
+            "atomics to a node that left kept succeeding"
+        );
+        g.ad_op_nbi(1, 0, AdOp::Add, 1, 0).unwrap();
+        match g.wait_syncnbi_puts() {
+            Err(e) => break e.to_string(),
+            Ok(()) => std::thread::sleep(std::time::Duration::from_millis(5)),
+        }
+    };
+    // The daemon no longer knows the node: the NIC's PTL_NI_UNDELIVERABLE.
+    assert!(
+        e.contains("failed at their target (the first to node 1: Undeliverable)"),
+        "{e}"
+    );
+}
+
 /// AM Long of every size up to AMMaxLongRequest/Reply, both directions: the payload is in the
 /// segment when the handler runs (over portals, large ones are put in place first and matched
 /// with their header by Lid), and many in flight at once all arrive.

@@ -77,6 +77,9 @@ const FIREHOSE_M: usize = 256 << 20;
 const FIREHOSE_R: usize = 64;
 /// Non-fetching atomics of the implicit puts in flight at most, and their operand slots.
 const IMPLICIT_SLOTS: usize = 4096;
+/// Failure events of implicit atomics kept for the error that reports them (the rest are
+/// only counted).
+const IMPLICIT_FAILURES: usize = 64;
 /// Long payloads up to this ride inside the AM.
 const PACKED_MAX: usize = 8 * 1024;
 /// Largest Long payload (AMMaxLongRequest/Reply): one piece of the bounce region.
@@ -213,10 +216,12 @@ pub struct PortalsConduit {
     /// Off once the daemon could not reach this process's memory.
     firehose_on: bool,
     /// Implicit atomics (see `rma::implicit_atomic`): operand slots, their MD counting ACKs
-    /// on a CT, how many were issued, and how many failures were reported already.
+    /// on a CT (and telling failures only, as full events, on `imp_eq`: what the error names),
+    /// how many were issued, and how many failures were reported already.
     imp: MemRegion,
     imp_md: u32,
     imp_ct: u32,
+    imp_eq: u32,
     imp_issued: u64,
     imp_failed: u64,
 }
@@ -288,14 +293,17 @@ impl PortalsConduit {
         let bounce_md = md(&mut p, &bounce, quiet).map_err(err)?;
         let imp = reg(&mut p, IMPLICIT_SLOTS * 8, Perms(0)).map_err(err)?;
         let imp_ct = p.ct_alloc(ni).map_err(err)?;
+        let imp_eq = p.eq_alloc(ni, IMPLICIT_FAILURES).map_err(err)?;
         let imp_md = p
             .md_bind(
                 ni,
                 &Md {
                     region: imp.handle,
                     segments: vec![(0, imp.len() as u64)],
-                    options: md_opt::EVENT_SEND_DISABLE | md_opt::EVENT_CT_ACK,
-                    eq: None,
+                    options: md_opt::EVENT_SEND_DISABLE
+                        | md_opt::EVENT_SUCCESS_DISABLE
+                        | md_opt::EVENT_CT_ACK,
+                    eq: Some(imp_eq),
                     ct: Some(imp_ct),
                 },
             )
@@ -369,6 +377,7 @@ impl PortalsConduit {
             imp,
             imp_md,
             imp_ct,
+            imp_eq,
             imp_issued: 0,
             imp_failed: 0,
         };

@@ -311,8 +311,8 @@ impl PortalsConduit {
         Ok(())
     }
 
-    /// A non-fetching atomic of the implicit puts (PtlAtomic with CT_ACK from IMP_MD): no
-    /// per-operation state and no full event, only a count on IMP_CT — the difference between
+    /// A non-fetching atomic of the implicit puts (PtlAtomic from IMP_MD, counting ACKs on
+    /// IMP_CT): no per-operation state and no event unless it fails — the difference between
     /// one event handled per update and none, for update-heavy codes like RandomAccess.
     /// `Ok(false)` for the operations that are swaps (Set, Cas): those are tracked.
     ///
@@ -347,9 +347,11 @@ impl PortalsConduit {
                 self.imp_md,
                 at,
                 8,
-                AckReq::CtAck,
+                // A full ACK, of which the MD posts failures only (EVENT_SUCCESS_DISABLE): a
+                // counting one (CT_ACK) would leave the failure's reason untold.
+                AckReq::Ack,
                 t,
-                0,
+                node as u64,
                 0,
                 p.op,
                 p.dt,
@@ -366,14 +368,22 @@ impl PortalsConduit {
     }
 
     /// Whether every implicit atomic has completed; failures not reported yet are an error
-    /// (once).
+    /// (once), naming the first one's target node and reason.
     pub(super) fn implicit_check(&mut self) -> Result<bool, GasnetError> {
         let (done, failed) = self.imp_completions()?;
         if failed > self.imp_failed {
             let new = failed - self.imp_failed;
             self.imp_failed = failed;
+            let mut first = None;
+            while let Ok((e, _)) = self.p.eq_get(self.ni, self.imp_eq) {
+                first.get_or_insert((e.user_ptr, e.ni_fail));
+            }
+            let why = match first {
+                Some((node, fail)) => format!(" (the first to node {node}: {fail:?})"),
+                None => String::new(),
+            };
             return Err(GasnetError::Wait(format!(
-                "{new} implicit remote atomic(s) failed at their target"
+                "{new} implicit remote atomic(s) failed at their target{why}"
             )));
         }
         Ok(done >= self.imp_issued)
