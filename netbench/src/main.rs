@@ -205,6 +205,11 @@ pub struct Ctx {
     pub transport: Option<String>,
 }
 
+/// Untimed calls before `timed` timed ones: a tenth of them, and ten more.
+fn warmup_for(timed: usize) -> usize {
+    timed / 10 + 10
+}
+
 /// Messages up to this size take ten times `--iters` in latency rows (OSU's rule:
 /// `LARGE_MESSAGE_SIZE`, 10,000 iterations below it and 1,000 above).
 pub const SMALL_MAX: usize = 8192;
@@ -212,7 +217,7 @@ pub const SMALL_MAX: usize = 8192;
 impl Ctx {
     /// Untimed calls before the timed ones.
     pub fn warmup(&self) -> usize {
-        self.iters / 10 + 10
+        warmup_for(self.iters)
     }
 
     /// Timed round trips of a point-to-point latency row of `size` bytes: ten times `--iters`
@@ -229,7 +234,7 @@ impl Ctx {
 
     /// Untimed round trips before [`Ctx::lat_iters`] timed ones.
     pub fn lat_warmup(&self, size: usize) -> usize {
-        self.lat_iters(size) / 10 + 10
+        warmup_for(self.lat_iters(size))
     }
 
     pub fn row(&self, bench: &str, api: &str, conduit: &str, op: &str, size: usize) -> Row {

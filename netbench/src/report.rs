@@ -50,8 +50,8 @@ pub struct Row {
 }
 
 impl Row {
-    /// This row with the median and 99th percentile of `samples` (µs) as its latency.
-    /// The median and 99th percentile of `samples`, and their number as `iters`.
+    /// This row with the median and 99th percentile of `samples` (µs) as its latency, and
+    /// their number as `iters`.
     pub fn with_latency(self, samples: &mut [f64]) -> Row {
         let (m, q) = median_p99(samples);
         Row {

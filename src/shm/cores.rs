@@ -227,9 +227,7 @@ mod tests {
             // The NIC's core is the first; the thread runs on the last, still allowed both.
             let nic = cpus[0];
             pin(-1).unwrap().expect("two CPUs");
-            let mut all = rustix::process::CpuSet::new();
-            cpus.iter().for_each(|&c| all.set(c as usize));
-            rustix::process::sched_setaffinity(None, &all).unwrap();
+            set_allowed(&cpus).unwrap();
             assert!(off_core(nic), "it runs elsewhere");
             assert!(
                 !allowed().unwrap().contains(&nic),
