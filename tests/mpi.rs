@@ -7,6 +7,7 @@ mod common;
 
 use common::*;
 use softnic::mpi::*;
+use std::time::Duration;
 
 /// The message `i` from `src` of `len` bytes: its bytes say who sent it and which it is.
 fn msg(src: u32, i: u32, len: usize) -> Vec<u8> {
@@ -92,7 +93,7 @@ fn exchange_all_sizes(world: &Comm) {
         }
     } else {
         // Let the sender run ahead so some messages arrive unexpected.
-        std::thread::sleep(std::time::Duration::from_millis(20));
+        std::thread::sleep(Duration::from_millis(20));
         for k in 0..60u32 {
             let l = SIZES[(k as usize * 7) % SIZES.len()];
             let mut b = vec![0u8; 1 << 20];
@@ -363,7 +364,7 @@ fn a_sender_dying_mid_transfer_ends_its_receives_and_frees_the_staging_ring() {
         world.barrier().unwrap();
         let msgs: Vec<Vec<u8>> = (0..N).map(|k| msg(2, k as u32, LEN)).collect();
         let reqs: Vec<_> = msgs.iter().map(|m| world.isend(m, 0, 9).unwrap()).collect();
-        std::thread::sleep(std::time::Duration::from_millis(2));
+        std::thread::sleep(Duration::from_millis(2));
         // Gone without waiting for them.
         std::mem::forget(reqs);
         std::process::exit(0);
@@ -390,11 +391,7 @@ fn a_sender_dying_mid_transfer_ends_its_receives_and_frees_the_staging_ring() {
                 k
             })
             .collect();
-        assert!(
-            t.elapsed() < std::time::Duration::from_secs(60),
-            "{:?}",
-            t.elapsed()
-        );
+        assert!(t.elapsed() < Duration::from_secs(60), "{:?}", t.elapsed());
         for k in whole {
             assert!(
                 bufs[k] == msg(2, k as u32, LEN),
@@ -436,7 +433,7 @@ fn storm(pause_ms: u64) -> Comm {
     let world = Mpi::init().unwrap();
     let me = world.rank();
     if me == 0 {
-        std::thread::sleep(std::time::Duration::from_millis(pause_ms));
+        std::thread::sleep(Duration::from_millis(pause_ms));
         let mut next = vec![0u32; world.size() as usize];
         let mut b = vec![0u8; LEN];
         for _ in 0..STORM_N * (world.size() - 1) {
@@ -797,6 +794,52 @@ fn one_sided_locks_pscw_and_epoch_errors() {
     win.free().unwrap();
 }
 
+/// A waiting exclusive locker is not overtaken: rank 0 holds a shared lock on itself, rank
+/// 1 asks for an exclusive one, and rank 2's later shared lock waits until rank 1 has had
+/// its epoch (it then reads rank 1's mark). Before exclusive waiters announced themselves
+/// rank 2 got in at once, and shared lockers in a loop could starve a writer for good.
+#[test]
+fn an_exclusive_waiter_goes_before_later_lockers() {
+    if !in_job() {
+        launch_ok("an_exclusive_waiter_goes_before_later_lockers", 3, 2, &[]);
+        return;
+    }
+    let world = Mpi::init().unwrap();
+    let me = world.rank();
+    let mut win = Win::allocate(&world, 4096).unwrap();
+    if me == 0 {
+        win.lock(LockType::Shared, 0, 0).unwrap();
+    }
+    world.barrier().unwrap();
+    match me {
+        0 => {
+            // Long enough for rank 1 to fail once and announce itself, and for rank 2 to
+            // try while rank 1 waits.
+            std::thread::sleep(Duration::from_millis(600));
+            win.unlock(0).unwrap();
+        }
+        1 => {
+            win.lock(LockType::Exclusive, 0, 0).unwrap();
+            win.put(&7u64.to_le_bytes(), 0, 0).unwrap();
+            win.unlock(0).unwrap();
+        }
+        _ => {
+            std::thread::sleep(Duration::from_millis(200));
+            win.lock(LockType::Shared, 0, 0).unwrap();
+            let mut b = [0u8; 8];
+            win.get(&mut b, 0, 0).unwrap();
+            win.unlock(0).unwrap();
+            assert_eq!(
+                u64::from_le_bytes(b),
+                7,
+                "the shared lock overtook the waiting writer"
+            );
+        }
+    }
+    world.barrier().unwrap();
+    win.free().unwrap();
+}
+
 #[test]
 fn one_sided_requests_alloc_mem_dynamic_windows_and_minloc() {
     if !in_job() {
@@ -1069,11 +1112,7 @@ fn a_dead_rank_fails_the_requests_waiting_on_it() {
     let mut b = [0u8; 64];
     let e = world.recv(&mut b, 2, 5).unwrap_err();
     assert_eq!(e.class(), ErrorClass::ProcFailed, "{e}");
-    assert!(
-        t.elapsed() < std::time::Duration::from_secs(30),
-        "{:?}",
-        t.elapsed()
-    );
+    assert!(t.elapsed() < Duration::from_secs(30), "{:?}", t.elapsed());
     let mut big = vec![0u8; 100_000];
     assert_eq!(
         world.irecv(&mut big, 2, 6).unwrap_err().class(),

@@ -33,6 +33,8 @@ use super::state::{State, RMA_PT};
 
 pub use self::request::RmaRequest;
 
+/// The passive-target lock word: bits 0–31 count shared holders, bit 32 is the exclusive
+/// holder, bits 33–63 count exclusive waiters (see `Win::acquire`).
 const LOCK: u64 = 0;
 const POST: u64 = 8;
 const COMPLETE: u64 = 16;
@@ -42,6 +44,8 @@ const ACC_LOCK: u64 = 24;
 const TABLE: u64 = 64;
 const CTRL_LEN: usize = TABLE as usize + dynamic::TABLE_LEN;
 const EXCL: u64 = 1 << 32;
+/// One announced exclusive waiter in the lock word.
+const WAITER: u64 = 1 << 33;
 /// Staging for origin buffers and fetched results.
 const STAGING: usize = 4 << 20;
 /// Full events of request-based operations the window's event queue holds.

@@ -456,24 +456,32 @@ impl Win {
         r
     }
 
-    /// Calls `attempt` until it succeeds, backing off between tries (up to 120 s).
+    /// Calls `attempt` until it succeeds (up to 120 s). For the first millisecond a loser only yields between tries, so its next attempt is
+    /// in flight when the holder lets go (Linux sleeps ≥ 50 µs however short the request);
+    /// longer waits back off to 200 µs sleeps.
     pub(super) fn retry(
         &mut self,
         rank: u32,
         what: &str,
         mut attempt: impl FnMut(&mut Self) -> Result<bool, MpiError>,
     ) -> Result<(), MpiError> {
+        const SPIN: Duration = Duration::from_millis(1);
         let start = Instant::now();
         let mut backoff = Duration::from_micros(1);
         loop {
             if attempt(self)? {
                 return Ok(());
             }
-            if start.elapsed() > Duration::from_secs(120) {
+            let waited = start.elapsed();
+            if waited > Duration::from_secs(120) {
                 return err(
                     ErrorClass::Other,
                     format!("{what} on rank {rank} not granted in 120 s"),
                 );
+            }
+            if waited < SPIN {
+                std::thread::yield_now();
+                continue;
             }
             std::thread::sleep(backoff);
             backoff = (backoff * 2).min(Duration::from_micros(200));

@@ -6,7 +6,7 @@ use crate::portals::{AckReq, AtomicOp, Datatype};
 
 use super::super::error::{err, ErrorClass, MpiError};
 use super::mode;
-use super::{Access, LockType, Win, COMPLETE, EXCL, LOCK, POST};
+use super::{Access, LockType, Win, COMPLETE, EXCL, LOCK, POST, WAITER};
 
 impl Win {
     /// Waits until every operation issued so far completed at its target (CT = counter),
@@ -117,9 +117,15 @@ impl Win {
         })
     }
 
+    /// The seed's lock: shared is a fetch-add of 1 (backed out and retried if the result
+    /// shows any exclusive bit), exclusive a CSWAP 0 → 2^32. An exclusive locker that fails
+    /// once announces itself (adds 2^33) and from then on swaps "no holder, these waiters"
+    /// for "held, one waiter fewer". Newcomers' CSWAP 0 and shared fetch-adds fail while
+    /// anyone waits, so an origin locking in a loop cannot take the word straight back:
+    /// without this one rank held it alone for 40 ms while seven others retried.
     fn acquire(&mut self, kind: LockType, rank: u32) -> Result<(), MpiError> {
-        self.retry(rank, "the lock", |w| match kind {
-            LockType::Shared => {
+        if kind == LockType::Shared {
+            return self.retry(rank, "the lock", |w| {
                 let old = w.ctrl_atomic(rank, LOCK, 1, AtomicOp::Sum)?;
                 if old >= EXCL {
                     w.ctrl_add(rank, LOCK, u64::MAX)?;
@@ -127,19 +133,40 @@ impl Win {
                 } else {
                     Ok(true)
                 }
+            });
+        }
+        // What the word holds when it is free to this waiter (0 until it announces itself).
+        let mut expect: Option<u64> = None;
+        let got = self.retry(rank, "the lock", |w| {
+            let (from, to) = match expect {
+                None => (0, EXCL),
+                Some(e) => (e, e.saturating_sub(WAITER) | EXCL),
+            };
+            let t = w.ctrl_target(rank, LOCK);
+            let old = w.fetch_one(
+                t,
+                &to.to_le_bytes(),
+                &from.to_le_bytes(),
+                AtomicOp::Cswap,
+                Datatype::Uint64,
+            )?;
+            let old = u64::from_le_bytes(old.try_into().expect("8 bytes"));
+            if old == from {
+                return Ok(true);
             }
-            LockType::Exclusive => {
-                let t = w.ctrl_target(rank, LOCK);
-                let old = w.fetch_one(
-                    t,
-                    &EXCL.to_le_bytes(),
-                    &0u64.to_le_bytes(),
-                    AtomicOp::Cswap,
-                    Datatype::Uint64,
-                )?;
-                Ok(u64::from_le_bytes(old.try_into().expect("8 bytes")) == 0)
-            }
-        })
+            let waiting = match expect {
+                Some(_) => old,
+                // Fetched, so the next try's guess already counts this waiter.
+                None => w.ctrl_atomic(rank, LOCK, WAITER, AtomicOp::Sum)? + WAITER,
+            };
+            expect = Some(waiting & !(EXCL | u64::from(u32::MAX)));
+            Ok(false)
+        });
+        if got.is_err() && expect.is_some() {
+            // Giving up (120 s): stop blocking the others. The error says why already.
+            let _ = self.ctrl_add(rank, LOCK, WAITER.wrapping_neg());
+        }
+        got
     }
 
     /// A shared lock at every member: every fetch-add in flight at once, then the members
