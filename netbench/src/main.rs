@@ -144,7 +144,8 @@ impl Args {
             Some(s) => (s.clone(), s.clone()),
             None => (
                 vec![8, 64, 512, 1024, 4096, 32768, 262_144, 1 << 20],
-                vec![4096, 65536, 1 << 20],
+                // 8 B for message rates; 4 KiB to 4 MiB, the range issue 26's targets span.
+                vec![8, 4096, 65536, 1 << 20, 4 << 20],
             ),
         }
     }

@@ -92,12 +92,20 @@ pub fn pingpong(ctx: &Ctx, w: &Comm, size: usize) -> anyhow::Result<Option<Row>>
     Ok((w.rank() == 0).then(|| row(ctx, "pingpong", "send_recv", size).with_latency(&mut samples)))
 }
 
+/// How many windows of 64 messages a bandwidth row times: a quarter of `--iters`, at most
+/// 16 GiB in all (4 MiB messages would take half a minute a row), at least 4.
+fn windows(ctx: &Ctx, size: usize) -> usize {
+    (ctx.iters / 4)
+        .min((16usize << 30) / (64 * size.max(1)))
+        .max(4)
+}
+
 /// Streaming: rank 0 keeps 64 sends in flight to rank 1, which has receives posted; the
 /// buffers are ordinary memory, or (`alloc_mem`, variant suffix `+alloc_mem`) memory from
 /// MPI_Alloc_mem, which the NIC maps.
 pub fn bw(ctx: &Ctx, w: &Comm, size: usize, alloc_mem: bool) -> anyhow::Result<Option<Row>> {
     const WINDOW: usize = 64;
-    let reps = (ctx.iters / 4).max(4);
+    let reps = windows(ctx, size);
     let mut plain_out = Vec::new();
     let mut plain_in = Vec::new();
     let mem = if alloc_mem {
@@ -243,7 +251,7 @@ pub fn coll(ctx: &Ctx, w: &Comm) -> anyhow::Result<Vec<Row>> {
 
 /// One-sided bandwidth: puts of `size` in one lock_all epoch, flushed every 64.
 pub fn rma_bw(ctx: &Ctx, w: &Comm, win: &mut Win, size: usize) -> anyhow::Result<Option<Row>> {
-    let reps = (ctx.iters / 4).max(4) * 64;
+    let reps = windows(ctx, size) * 64;
     let origin = vec![5u8; size];
     w.barrier()?;
     let t = Instant::now();
@@ -268,9 +276,8 @@ pub fn rma_bw(ctx: &Ctx, w: &Comm, win: &mut Win, size: usize) -> anyhow::Result
 }
 
 /// The mean epoch over every rank's epochs (each rank runs as many). Not a median: under a
-/// contended lock the holder re-acquires at once, so most of a rank's epochs are quick and
-/// its waits a minority a median drops (exclusive locks at 8 ranks came out faster than at
-/// 2), while the mean is the time a process spends synchronising.
+/// contended lock a rank's long waits can be a minority of its epochs that a median drops,
+/// while the mean is the time a process spends synchronising.
 fn across_ranks(w: &Comm, samples: &[f64]) -> anyhow::Result<f64> {
     let mean = samples.iter().sum::<f64>() / samples.len().max(1) as f64;
     let mut all = vec![0u64; w.size() as usize];
