@@ -157,7 +157,7 @@ impl Win {
             let waiting = match expect {
                 Some(_) => old,
                 // Fetched, so the next try's guess already counts this waiter.
-                None => w.ctrl_atomic(rank, LOCK, WAITER, AtomicOp::Sum)? + WAITER,
+                None => w.ctrl_atomic(rank, LOCK, WAITER, AtomicOp::Sum)?.wrapping_add(WAITER),
             };
             expect = Some(waiting & !(EXCL | u64::from(u32::MAX)));
             Ok(false)
