@@ -456,9 +456,10 @@ impl Win {
         r
     }
 
-    /// Calls `attempt` until it succeeds (up to 120 s). For the first millisecond a loser only yields between tries, so its next attempt is
-    /// in flight when the holder lets go (Linux sleeps ≥ 50 µs however short the request);
-    /// longer waits back off to 200 µs sleeps.
+    /// Calls `attempt` until it succeeds (up to 120 s). For the first millisecond a loser
+    /// only yields between tries, so its next attempt is in flight when the holder lets go
+    /// (Linux sleeps ≥ 50 µs however short the request); longer waits back off to 200 µs
+    /// sleeps.
     pub(super) fn retry(
         &mut self,
         rank: u32,
