@@ -1096,6 +1096,45 @@ fn one_sided_requests_alloc_mem_dynamic_windows_and_minloc() {
 
 /// A rank that dies: receives waiting on it fail with MPI_ERR_PROC_FAILED (the waits ask
 /// after their peer), later calls naming it fail at once, the survivors go on and finalize.
+/// PSCW with an origin that is gone: the target's post is not waited for, so its wait
+/// must notice the failed notification instead of waiting out its 120 s for a count that
+/// cannot come.
+#[test]
+fn a_pscw_wait_fails_soon_when_an_origin_is_gone() {
+    if !in_job() {
+        return launch_ok("a_pscw_wait_fails_soon_when_an_origin_is_gone", 3, 2, &[]);
+    }
+    let world = Mpi::init().unwrap();
+    let me = world.rank();
+    let mut win = Win::allocate(&world, 4096).unwrap();
+    world.barrier().unwrap();
+    match me {
+        2 => std::process::exit(0),
+        0 => {
+            let t = std::time::Instant::now();
+            let e = win
+                .post(&[1, 2])
+                .and_then(|()| win.wait())
+                .expect_err("rank 2 never completes");
+            assert!(
+                t.elapsed() < Duration::from_secs(30),
+                "{:?}: {e}",
+                t.elapsed()
+            );
+            // ProcFailed when the ping finds it gone; RmaRange when the post to it failed.
+            assert!(
+                matches!(e.class(), ErrorClass::ProcFailed | ErrorClass::RmaRange),
+                "{e}"
+            );
+        }
+        _ => {
+            win.start(&[0]).unwrap();
+            win.put(&[1u8; 8], 0, 0).unwrap();
+            win.complete().unwrap();
+        }
+    }
+}
+
 #[test]
 fn a_dead_rank_fails_the_requests_waiting_on_it() {
     if !in_job() {

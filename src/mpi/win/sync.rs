@@ -157,7 +157,9 @@ impl Win {
             let waiting = match expect {
                 Some(_) => old,
                 // Fetched, so the next try's guess already counts this waiter.
-                None => w.ctrl_atomic(rank, LOCK, WAITER, AtomicOp::Sum)?.wrapping_add(WAITER),
+                None => w
+                    .ctrl_atomic(rank, LOCK, WAITER, AtomicOp::Sum)?
+                    .wrapping_add(WAITER),
             };
             expect = Some(waiting & !(EXCL | u64::from(u32::MAX)));
             Ok(false)
@@ -360,10 +362,11 @@ impl Win {
                 "post inside an exposure epoch: wait first",
             );
         }
+        // Not waited for: each origin's start waits for its own count, and this process's
+        // next flush (its wait, if an origin is gone) collects the acknowledgements.
         for &r in group {
             self.ctrl_add(r, POST, 1)?;
         }
-        self.flush_all_inner()?;
         self.posted = Some(group.to_vec());
         Ok(())
     }
@@ -379,13 +382,15 @@ impl Win {
         }
         self.posts_seen += group.len() as u64;
         let want = self.posts_seen;
-        self.wait_word(POST, want)?;
+        self.wait_word(POST, want, group)?;
         self.started = Some(group.to_vec());
         self.fence = false;
         Ok(())
     }
 
-    /// MPI_Win_complete: the access epoch's operations complete, then each target is told.
+    /// MPI_Win_complete: the access epoch's operations complete, then each target is told
+    /// (not waiting for the telling to be acknowledged, as a lock's release does not: the
+    /// next flush collects it).
     pub fn complete(&mut self) -> Result<(), MpiError> {
         let Some(group) = self.started.take() else {
             return err(ErrorClass::RmaSync, "complete without start");
@@ -394,7 +399,7 @@ impl Win {
         for r in group {
             self.ctrl_add(r, COMPLETE, 1)?;
         }
-        self.flush_all_inner()
+        Ok(())
     }
 
     /// MPI_Win_wait: the exposure epoch ends once every origin completed.
@@ -403,7 +408,7 @@ impl Win {
             return err(ErrorClass::RmaSync, "wait without post");
         };
         self.completes_seen += group.len() as u64;
-        self.wait_word(COMPLETE, self.completes_seen)
+        self.wait_word(COMPLETE, self.completes_seen, &group)
     }
 
     /// MPI_Win_test: whether `wait` would return at once (and if so, it has ended the epoch).
@@ -420,12 +425,15 @@ impl Win {
         Ok(false)
     }
 
-    /// Waits until the control word at `off` reaches `want`, sleeping on the NIC between
-    /// arrivals at the control words (their counting event).
-    fn wait_word(&mut self, off: u64, want: u64) -> Result<(), MpiError> {
+    /// Waits until the control word at `off` reaches `want` (counts from `peers`), sleeping on
+    /// the NIC between arrivals at the control words (their counting event). A wait that
+    /// lasts asks after the peers, so one that is gone fails it (MPI_ERR_PROC_FAILED)
+    /// instead of 120 s of waiting for its count.
+    fn wait_word(&mut self, off: u64, want: u64, peers: &[u32]) -> Result<(), MpiError> {
         let start = Instant::now();
         let mut spins = 0u32;
         let ct = self.ctrl_ct;
+        let world: Vec<u32> = peers.iter().map(|&r| self.comm.group[r as usize]).collect();
         loop {
             let seen = self.with_st(|st| {
                 let c = st.p.ct_get(st.ni, ct)?;
@@ -434,6 +442,11 @@ impl Win {
             if self.ctrl.read_u64(off as usize) >= want {
                 return Ok(());
             }
+            // A post or complete this process sent failed (the peer is gone): say so now.
+            let failed = self.with_st(|st| Ok(st.p.ct_get(st.ni, self.ct)?.failure))?;
+            if failed > self.failures {
+                self.flush_all_inner()?;
+            }
             if start.elapsed() > Duration::from_secs(120) {
                 return err(
                     ErrorClass::RmaSync,
@@ -441,6 +454,8 @@ impl Win {
                 );
             }
             self.with_st(|st| {
+                st.progress()?;
+                st.ask_after(&world, start)?;
                 let ni = st.ni;
                 Ok(st
                     .p
