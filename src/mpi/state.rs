@@ -218,7 +218,7 @@ pub struct State {
 }
 
 /// A request waiting this long on one peer asks whether it is alive (and again as often).
-const PING_AFTER: Duration = Duration::from_secs(1);
+pub(super) const PING_AFTER: Duration = Duration::from_secs(1);
 
 pub(crate) fn env_size(name: &str) -> Result<Option<usize>, MpiError> {
     match std::env::var(name) {

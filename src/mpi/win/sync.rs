@@ -5,6 +5,7 @@ use std::time::{Duration, Instant};
 use crate::portals::{AckReq, AtomicOp, Datatype};
 
 use super::super::error::{err, ErrorClass, MpiError};
+use super::super::state::PING_AFTER;
 use super::mode;
 use super::{Access, LockType, Win, COMPLETE, EXCL, LOCK, POST, WAITER};
 
@@ -433,7 +434,9 @@ impl Win {
         let start = Instant::now();
         let mut spins = 0u32;
         let ct = self.ctrl_ct;
-        let world: Vec<u32> = peers.iter().map(|&r| self.comm.group[r as usize]).collect();
+        // Filled once the wait has lasted: the common, quick wait neither allocates nor runs
+        // point-to-point progress.
+        let mut world: Vec<u32> = Vec::new();
         loop {
             let seen = self.with_st(|st| {
                 let c = st.p.ct_get(st.ni, ct)?;
@@ -442,20 +445,28 @@ impl Win {
             if self.ctrl.read_u64(off as usize) >= want {
                 return Ok(());
             }
-            // A post or complete this process sent failed (the peer is gone): say so now.
-            let failed = self.with_st(|st| Ok(st.p.ct_get(st.ni, self.ct)?.failure))?;
-            if failed > self.failures {
-                self.flush_all_inner()?;
-            }
-            if start.elapsed() > Duration::from_secs(120) {
+            let waited = start.elapsed();
+            if waited > Duration::from_secs(120) {
                 return err(
                     ErrorClass::RmaSync,
                     "PSCW: the peers did not post/complete in 120 s",
                 );
             }
+            if waited >= PING_AFTER {
+                // A post or complete this process sent failed (the peer is gone): say so.
+                let failed = self.with_st(|st| Ok(st.p.ct_get(st.ni, self.ct)?.failure))?;
+                if failed > self.failures {
+                    self.flush_all_inner()?;
+                }
+                if world.is_empty() {
+                    world = peers.iter().map(|&r| self.comm.group[r as usize]).collect();
+                }
+                self.with_st(|st| {
+                    st.progress()?;
+                    st.ask_after(&world, start)
+                })?;
+            }
             self.with_st(|st| {
-                st.progress()?;
-                st.ask_after(&world, start)?;
                 let ni = st.ni;
                 Ok(st
                     .p
