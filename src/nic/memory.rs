@@ -203,6 +203,21 @@ impl Region {
         }
     }
 
+    /// Where `[off, off+len)` is mapped, for a reader that takes raw pointers (a datagram
+    /// sealed straight from it, see `Transport::push_op_mapped`); `None` for memory reached
+    /// by copy. Bounds must have been checked (asserted). The pointer is valid while `self`
+    /// lives; the owner may write the bytes meanwhile, as with [`Region::append_to`].
+    pub fn mapped_for_read(&self, off: u64, len: usize) -> Option<*const u8> {
+        assert!(
+            off as usize + len <= self.len(),
+            "read past a checked region"
+        );
+        // SAFETY: in bounds (asserted) of a mapping that lives as long as `self`.
+        self.backing
+            .ptr()
+            .map(|base| unsafe { base.add(off as usize) } as *const u8)
+    }
+
     /// A copy of the bytes at `[off, off+len)` (tests and diagnostics).
     ///
     /// # Panics

@@ -40,6 +40,9 @@ use crate::wire::{
 const PACKET_THRESHOLD: u64 = 3;
 /// Bodies a probe timeout resends.
 const PROBE_BODIES: usize = 2;
+/// Ops with at least this many data bytes may be sealed as they are pushed
+/// ([`Transport::push_op_mapped`]): below it a copy costs little and coalescing more.
+const SEAL_AT_PUSH_MIN: usize = 4096;
 
 /// Tunables; times in nanoseconds.
 #[derive(Debug, Clone)]
@@ -110,6 +113,11 @@ pub struct TransportStats {
     pub peers_declared_dead: u64,
     /// Peers seen to come back as a new incarnation.
     pub peer_restarts: u64,
+    /// Datagrams sealed as their last op was pushed, its data read straight from registered
+    /// memory ([`Transport::push_op_mapped`]).
+    pub sealed_at_push: u64,
+    /// Of those, sealed again before their first transmission (their session changed).
+    pub resealed_unsent: u64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -154,6 +162,9 @@ struct InFlight {
     /// The body is encrypted under the header in `buf` (it was sent): a retransmission
     /// decrypts it before sealing it again under a fresh header and nonce.
     sealed: bool,
+    /// Sealed when it was pushed ([`Transport::push_op_mapped`]) under this header, and not
+    /// sent yet: it leaves as it is if the header it would get now is the same.
+    sealed_as: Option<DatagramHeader>,
     /// When, and as which transmission to this peer, it last left.
     sent_at: u64,
     tx: u64,
@@ -213,6 +224,9 @@ struct Peer {
     open_lazy_ops: u32,
     lazy: LazyPolicy,
     queued: VecDeque<Vec<u8>>,
+    /// Sealed as they were pushed, numbered, not yet sent: they leave before `queued` and
+    /// hold places in the window.
+    ready: VecDeque<InFlight>,
     inflight: VecDeque<InFlight>,
     /// Transmissions to this peer so far (orders them in time, ties within a turn broken).
     tx_count: u64,
@@ -292,6 +306,7 @@ impl Peer {
             open_lazy_ops: 0,
             lazy: LazyPolicy::default(),
             queued: VecDeque::new(),
+            ready: VecDeque::new(),
             inflight: VecDeque::new(),
             tx_count: 0,
             rack_tx: 0,
@@ -319,7 +334,7 @@ impl Peer {
     }
 
     fn has_outstanding(&self) -> bool {
-        !self.inflight.is_empty() || !self.queued.is_empty()
+        !self.inflight.is_empty() || !self.queued.is_empty() || !self.ready.is_empty()
     }
 
     fn is_open(&self) -> bool {
@@ -603,9 +618,12 @@ impl Transport {
             .map_or(0, |p| self.cfg.max_queued.saturating_sub(p.queued.len()))
     }
 
-    /// Sealed datagrams waiting for the window to `peer` (not yet sent).
+    /// Closed datagrams to `peer` not yet sent: waiting for the window, or sealed as they
+    /// were pushed and waiting for their turn.
     pub fn queued_len(&self, peer: u16) -> usize {
-        self.peers.get(peer as usize).map_or(0, |p| p.queued.len())
+        self.peers
+            .get(peer as usize)
+            .map_or(0, |p| p.queued.len() + p.ready.len())
     }
 
     /// Body bytes left in the datagram being filled for `peer` (a full datagram if none is open).
@@ -654,6 +672,101 @@ impl Transport {
         self.push_with(peer, len, None, &mut |b| {
             head.encode_with(b, data_len, fill)
         })
+    }
+
+    /// [`Transport::push_op_filled`] with the data at `data..data + data_len` in mapped
+    /// memory. When the op ends a datagram that may leave at once (a large op, the session
+    /// open, the window with room, nothing queued before it), that datagram is sealed now and
+    /// the data read as it is encrypted into it: one pass over the bytes instead of a copy
+    /// and a seal in place. Otherwise the data is copied in as `push_op_filled` does. Either
+    /// way the bytes are read before this returns.
+    ///
+    /// # Safety
+    /// `data..data + data_len` must be readable for the duration of the call.
+    pub unsafe fn push_op_mapped(
+        &mut self,
+        peer: u16,
+        head: &OpRef<'_>,
+        data: *const u8,
+        data_len: usize,
+    ) -> Result<(), PushError> {
+        if !self.seals_at_push(peer, head.encoded_len() + data_len, data_len) {
+            return self.push_op_filled(peer, head, data_len, &mut |b| {
+                b.reserve(data_len);
+                let at = b.len();
+                // SAFETY: the caller's promise for the source; the destination is spare
+                // capacity reserved above, initialised by the copy before `set_len`.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(data, b.as_mut_ptr().add(at), data_len);
+                    b.set_len(at + data_len);
+                }
+                true
+            });
+        }
+        self.push_with(peer, head.encoded_len() + data_len, None, &mut |b| {
+            head.encode_head(b, data_len);
+            true
+        })?;
+        let Some(mut buf) = self.take_open(peer, false) else {
+            unreachable!("the op was just appended to the open datagram");
+        };
+        let p = &mut self.peers[peer as usize];
+        let Some(peer_epoch) = p.peer_epoch else {
+            unreachable!("checked by seals_at_push");
+        };
+        let seq = p.next_seq;
+        p.next_seq += 1;
+        let mut h = self.header(peer, seq, peer_epoch);
+        h.nonce = self.next_nonce();
+        h.write(&mut buf);
+        let head_end = buf.len();
+        let body_end = head_end + data_len;
+        // SAFETY: the caller's promise; `buf` is the transport's own.
+        let len = unsafe {
+            DatagramHeader::seal_with_tail(
+                &self.tx_keys[peer as usize],
+                &mut buf,
+                head_end,
+                data,
+                data_len,
+            )
+        };
+        debug_assert_eq!(len, body_end + TAG_LEN);
+        self.stats.sealed_at_push += 1;
+        self.peers[peer as usize].ready.push_back(InFlight {
+            seq,
+            body_end,
+            buf,
+            sealed: true,
+            sealed_as: Some(h),
+            sent_at: 0,
+            tx: 0,
+            retries: 0,
+            sacked: false,
+            resend: false,
+        });
+        Ok(())
+    }
+
+    /// Whether an op of `len` bytes (`data_len` of them data) to `peer` would end a datagram
+    /// that may leave at once, so that [`Transport::push_op_mapped`] seals it as it pushes.
+    fn seals_at_push(&self, peer: u16, len: usize, data_len: usize) -> bool {
+        let Some(p) = self.peers.get(peer as usize).filter(|_| peer != self.host) else {
+            return false;
+        };
+        let fits_open = p
+            .open
+            .as_ref()
+            .is_none_or(|b| b.len() - HEADER_LEN + len <= self.body_cap);
+        data_len >= SEAL_AT_PUSH_MIN
+            && len <= self.body_cap
+            && fits_open
+            && !p.dead
+            && p.peer_epoch.is_some()
+            && p.answer.is_none()
+            && p.queued.is_empty()
+            && p.inflight.len() + p.ready.len() < self.cfg.window
+            && DatagramHeader::seals_tails(&self.tx_keys[peer as usize])
     }
 
     fn push(&mut self, peer: u16, op: &OpRef<'_>, lazy: Option<u64>) -> Result<(), PushError> {
@@ -706,10 +819,16 @@ impl Transport {
 
     /// `expired`: the datagram leaves because its lazy deadline passed.
     fn seal(&mut self, peer: u16, expired: bool) {
-        let p = &mut self.peers[peer as usize];
-        if let Some(b) = p.open.take() {
-            p.queued.push_back(b);
+        if let Some(b) = self.take_open(peer, expired) {
+            self.peers[peer as usize].queued.push_back(b);
         }
+    }
+
+    /// Closes the open datagram to `peer` (`expired`: its lazy ops' delay ran out) and
+    /// returns it.
+    fn take_open(&mut self, peer: u16, expired: bool) -> Option<Vec<u8>> {
+        let p = &mut self.peers[peer as usize];
+        let b = p.open.take();
         if p.open_lazy_ops > 0 {
             p.lazy
                 .left(expired && !p.open_eager && p.open_lazy_ops == 1);
@@ -717,6 +836,7 @@ impl Transport {
         p.open_eager = false;
         p.open_lazy_deadline = None;
         p.open_lazy_ops = 0;
+        b
     }
 
     /// Seals partly filled datagrams that hold an eager op or a lazy op past its delay, so
@@ -939,6 +1059,7 @@ impl Transport {
     fn reset_streams(&mut self, peer: u16) {
         let p = &mut self.peers[peer as usize];
         let mut bufs: Vec<Vec<u8>> = p.inflight.drain(..).map(|f| f.buf).collect();
+        bufs.extend(p.ready.drain(..).map(|f| f.buf));
         bufs.extend(p.queued.drain(..));
         bufs.extend(p.open.take());
         bufs.extend(std::mem::take(&mut p.reorder).into_values());
@@ -1204,6 +1325,10 @@ impl Transport {
             f.retries += 1;
             self.stats.retransmits += 1;
             (f.seq, Some(idx))
+        } else if let Some(f) = p.ready.pop_front() {
+            let seq = f.seq;
+            p.inflight.push_back(f);
+            (seq, Some(p.inflight.len() - 1))
         } else if p.inflight.len() < window && !p.queued.is_empty() {
             let buf = p.queued.pop_front()?;
             let seq = p.next_seq;
@@ -1213,6 +1338,7 @@ impl Transport {
                 body_end: buf.len(),
                 buf,
                 sealed: false,
+                sealed_as: None,
                 sent_at: now,
                 tx: 0,
                 retries: 0,
@@ -1234,8 +1360,7 @@ impl Transport {
         h.nonce = self.next_nonce();
         let key = &self.tx_keys[peer as usize];
         let p = &mut self.peers[peer as usize];
-        p.ack_due = None;
-        p.unacked_received = 0;
+        let ack_was = (p.ack_due.take(), std::mem::take(&mut p.unacked_received));
         match idx {
             Some(i) => {
                 p.tx_count += 1;
@@ -1243,6 +1368,19 @@ impl Transport {
                 let f = &mut p.inflight[i];
                 f.sent_at = now;
                 f.tx = p.tx_count;
+                if let Some(s) = f.sealed_as.take() {
+                    let same_stream = (s.flags, s.src_epoch, s.dst_epoch, s.seq)
+                        == (h.flags, h.src_epoch, h.dst_epoch, h.seq);
+                    if same_stream {
+                        // Sealed as it was pushed. Its acknowledgement fields may be older than
+                        // what arrived since: then the due acknowledgement stays due.
+                        if (s.ack, s.sack) != (h.ack, h.sack) {
+                            (p.ack_due, p.unacked_received) = ack_was;
+                        }
+                        return Some((Some(i), f.body_end + TAG_LEN));
+                    }
+                    self.stats.resealed_unsent += 1;
+                }
                 f.buf.resize(f.body_end + TAG_LEN, 0);
                 if f.sealed {
                     // Sealed by us under the header still in place: it opens.
@@ -1323,19 +1461,72 @@ mod tests {
         }
     }
 
+    /// Data of the large ops [`exchange_mapped`] sends from "mapped memory" (sealed as pushed).
+    static BIG: [u8; 9000] = {
+        let mut a = [0u8; 9000];
+        let mut i = 0;
+        while i < a.len() {
+            a[i] = (i * 7 + i / 251) as u8;
+            i += 1;
+        }
+        a
+    };
+
     /// Drives two transports through `net` until `n` ops sent each way arrive (or time runs out);
     /// returns what each side received, in delivery order.
     fn exchange(net: &mut SimNet, n: u64, max_time: u64) -> (Vec<u64>, Vec<u64>) {
+        let (a, b, _) = exchange_mapped(net, n, max_time, false);
+        (a, b)
+    }
+
+    /// [`exchange`]; with `mapped`, every third op carries [`BIG`] through
+    /// [`Transport::push_op_mapped`], checked on arrival. Also returns how many datagrams
+    /// were sealed as they were pushed.
+    fn exchange_mapped(
+        net: &mut SimNet,
+        n: u64,
+        max_time: u64,
+        mapped: bool,
+    ) -> (Vec<u64>, Vec<u64>, u64) {
+        // Loopback's datagram size when large ops are in the mix, so that they fit.
+        let c = match mapped {
+            true => TransportConfig {
+                mtu: 65_000,
+                ..cfg()
+            },
+            false => cfg(),
+        };
         let mut t = [
-            Transport::new(0, 2, Key([1; 32]), cfg(), 11),
-            Transport::new(1, 2, Key([1; 32]), cfg(), 22),
+            Transport::new(0, 2, Key([1; 32]), c.clone(), 11),
+            Transport::new(1, 2, Key([1; 32]), c, 22),
         ];
         let mut got = [Vec::new(), Vec::new()];
         let mut next = [1u64, 1u64];
         let mut now = 0u64;
         while now < max_time && (got[0].len() < n as usize || got[1].len() < n as usize) {
             for h in 0..2 {
-                while next[h] <= n && t[h].push_op(1 - h as u16, &op(next[h])).is_ok() {
+                // With large ops, push as the NIC's streams do: a few datagrams ahead.
+                while next[h] <= n && !(mapped && t[h].queued_len(1 - h as u16) >= 2) {
+                    let (to, req) = (1 - h as u16, next[h]);
+                    let pushed = if mapped && req % 3 == 0 {
+                        let OpRef::GetReply { h: oh, status, .. } = op(req) else {
+                            unreachable!()
+                        };
+                        let head = OpRef::GetReply {
+                            h: oh,
+                            status,
+                            frag_off: 0,
+                            last: true,
+                            data: &[],
+                        };
+                        // SAFETY: a static buffer.
+                        unsafe { t[h].push_op_mapped(to, &head, BIG.as_ptr(), BIG.len()) }
+                    } else {
+                        t[h].push_op(to, &op(req))
+                    };
+                    if pushed.is_err() {
+                        break;
+                    }
                     next[h] += 1;
                 }
                 t[h].flush(now);
@@ -1354,14 +1545,19 @@ mod tests {
                 }
                 for b in bodies {
                     for o in OpIter::new(&b) {
-                        got[h].push(o.unwrap().header().req);
+                        let o = o.unwrap();
+                        let data = o.split_trailing().0;
+                        let want: &[u8] = if data.len() == BIG.len() { &BIG } else { &DATA };
+                        assert_eq!(data, want, "op {}", o.header().req);
+                        got[h].push(o.header().req);
                     }
                 }
             }
             now += 20_000;
         }
         let [a, b] = got;
-        (a, b)
+        let sealed = t.iter().map(|t| t.stats.sealed_at_push).sum();
+        (a, b, sealed)
     }
 
     /// Delivers every datagram each side has to send to the other, until neither has any.
@@ -1550,6 +1746,86 @@ mod tests {
                 net.stats.lost > 100 && net.stats.duplicated > 100 && net.stats.reordered > 100
             );
         }
+    }
+
+    /// Large ops sealed as they are pushed, among ordinary ones both ways: each arrives once,
+    /// in order, with its data, also when its acknowledgement fields went stale before it left
+    /// or it had to be sealed again for a retransmission.
+    #[test]
+    fn ops_sealed_at_push_arrive_once_in_order_under_faults() {
+        let mut net = SimNet::new(SimConfig::default());
+        let (a, b, sealed) = exchange_mapped(&mut net, 3000, 10_000_000_000, true);
+        assert!(sealed > 100, "{sealed} sealed at push");
+        assert_eq!(a, (1..=3000).collect::<Vec<_>>());
+        assert_eq!(b, (1..=3000).collect::<Vec<_>>());
+        for seed in 1..4 {
+            let mut net = SimNet::new(SimConfig {
+                seed,
+                loss: 0.3,
+                duplicate: 0.2,
+                reorder: 0.2,
+                ..Default::default()
+            });
+            let (a, b, sealed) = exchange_mapped(&mut net, 2000, 60_000_000_000, true);
+            assert!(sealed > 100, "seed {seed}: {sealed} sealed at push");
+            assert_eq!(a, (1..=2000).collect::<Vec<_>>(), "seed {seed}");
+            assert_eq!(b, (1..=2000).collect::<Vec<_>>(), "seed {seed}");
+        }
+    }
+
+    /// An op is sealed as it is pushed only when its datagram may leave at once; otherwise its
+    /// data is copied in and it waits in the queue like any other.
+    #[test]
+    fn sealing_at_push_only_when_the_datagram_leaves_next() {
+        let c = TransportConfig {
+            mtu: 65_000,
+            ..cfg()
+        };
+        let mut t = [
+            Transport::new(0, 2, Key([1; 32]), c.clone(), 11),
+            Transport::new(1, 2, Key([1; 32]), c, 22),
+        ];
+        shuttle(&mut t, 0);
+        let head = OpRef::GetReply {
+            h: OpHeader::default(),
+            status: Status::Ok,
+            frag_off: 0,
+            last: true,
+            data: &[],
+        };
+        t[0].push_op(1, &op(1)).unwrap();
+        // SAFETY: a static buffer.
+        unsafe { t[0].push_op_mapped(1, &head, BIG.as_ptr(), BIG.len()) }.unwrap();
+        assert_eq!(
+            t[0].peers[1].ready.len(),
+            1,
+            "sealed with the small op before it"
+        );
+        assert!(t[0].peers[1].open.is_none() && t[0].peers[1].queued.is_empty());
+        t[0].push_op(1, &op(2)).unwrap();
+        t[0].flush(0);
+        assert_eq!(t[0].queued_len(1), 2);
+        // Something queued before it: copied, queued behind.
+        unsafe { t[0].push_op_mapped(1, &head, BIG.as_ptr(), BIG.len()) }.unwrap();
+        t[0].flush(0);
+        assert_eq!(
+            (t[0].peers[1].ready.len(), t[0].peers[1].queued.len()),
+            (1, 2)
+        );
+        // Below the threshold: copied into the open datagram.
+        unsafe { t[0].push_op_mapped(1, &head, BIG.as_ptr(), SEAL_AT_PUSH_MIN - 1) }.unwrap();
+        assert!(t[0].peers[1].open.is_some());
+        t[0].flush(0);
+        let sent: Vec<u64> = std::iter::from_fn(|| {
+            let (_, d) = t[0].poll_transmit(0)?;
+            Some(get_seq(d))
+        })
+        .collect();
+        assert_eq!(sent, [1, 2, 3, 4], "in sequence, the sealed one first");
+    }
+
+    fn get_seq(d: &[u8]) -> u64 {
+        u64::from_le_bytes(d[16..24].try_into().unwrap())
     }
 
     /// Runs `t` alone through `net` from `*now` until `stop` or `limit`; returns the events.

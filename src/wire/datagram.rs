@@ -64,6 +64,7 @@ impl Key {
                 aws_lc_rs::aead::UnboundKey::new(&aws_lc_rs::aead::AES_256_GCM, &k)
                     .expect("a 32-byte AES-256 key"),
             ),
+            gather: GatherKey::new(&k),
         }
     }
 
@@ -95,9 +96,43 @@ pub enum SealKey {
     Aead {
         small: LessSafeKey,
         large: aws_lc_rs::aead::LessSafeKey,
+        gather: GatherKey,
     },
     /// The body in clear and this tag after it.
     Tag([u8; TAG_LEN]),
+}
+
+/// AES-256-GCM through aws-lc's C interface, for the one operation its Rust wrappers cannot
+/// express: sealing a body whose tail is read from memory another process may be writing
+/// (a registered region), without forming a Rust reference to it (see
+/// [`DatagramHeader::seal_with_tail`]). The same key as the other two implementations.
+pub struct GatherKey(std::ptr::NonNull<aws_lc_sys::EVP_AEAD_CTX>);
+
+// SAFETY: sealing only reads the context (aws-lc documents EVP_AEAD_CTX as usable from many
+// threads once initialised); it is freed once, on drop.
+unsafe impl Send for GatherKey {}
+unsafe impl Sync for GatherKey {}
+
+impl GatherKey {
+    fn new(key: &[u8; 32]) -> GatherKey {
+        // SAFETY: a valid AEAD, a 32-byte key, the default tag length; aws-lc copies the key.
+        let ctx = unsafe {
+            aws_lc_sys::EVP_AEAD_CTX_new(
+                aws_lc_sys::EVP_aead_aes_256_gcm(),
+                key.as_ptr(),
+                key.len(),
+                TAG_LEN,
+            )
+        };
+        GatherKey(std::ptr::NonNull::new(ctx).expect("aws-lc allocates an AES-256-GCM context"))
+    }
+}
+
+impl Drop for GatherKey {
+    fn drop(&mut self) {
+        // SAFETY: made by EVP_AEAD_CTX_new, freed only here.
+        unsafe { aws_lc_sys::EVP_AEAD_CTX_free(self.0.as_ptr()) }
+    }
 }
 
 impl std::fmt::Debug for SealKey {
@@ -219,6 +254,69 @@ impl DatagramHeader {
         };
         tail[..TAG_LEN].copy_from_slice(&tag);
         len + TAG_LEN
+    }
+
+    /// Whether [`DatagramHeader::seal_with_tail`] works with `key` (AES-GCM keys; the udp
+    /// conduit's tags in clear do not).
+    pub fn seals_tails(key: &SealKey) -> bool {
+        matches!(key, SealKey::Aead { .. })
+    }
+
+    /// [`DatagramHeader::seal`] of `buf[..len]` (header written, body so far after it) with
+    /// `tail_len` more body bytes read from `tail` as they are encrypted into `buf`: one pass
+    /// over them where a copy into `buf` and a seal in place would take two. `buf` grows to the
+    /// returned length. The bytes are read through raw pointers, as any NIC read of registered
+    /// memory is: whatever they are at that moment, even if their owner writes them meanwhile.
+    ///
+    /// # Safety
+    /// `tail..tail + tail_len` must be readable (mapped) for the duration of the call and must
+    /// not overlap `buf`.
+    ///
+    /// # Panics
+    /// With a key for which [`DatagramHeader::seals_tails`] is false.
+    pub unsafe fn seal_with_tail(
+        key: &SealKey,
+        buf: &mut Vec<u8>,
+        len: usize,
+        tail: *const u8,
+        tail_len: usize,
+    ) -> usize {
+        let SealKey::Aead { gather, .. } = key else {
+            panic!("seal_with_tail with a key in clear");
+        };
+        buf.truncate(len);
+        buf.reserve(tail_len + TAG_LEN);
+        let nonce = nonce_of(&buf[..HEADER_LEN]);
+        let base = buf.as_mut_ptr();
+        let mut out_len = 0usize;
+        // SAFETY: the header (AD) and body (encrypted in place: `in == out`, which aws-lc
+        // allows) are `buf[..len]`; the tail and tag go to `buf`'s reserved spare capacity
+        // (`tail_len + TAG_LEN` bytes, bounded by `max_out_tag_len`), which cannot overlap the
+        // caller's tail (their promise); on success aws-lc wrote all `out_len` of them.
+        let ok = unsafe {
+            aws_lc_sys::EVP_AEAD_CTX_seal_scatter(
+                gather.0.as_ptr(),
+                base.add(HEADER_LEN),
+                base.add(len),
+                &mut out_len,
+                tail_len + TAG_LEN,
+                nonce.as_ptr(),
+                nonce.len(),
+                base.add(HEADER_LEN),
+                len - HEADER_LEN,
+                tail,
+                tail_len,
+                base,
+                HEADER_LEN,
+            )
+        };
+        assert!(
+            ok == 1 && out_len == tail_len + TAG_LEN,
+            "a datagram is far below GCM's length limit"
+        );
+        // SAFETY: initialised by the seal above.
+        unsafe { buf.set_len(len + out_len) };
+        len + out_len
     }
 
     /// The sending host a datagram claims (not yet authenticated: it picks the key to check
@@ -405,7 +503,7 @@ mod tests {
             // The same datagram sealed by each implementation by hand.
             let (header, rest) = plain.split_at(HEADER_LEN);
             let nonce = nonce_of(header);
-            let SealKey::Aead { small, large } = &k else {
+            let SealKey::Aead { small, large, .. } = &k else {
                 unreachable!("sealing gives AEAD keys")
             };
             let mut by_ring = rest[..body_len].to_vec();
@@ -416,6 +514,24 @@ mod tests {
             by_aws.extend_from_slice(&t);
             assert_eq!(by_ring, by_aws, "body of {body_len} bytes");
             assert_eq!(&buf[HEADER_LEN..], &by_ring[..], "body of {body_len} bytes");
+            // Sealed with its tail read from elsewhere, wherever the tail starts.
+            for split in [0, 1, 17, body_len / 2, body_len] {
+                let split = split.min(body_len);
+                let mut head = plain[..HEADER_LEN + split].to_vec();
+                let tail = plain[HEADER_LEN + split..HEADER_LEN + body_len].to_vec();
+                // SAFETY: `tail` is a live buffer of its own.
+                let n = unsafe {
+                    DatagramHeader::seal_with_tail(
+                        &k,
+                        &mut head,
+                        HEADER_LEN + split,
+                        tail.as_ptr(),
+                        tail.len(),
+                    )
+                };
+                assert_eq!(n, head.len());
+                assert_eq!(head, buf, "body of {body_len} bytes, tail from {split}");
+            }
             let mut flipped = buf.clone();
             let (_, body) = DatagramHeader::open(&k, &mut buf).unwrap();
             assert_eq!(body, &plain[HEADER_LEN..HEADER_LEN + body_len]);

@@ -532,18 +532,25 @@ impl<'a> OpRef<'a> {
         data_len: usize,
         fill: &mut dyn FnMut(&mut Vec<u8>) -> bool,
     ) -> bool {
-        debug_assert!(self.split_trailing().0.is_empty());
-        let head_len = self.encoded_len();
-        let len = head_len + data_len;
         let at = out.len();
-        out.resize(at + head_len, 0);
-        self.encode(&mut out[at..]);
-        out[at + 2..at + 4].copy_from_slice(&(len as u16).to_le_bytes());
+        let len = self.encoded_len() + data_len;
+        self.encode_head(out, data_len);
         if !fill(out) || out.len() != at + len {
             out.truncate(at);
             return false;
         }
         true
+    }
+
+    /// Appends this op's encoding (its trailing data empty) to `out`, its length field
+    /// counting `data_len` data bytes that the caller appends (or seals in) right after.
+    pub fn encode_head(&self, out: &mut Vec<u8>, data_len: usize) {
+        debug_assert!(self.split_trailing().0.is_empty());
+        let head_len = self.encoded_len();
+        let at = out.len();
+        out.resize(at + head_len, 0);
+        self.encode(&mut out[at..]);
+        out[at + 2..at + 4].copy_from_slice(&((head_len + data_len) as u16).to_le_bytes());
     }
 
     /// Encodes into the front of `buf` (which must hold [`Self::encoded_len`] bytes).

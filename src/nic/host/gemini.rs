@@ -1008,11 +1008,15 @@ impl HostCore {
                         // The data goes from the region straight into the datagram.
                         let (src, at) = (&st.src, st.src_off + st.sent);
                         let mut unreadable = None;
-                        let pushed = self.transport.push_op_filled(peer, &op, n, &mut |b| {
-                            src.append_to(at, n, b)
-                                .map_err(|s| unreadable = Some(s))
-                                .is_ok()
-                        });
+                        let pushed = match src.mapped_for_read(at, n) {
+                            // SAFETY: the stream's region keeps its mapping while it lives.
+                            Some(p) => unsafe { self.transport.push_op_mapped(peer, &op, p, n) },
+                            None => self.transport.push_op_filled(peer, &op, n, &mut |b| {
+                                src.append_to(at, n, b)
+                                    .map_err(|s| unreadable = Some(s))
+                                    .is_ok()
+                            }),
+                        };
                         if let (Err(PushError::Source), Some(s)) = (&pushed, unreadable) {
                             // Memory reached by copy that is gone (its process unmapped it or
                             // exited): the operation fails with the reason.

@@ -332,6 +332,8 @@ impl HostCore {
             ("bytes_received", t.bytes_received.to_string()),
             ("retransmits", t.retransmits.to_string()),
             ("fast_retransmits", t.fast_retransmits.to_string()),
+            ("sealed_at_push", t.sealed_at_push.to_string()),
+            ("resealed_unsent", t.resealed_unsent.to_string()),
             ("timeouts", t.timeouts.to_string()),
             ("duplicates_suppressed", t.duplicates.to_string()),
             ("out_of_window", t.out_of_window.to_string()),

@@ -77,12 +77,16 @@ impl PtlStream {
                 data: &[],
             },
             &|at, n, b| src.gather(at, n, b),
+            &|at, n| src.mapped(at, n),
         )
     }
 }
 
 /// Reads `n` bytes at `offset` of a stream's memory into a datagram: `read(offset, n, datagram)`.
 type ReadFragment<'a> = &'a dyn Fn(u64, u64, &mut Vec<u8>) -> Result<(), Status>;
+/// Where `n` bytes at `offset` of a stream's memory are mapped, if they are in one piece of
+/// mapped memory that lives as long as the stream: `mapped(offset, n)`.
+type MappedFragment<'a> = &'a dyn Fn(u64, u64) -> Option<*const u8>;
 
 /// Pushes a stream's fragments (`kind`, `len` bytes, `sent` so far) while the transport takes
 /// them, each op (`op(sent, n)`) filled by `read(offset, n, datagram)` straight from memory;
@@ -93,6 +97,7 @@ fn emit_fragments(
     (kind, len, sent): (OpKind, u64, &mut u64),
     op: &dyn Fn(u64, u64) -> OpRef<'static>,
     read: ReadFragment<'_>,
+    mapped: MappedFragment<'_>,
 ) -> Option<StreamEnd> {
     let mut why = Status::Fault;
     loop {
@@ -102,7 +107,13 @@ fn emit_fragments(
         let n = super::gemini::fragment_len(transport, peer, kind, len - *sent);
         let at = *sent;
         let mut fill = |b: &mut Vec<u8>| read(at, n, b).map_err(|s| why = s).is_ok();
-        match transport.push_op_filled(peer, &op(at, n), n as usize, &mut fill) {
+        let pushed = match mapped(at, n) {
+            // SAFETY: `mapped` gives memory that stays mapped while its stream lives, which
+            // outlasts this call.
+            Some(p) => unsafe { transport.push_op_mapped(peer, &op(at, n), p, n as usize) },
+            None => transport.push_op_filled(peer, &op(at, n), n as usize, &mut fill),
+        };
+        match pushed {
             Ok(()) => {
                 *sent += n;
                 if *sent == len {
@@ -162,6 +173,7 @@ impl PtlReplyStream {
             (OpKind::PtlResp, self.src.len, &mut sent),
             &|at, n| self.op(at, n, NiFail::Ok),
             &|at, n, b| region.append_to(base + at, n as usize, b),
+            &|at, n| region.mapped_for_read(base + at, n as usize),
         );
         self.sent = sent;
         end

@@ -91,6 +91,20 @@ impl PayloadSource {
     pub fn gather(&self, off: u64, len: u64, out: &mut Vec<u8>) -> Result<(), Status> {
         gather(&self.region, &self.segments, self.offset + off, len, out)
     }
+
+    /// Where payload bytes `[off, off + len)` are mapped, if in one segment of mapped memory.
+    pub fn mapped(&self, off: u64, len: u64) -> Option<*const u8> {
+        let mut off = self.offset + off;
+        for &(start, slen) in &self.segments {
+            if off < slen {
+                return (off + len <= slen)
+                    .then(|| self.region.mapped_for_read(start + off, len as usize))
+                    .flatten();
+            }
+            off -= slen;
+        }
+        None
+    }
 }
 
 /// Copies `len` bytes at offset `off` of the buffer `segments` of `region` make out (gather).
