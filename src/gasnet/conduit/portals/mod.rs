@@ -68,8 +68,9 @@ const CHUNK: usize = 1 << 20;
 const BOUNCE_LEN: usize = 8 * CHUNK;
 /// Most direct pieces in flight (SAFE_EQ holds their completions).
 const MAX_RMA: usize = 256;
-/// Local buffers up to this size (and non-bulk sources anywhere) are copied through the bounce
-/// region; larger ones go from and to their place through the registration cache.
+/// Segment sources of non-bulk puts up to this size are copied through the bounce region (the
+/// call returns at once); larger ones are sent from in place, the call returning at local
+/// completion.
 const COPY_MAX: usize = 32 * 1024;
 /// Default budget of the registration cache: bytes (`GASNET_FIREHOSE_M`) and regions
 /// (`GASNET_FIREHOSE_R`), as GASNet's firehose names them.
@@ -215,6 +216,13 @@ pub struct PortalsConduit {
     firehose: firehose::Firehose,
     /// Off once the daemon could not reach this process's memory.
     firehose_on: bool,
+    /// Local buffers outside the segment up to this size are copied through the bounce region
+    /// by this process; larger ones go from and to their place through the registration
+    /// cache (`SOFTNIC_PORTALS_COPY_MAX`; default: every size). The daemon reaches private
+    /// memory only by `process_vm_readv`/`writev` on its own thread, which a stream is bound
+    /// by, while bounce memory it reads mapped (and seals as it reads): copying here is the
+    /// cheaper side (measured: docs/performance.md, stop 47).
+    copy_max: usize,
     /// Implicit atomics (see `rma::implicit_atomic`): operand slots, their MD counting ACKs
     /// on a CT (and telling failures only, as full events, on `imp_eq`: what the error names),
     /// how many were issued, and how many failures were reported already.
@@ -374,6 +382,7 @@ impl PortalsConduit {
                 env_size(&["GASNET_FIREHOSE_R"]).unwrap_or(FIREHOSE_R),
             ),
             firehose_on: true,
+            copy_max: env_size(&["SOFTNIC_PORTALS_COPY_MAX"]).unwrap_or(usize::MAX),
             imp,
             imp_md,
             imp_ct,

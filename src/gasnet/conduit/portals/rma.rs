@@ -1,8 +1,9 @@
 //! Direct operations of the portals conduit: Extended puts, gets and remote atomics as Portals
 //! put, get and (fetching) atomics on RAR, completed from their ACK and REPLY events on
-//! SAFE_EQ. Local memory outside the segment goes through the bounce region when small and
-//! through the registration cache (firehose.rs) when large; a non-bulk put sent from in place
-//! returns only at local completion (its SEND event: the NIC has taken the bytes).
+//! SAFE_EQ. Local memory outside the segment goes through the bounce region, in pieces, up to
+//! `SOFTNIC_PORTALS_COPY_MAX` (every size by default) and through the registration cache
+//! (firehose.rs) above it; a non-bulk put sent from in place returns only at local completion
+//! (its SEND event: the NIC has taken the bytes).
 
 use super::firehose::{Registrar, Use};
 use super::{
@@ -159,9 +160,12 @@ impl PortalsConduit {
         let pieces = src.len().div_ceil(CHUNK).max(1);
         let (addr, base) = (src.as_ptr() as u64, self.seg.as_ptr() as u64);
         let in_seg = addr >= base && addr + src.len() as u64 <= base + self.seg.len() as u64;
-        let small = src.len() <= COPY_MAX;
+        let copied = match in_seg {
+            true => !bulk && src.len() <= COPY_MAX,
+            false => src.len() <= self.copy_max,
+        };
         // Where the bytes go from: (MD, offset of src in it), or the bounce region.
-        let (from, cached) = if small && (!bulk || !in_seg) {
+        let (from, cached) = if copied {
             (None, None)
         } else if in_seg {
             let md = if bulk { self.seg_md } else { self.seg_send_md };
@@ -222,7 +226,7 @@ impl PortalsConduit {
         // Where the reply lands: (MD, offset), or bounce pieces copied out at completion.
         let (to, cached) = match dest {
             GetDest::Segment(base) => (Some((self.seg_md, base)), None),
-            GetDest::Local(_) if len <= COPY_MAX => (None, None),
+            GetDest::Local(_) if len <= self.copy_max => (None, None),
             GetDest::Local(addr) => {
                 let u = self.cached(addr, len as u64);
                 (u.map(|u| (u.reg.md, u.offset)), u.map(|u| u.id))
