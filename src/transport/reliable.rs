@@ -1729,16 +1729,21 @@ mod tests {
         assert_eq!(b, (1..=5000).collect::<Vec<_>>());
     }
 
+    /// A network losing 30% of datagrams, duplicating and reordering 20%.
+    fn faulty_net(seed: u64) -> SimNet {
+        SimNet::new(SimConfig {
+            seed,
+            loss: 0.3,
+            duplicate: 0.2,
+            reorder: 0.2,
+            ..Default::default()
+        })
+    }
+
     #[test]
     fn exactly_once_in_order_under_loss_duplication_reordering() {
         for seed in 1..4 {
-            let mut net = SimNet::new(SimConfig {
-                seed,
-                loss: 0.3,
-                duplicate: 0.2,
-                reorder: 0.2,
-                ..Default::default()
-            });
+            let mut net = faulty_net(seed);
             let (a, b) = exchange(&mut net, 3000, 60_000_000_000);
             assert_eq!(a, (1..=3000).collect::<Vec<_>>(), "seed {seed}");
             assert_eq!(b, (1..=3000).collect::<Vec<_>>(), "seed {seed}");
@@ -1759,13 +1764,7 @@ mod tests {
         assert_eq!(a, (1..=3000).collect::<Vec<_>>());
         assert_eq!(b, (1..=3000).collect::<Vec<_>>());
         for seed in 1..4 {
-            let mut net = SimNet::new(SimConfig {
-                seed,
-                loss: 0.3,
-                duplicate: 0.2,
-                reorder: 0.2,
-                ..Default::default()
-            });
+            let mut net = faulty_net(seed);
             let (a, b, sealed) = exchange_mapped(&mut net, 2000, 60_000_000_000, true);
             assert!(sealed > 100, "seed {seed}: {sealed} sealed at push");
             assert_eq!(a, (1..=2000).collect::<Vec<_>>(), "seed {seed}");
