@@ -1094,8 +1094,6 @@ fn one_sided_requests_alloc_mem_dynamic_windows_and_minloc() {
     dynw.free().unwrap();
 }
 
-/// A rank that dies: receives waiting on it fail with MPI_ERR_PROC_FAILED (the waits ask
-/// after their peer), later calls naming it fail at once, the survivors go on and finalize.
 /// PSCW with an origin that is gone: the target's post is not waited for, so its wait
 /// must notice the failed notification instead of waiting out its 120 s for a count that
 /// cannot come.
@@ -1135,6 +1133,8 @@ fn a_pscw_wait_fails_soon_when_an_origin_is_gone() {
     }
 }
 
+/// A rank that dies: receives waiting on it fail with MPI_ERR_PROC_FAILED (the waits ask
+/// after their peer), later calls naming it fail at once, the survivors go on and finalize.
 #[test]
 fn a_dead_rank_fails_the_requests_waiting_on_it() {
     if !in_job() {

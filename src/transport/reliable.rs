@@ -754,13 +754,8 @@ impl Transport {
         let Some(p) = self.peers.get(peer as usize).filter(|_| peer != self.host) else {
             return false;
         };
-        let fits_open = p
-            .open
-            .as_ref()
-            .is_none_or(|b| b.len() - HEADER_LEN + len <= self.body_cap);
         data_len >= SEAL_AT_PUSH_MIN
-            && len <= self.body_cap
-            && fits_open
+            && len <= self.open_room(peer)
             && !p.dead
             && p.peer_epoch.is_some()
             && p.answer.is_none()
