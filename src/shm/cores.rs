@@ -74,6 +74,46 @@ struct Left {
     /// asking again (a syscall and an allocation on every yield on the NIC's core, ~2% of a
     /// waiting rank's time) waits until that number changes.
     crowded_at: Option<u32>,
+    /// How much of its time it spends waiting, from its yields.
+    duty: Duty,
+}
+
+/// Two yields closer than this belong to one wait (the time between them was waited).
+const SAME_WAIT_NS: u64 = 50_000;
+/// The window a thread's waiting share is measured over.
+const DUTY_WINDOW_NS: u64 = 5_000_000;
+
+/// A thread's share of time spent waiting, measured from its yields (every wait that lasts
+/// past its first spins yields, back to back): the time between two yields of one wait counts
+/// as waited, any longer gap as work.
+#[derive(Default)]
+struct Duty {
+    window_start: Option<std::time::Instant>,
+    last: Option<std::time::Instant>,
+    waited_ns: u64,
+    /// Over the last full window it waited more than it worked.
+    mostly_waiting: bool,
+}
+
+impl Duty {
+    /// Counts a yield at `now`; whether the thread mostly waits.
+    fn on_yield(&mut self, now: std::time::Instant) -> bool {
+        let start = *self.window_start.get_or_insert(now);
+        if let Some(last) = self.last {
+            let gap = now.saturating_duration_since(last).as_nanos() as u64;
+            if gap < SAME_WAIT_NS {
+                self.waited_ns += gap;
+            }
+        }
+        self.last = Some(now);
+        let span = now.saturating_duration_since(start).as_nanos() as u64;
+        if span >= DUTY_WINDOW_NS {
+            self.mostly_waiting = self.waited_ns * 2 > span;
+            self.window_start = Some(now);
+            self.waited_ns = 0;
+        }
+        self.mostly_waiting
+    }
 }
 
 thread_local! {
@@ -134,20 +174,28 @@ fn leave_nic(l: &mut Left, nic: u32, anywhere: bool, room: impl Fn(usize) -> boo
 
 /// For a thread about to wait on the NIC pinned to `nic`, one of `sharing` processes the NIC
 /// serves: keeps it off the NIC's core while the other CPUs it may use hold them all (a
-/// client sharing the NIC's core pays two context switches per operation; crowding the other
-/// cores costs computing ranks more: RandomAccess over VELO at 2 ranks on 2 cores lost half),
-/// and lets it back when they no longer do (more clients attached since).
+/// client sharing the NIC's core pays two context switches per operation), or while it mostly
+/// waits (ranks that wait more than they work lose little by sharing the other cores: gni put
+/// 8 B ping-pong at 2 ranks on 2 cores, both off the NIC's core 3.6–4.2 µs, one on it 5.0–5.3).
+/// Crowding the other cores costs ranks that compute more (RandomAccess over VELO at 2 ranks
+/// on 2 cores lost half), so it lets a thread back when they are too few and it works more
+/// than it waits.
 pub fn keep_off(nic: u32, sharing: u32) -> Placed {
     if !PLACING.load(std::sync::atomic::Ordering::Relaxed) {
         return Placed::Stayed;
     }
     LEFT.with_borrow_mut(|l| {
+        let waiting = l.duty.on_yield(std::time::Instant::now());
         if let (Some(cpus), false) = (&l.before, l.for_good) {
-            if sharing as usize > others(cpus, nic).count() && set_allowed(cpus).is_ok() {
+            if !waiting && sharing as usize > others(cpus, nic).count() && set_allowed(cpus).is_ok()
+            {
                 tracing::debug!(nic, sharing, "a client may use the NIC's core again");
                 l.before = None;
             }
             return Placed::Stayed;
+        }
+        if waiting {
+            return leave_nic(l, nic, false, |_| true);
         }
         if l.crowded_at == Some(sharing) {
             return Placed::Stayed;
@@ -190,6 +238,47 @@ pub fn set_allowed(cpus: &[u32]) -> std::io::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Yields every `every_us` for `waits` in a row, then a gap of `work_us`, repeated over
+    /// `ms` milliseconds; what `Duty` concludes at the end.
+    fn duty_of(every_us: u64, waits: u32, work_us: u64, ms: u64) -> bool {
+        let mut d = Duty::default();
+        let t0 = std::time::Instant::now();
+        let (mut at, mut last) = (0u64, false);
+        while at < ms * 1000 {
+            for _ in 0..waits {
+                last = d.on_yield(t0 + std::time::Duration::from_micros(at));
+                at += every_us;
+            }
+            at += work_us;
+        }
+        last
+    }
+
+    /// A ping-pong rank yields through most of its time, a computing one seldom and far apart;
+    /// nothing is decided before a whole window.
+    #[test]
+    fn a_thread_mostly_waits_when_its_yields_fill_most_of_its_time() {
+        assert!(duty_of(2, 4, 2, 20), "8 µs of every 10 waited");
+        assert!(!duty_of(2, 2, 100, 20), "4 µs waited, 100 µs worked");
+        assert!(
+            !duty_of(200, 1, 0, 20),
+            "yields 200 µs apart are not one wait"
+        );
+        assert!(!duty_of(2, 4, 2, 4), "no whole window yet");
+        // A rank that waited, then computes: the next window says so.
+        let mut d = Duty::default();
+        let t0 = std::time::Instant::now();
+        let us = |n: u64| t0 + std::time::Duration::from_micros(n);
+        for k in 0..3000 {
+            d.on_yield(us(k * 2));
+        }
+        assert!(d.on_yield(us(6000)));
+        for k in 0..100 {
+            d.on_yield(us(6000 + k * 200));
+        }
+        assert!(!d.on_yield(us(26_000)));
+    }
 
     #[test]
     fn indices_count_from_either_end_and_stay_inside() {
