@@ -72,8 +72,8 @@ struct Left {
     stuck: bool,
     /// The number of clients at which it found the other cores too few to hold them all:
     /// asking again (a syscall and an allocation on every yield on the NIC's core, ~2% of a
-    /// waiting rank's time) waits until that number changes.
-    crowded_at: Option<u32>,
+    /// waiting rank's time) waits until that number (or whether it mostly waits) changes.
+    crowded_at: Option<(u32, bool)>,
     /// How much of its time it spends waiting, from its yields.
     duty: Duty,
 }
@@ -174,38 +174,39 @@ fn leave_nic(l: &mut Left, nic: u32, anywhere: bool, room: impl Fn(usize) -> boo
 
 /// For a thread about to wait on the NIC pinned to `nic`, one of `sharing` processes the NIC
 /// serves: keeps it off the NIC's core while the other CPUs it may use hold them all (a
-/// client sharing the NIC's core pays two context switches per operation), or while it mostly
-/// waits (ranks that wait more than they work lose little by sharing the other cores: gni put
-/// 8 B ping-pong at 2 ranks on 2 cores, both off the NIC's core 3.6–4.2 µs, one on it 5.0–5.3).
-/// Crowding the other cores costs ranks that compute more (RandomAccess over VELO at 2 ranks
-/// on 2 cores lost half), so it lets a thread back when they are too few and it works more
-/// than it waits.
+/// client sharing the NIC's core pays two context switches per operation), or hold all but
+/// one and it mostly waits (ranks that wait more than they work lose little by sharing the
+/// other cores: gni put 8 B ping-pong at 2 ranks on 2 cores, both off the NIC's core 3.6–4.2
+/// µs, one on it 5.0–5.3). Crowding the other cores more costs more (RandomAccess over VELO
+/// at 2 ranks on 2 cores lost half when computing ranks crowded; DMAPP bandwidth at 4 ranks
+/// on 2 cores −20% when waiting ones did), so it lets a thread back when they are too few.
 pub fn keep_off(nic: u32, sharing: u32) -> Placed {
     if !PLACING.load(std::sync::atomic::Ordering::Relaxed) {
         return Placed::Stayed;
     }
     LEFT.with_borrow_mut(|l| {
         let waiting = l.duty.on_yield(std::time::Instant::now());
+        // Whether `others` CPUs besides the NIC's hold this thread's share of the clients.
+        let room = |others: usize| {
+            let n = sharing as usize;
+            n <= others || (waiting && n <= others + 1)
+        };
         if let (Some(cpus), false) = (&l.before, l.for_good) {
-            if !waiting && sharing as usize > others(cpus, nic).count() && set_allowed(cpus).is_ok()
-            {
+            if !room(others(cpus, nic).count()) && set_allowed(cpus).is_ok() {
                 tracing::debug!(nic, sharing, "a client may use the NIC's core again");
                 l.before = None;
             }
             return Placed::Stayed;
         }
-        if waiting {
-            return leave_nic(l, nic, false, |_| true);
-        }
-        if l.crowded_at == Some(sharing) {
+        if l.crowded_at == Some((sharing, waiting)) {
             return Placed::Stayed;
         }
         let crowded = std::cell::Cell::new(false);
         let placed = leave_nic(l, nic, false, |others| {
-            crowded.set(sharing as usize > others);
+            crowded.set(!room(others));
             !crowded.get()
         });
-        l.crowded_at = crowded.get().then_some(sharing);
+        l.crowded_at = crowded.get().then_some((sharing, waiting));
         placed
     })
 }
