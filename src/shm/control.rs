@@ -654,11 +654,11 @@ fn decode_cpu(f: &AtomicU32) -> Option<u32> {
 }
 
 /// Yields a client's core while it waits for the NIC. Where the daemon is pinned and the
-/// other cores hold every client of its process, or the client mostly waits, it keeps off the
-/// NIC's core
-/// (`cores::keep_off`: a rank left there made every round trip two context switches dearer,
-/// gni put 8 B 5.8 against 4.5 µs); one that stays announces the yield (the CPU given away,
-/// in the control block), as the daemon then yields only to clients that wait on its core.
+/// other cores hold every client of its process (all but one, if the client mostly waits),
+/// it keeps off the NIC's core (`cores::keep_off`: a rank left there made every round trip
+/// two context switches dearer, gni put 8 B 5.8 against 4.5 µs); one that stays announces
+/// the yield (the CPU given away, in the control block), as the daemon then yields only to
+/// clients that wait on its core.
 pub struct Waiter {
     map: std::sync::Arc<Mapping>,
 }

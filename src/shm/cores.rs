@@ -172,6 +172,13 @@ fn leave_nic(l: &mut Left, nic: u32, anywhere: bool, room: impl Fn(usize) -> boo
     }
 }
 
+/// Whether `others` CPUs besides the NIC's hold a thread among `sharing` clients: all of them,
+/// or all but one for a thread that mostly waits.
+fn room(sharing: u32, others: usize, waiting: bool) -> bool {
+    let n = sharing as usize;
+    n <= others || (waiting && n <= others + 1)
+}
+
 /// For a thread about to wait on the NIC pinned to `nic`, one of `sharing` processes the NIC
 /// serves: keeps it off the NIC's core while the other CPUs it may use hold them all (a
 /// client sharing the NIC's core pays two context switches per operation), or hold all but
@@ -186,11 +193,7 @@ pub fn keep_off(nic: u32, sharing: u32) -> Placed {
     }
     LEFT.with_borrow_mut(|l| {
         let waiting = l.duty.on_yield(std::time::Instant::now());
-        // Whether `others` CPUs besides the NIC's hold this thread's share of the clients.
-        let room = |others: usize| {
-            let n = sharing as usize;
-            n <= others || (waiting && n <= others + 1)
-        };
+        let room = |others: usize| room(sharing, others, waiting);
         if let (Some(cpus), false) = (&l.before, l.for_good) {
             if !room(others(cpus, nic).count()) && set_allowed(cpus).is_ok() {
                 tracing::debug!(nic, sharing, "a client may use the NIC's core again");
@@ -279,6 +282,15 @@ mod tests {
             d.on_yield(us(6000 + k * 200));
         }
         assert!(!d.on_yield(us(26_000)));
+    }
+
+    /// Two ranks on two cores: off the NIC's core only while they mostly wait; four never.
+    #[test]
+    fn waiting_ranks_may_crowd_the_other_cores_by_one() {
+        assert!(room(1, 1, false) && room(2, 3, false));
+        assert!(!room(2, 1, false) && room(2, 1, true));
+        assert!(!room(3, 1, true) && !room(4, 1, true));
+        assert!(room(4, 3, true) && !room(5, 3, true));
     }
 
     #[test]
