@@ -18,13 +18,13 @@ use std::thread::JoinHandle;
 use std::time::Instant;
 
 use super::HostNic;
-use crate::shm::cores;
+use crate::shm::cores::{self, Load};
 
 /// Busy this long without an idle turn: lend a host (streams, RandomAccess floods and
 /// ping-pongs of MiB messages get there; small ping-pongs idle between round trips).
 pub(super) const LEND_AFTER_NS: u64 = 2_000_000;
 /// The window over which each thread measures its busy share.
-const WINDOW_NS: u64 = 1_000_000;
+pub(super) const WINDOW_NS: u64 = 1_000_000;
 /// Both threads' busy shares of a window together below this (per mille): one thread is
 /// enough, the host goes back.
 const RECALL_BELOW: u32 = 750;
@@ -108,41 +108,6 @@ pub(super) struct Place {
     pub nic: Option<u32>,
 }
 
-/// A thread's busy share of the turns' time, per window: each turn's time (until the next
-/// turn starts) counts as busy if the turn did something.
-pub(super) struct Load {
-    window_start: u64,
-    last_turn: u64,
-    busy_ns: u64,
-}
-
-impl Load {
-    pub fn new(now: u64) -> Load {
-        Load {
-            window_start: now,
-            last_turn: now,
-            busy_ns: 0,
-        }
-    }
-
-    /// A turn starts at `now` (the last one did something if `last_busy`); at a window's
-    /// end, its busy share in per mille.
-    pub fn turn(&mut self, now: u64, last_busy: bool) -> Option<u32> {
-        if last_busy {
-            self.busy_ns += now - self.last_turn;
-        }
-        self.last_turn = now;
-        let span = now - self.window_start;
-        if span < WINDOW_NS {
-            return None;
-        }
-        let share = (self.busy_ns * 1000 / span) as u32;
-        self.window_start = now;
-        self.busy_ns = 0;
-        Some(share)
-    }
-}
-
 /// Hands `host` to a new helper thread, which turns it on the loop's clock until the two
 /// threads' load (the loop's published in `loop_load`, per mille) says one is enough, or
 /// `stop` is set, then gives it back.
@@ -180,7 +145,7 @@ fn serve(host: &Served, clock: Instant, loop_load: &AtomicU32, stop: &AtomicBool
         h.counters.bulk_lends += 1;
         h.counters.bulk_serving = true;
     }
-    let mut load = Load::new(clock.elapsed().as_nanos() as u64);
+    let mut load = Load::new(clock.elapsed().as_nanos() as u64, WINDOW_NS);
     let mut busy = true;
     let mut idle_turns = 0u64;
     while !stop.load(Ordering::Relaxed) {

@@ -26,6 +26,7 @@ use mio::unix::SourceFd;
 use mio::{Events, Interest, Poll, Token};
 
 use crate::config::Config;
+use crate::shm::cores::Load;
 use helper::Served;
 
 #[derive(Debug, thiserror::Error)]
@@ -169,7 +170,7 @@ impl Daemon {
         let mut idle_turns = 0u64;
         let mut sent_to = Vec::new();
         // The loop's load, measured while a host is lent.
-        let mut load: Option<helper::Load> = None;
+        let mut load: Option<Load> = None;
         let mut busy = false;
         while !self.stop.load(Ordering::Relaxed) {
             // One clock read per turn, shared by every host (a read is a good part of an idle
@@ -178,7 +179,7 @@ impl Daemon {
             let now = at.duration_since(self.clock).as_nanos() as u64;
             match (&self.helper, &mut load) {
                 (None, _) => load = None,
-                (Some(_), None) => load = Some(helper::Load::new(now)),
+                (Some(_), None) => load = Some(Load::new(now, helper::WINDOW_NS)),
                 (Some(_), Some(l)) => {
                     if let Some(share) = l.turn(now, busy) {
                         self.loop_load.store(share, Ordering::Relaxed);

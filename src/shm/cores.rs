@@ -83,14 +83,56 @@ const SAME_WAIT_NS: u64 = 50_000;
 /// The window a thread's waiting share is measured over.
 const DUTY_WINDOW_NS: u64 = 5_000_000;
 
+/// A thread's busy share of its time, per window of `window_ns`: the time from one event (a
+/// turn, a yield) to the next counts as busy when the caller says so.
+pub struct Load {
+    window_ns: u64,
+    window_start: u64,
+    last_turn: u64,
+    busy_ns: u64,
+}
+
+impl Load {
+    pub fn new(now: u64, window_ns: u64) -> Load {
+        Load {
+            window_ns,
+            window_start: now,
+            last_turn: now,
+            busy_ns: 0,
+        }
+    }
+
+    /// Nanoseconds since the last event.
+    pub fn since_last(&self, now: u64) -> u64 {
+        now.saturating_sub(self.last_turn)
+    }
+
+    /// An event at `now` (the time since the last one was busy if `last_busy`); at a
+    /// window's end, its busy share in per mille.
+    pub fn turn(&mut self, now: u64, last_busy: bool) -> Option<u32> {
+        if last_busy {
+            self.busy_ns += self.since_last(now);
+        }
+        self.last_turn = now;
+        let span = now.saturating_sub(self.window_start);
+        if span < self.window_ns {
+            return None;
+        }
+        let share = (self.busy_ns * 1000 / span) as u32;
+        self.window_start = now;
+        self.busy_ns = 0;
+        Some(share)
+    }
+}
+
 /// A thread's share of time spent waiting, measured from its yields (every wait that lasts
 /// past its first spins yields, back to back): the time between two yields of one wait counts
 /// as waited, any longer gap as work.
 #[derive(Default)]
 struct Duty {
-    window_start: Option<std::time::Instant>,
-    last: Option<std::time::Instant>,
-    waited_ns: u64,
+    /// The first yield: the clock `load` counts from.
+    since: Option<std::time::Instant>,
+    load: Option<Load>,
     /// Over the last full window it waited more than it worked.
     mostly_waiting: bool,
 }
@@ -98,19 +140,14 @@ struct Duty {
 impl Duty {
     /// Counts a yield at `now`; whether the thread mostly waits.
     fn on_yield(&mut self, now: std::time::Instant) -> bool {
-        let start = *self.window_start.get_or_insert(now);
-        if let Some(last) = self.last {
-            let gap = now.saturating_duration_since(last).as_nanos() as u64;
-            if gap < SAME_WAIT_NS {
-                self.waited_ns += gap;
-            }
-        }
-        self.last = Some(now);
-        let span = now.saturating_duration_since(start).as_nanos() as u64;
-        if span >= DUTY_WINDOW_NS {
-            self.mostly_waiting = self.waited_ns * 2 > span;
-            self.window_start = Some(now);
-            self.waited_ns = 0;
+        let since = *self.since.get_or_insert(now);
+        let ns = now.saturating_duration_since(since).as_nanos() as u64;
+        let load = self
+            .load
+            .get_or_insert_with(|| Load::new(ns, DUTY_WINDOW_NS));
+        let same_wait = load.since_last(ns) < SAME_WAIT_NS;
+        if let Some(share) = load.turn(ns, same_wait) {
+            self.mostly_waiting = share > 500;
         }
         self.mostly_waiting
     }

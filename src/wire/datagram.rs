@@ -19,9 +19,10 @@
 //!
 //! Two implementations of the one algorithm, by size: `ring` below [`LARGE_BODY`] bytes of
 //! body, `aws-lc-rs` (AVX-512 VAES code) from there; a third, aws-lc's C interface, seals a
-//! body whose tail is read from registered memory ([`DatagramHeader::seal_with_tail`]). Seal and open of a datagram, measured
-//! here: 1,024 B 0.41 against 0.50–0.53 µs, 65,000 B 15.2–18.1 against 12.5–13.2 µs. Either
-//! opens what the other sealed (the same AEAD); the choice only follows speed.
+//! body whose tail is read from registered memory ([`DatagramHeader::seal_with_tail`]). Seal
+//! and open of a datagram, measured here: 1,024 B 0.41 against 0.50–0.53 µs, 65,000 B
+//! 15.2–18.1 against 12.5–13.2 µs. Either opens what the other sealed (the same AEAD); the
+//! choice only follows speed.
 //!
 //! One exception, for the udp conduit's baseline only ([`Key::tagging`]): the body in clear
 //! and a job tag where the AEAD tag goes, as GASNet's udp-conduit protects its messages.

@@ -160,9 +160,10 @@ impl PortalsConduit {
         let pieces = src.len().div_ceil(CHUNK).max(1);
         let (addr, base) = (src.as_ptr() as u64, self.seg.as_ptr() as u64);
         let in_seg = addr >= base && addr + src.len() as u64 <= base + self.seg.len() as u64;
-        let copied = match in_seg {
-            true => !bulk && src.len() <= COPY_MAX,
-            false => src.len() <= self.copy_max,
+        let copied = if in_seg {
+            !bulk && src.len() <= COPY_MAX
+        } else {
+            src.len() <= self.copy_max
         };
         // Where the bytes go from: (MD, offset of src in it), or the bounce region.
         let (from, cached) = if copied {
