@@ -341,6 +341,45 @@ fn messages_to_self_under_both_protocols() {
     world.barrier().unwrap();
 }
 
+/// A zero-length receive posted while every bounce slot holds a receive lands nowhere: no
+/// slot, no registration of its (dangling) empty buffer; it completes with count 0, and the
+/// receives holding the slots complete too.
+#[test]
+fn an_empty_receive_needs_no_slot_and_no_registration() {
+    if !in_job() {
+        return launch_ok(
+            "an_empty_receive_needs_no_slot_and_no_registration",
+            2,
+            2,
+            &[],
+        );
+    }
+    const HELD: usize = 600; // more receives than bounce slots (512)
+    let world = Mpi::init().unwrap();
+    if world.rank() == 0 {
+        let mut bufs = vec![[0u8; 8]; HELD];
+        let mut reqs = Vec::new();
+        for b in bufs.iter_mut() {
+            reqs.push(world.irecv(b, 1, 1).unwrap());
+        }
+        let mut empty: Vec<u8> = Vec::new();
+        let r = world.irecv(&mut empty, 1, 2).unwrap();
+        world.send(&[1], 1, 3).unwrap();
+        assert_eq!(r.wait().unwrap().count, 0);
+        for r in reqs {
+            assert_eq!(r.wait().unwrap().count, 8);
+        }
+        assert!(bufs.iter().all(|b| *b == [7u8; 8]));
+    } else {
+        world.recv(&mut [0u8; 1], 0, 3).unwrap();
+        world.send(&[], 0, 2).unwrap();
+        for _ in 0..HELD {
+            world.send(&[7u8; 8], 0, 1).unwrap();
+        }
+    }
+    world.barrier().unwrap();
+}
+
 /// A sender that dies with long messages half fetched: every receive waiting on it ends
 /// (delivered whole, or failed with MPI_ERR_PROC_FAILED — never hung, never blamed on an
 /// address), and the staging ring it held is free again for the survivors' long messages.

@@ -40,6 +40,10 @@ pub(super) const OVF_MAX: usize = 64;
 const OVF_LEN: usize = 1 << 20;
 /// Bounce slots (for small sends and small receive buffers).
 const SLOTS: usize = 512;
+/// Slots receives leave to sends: a send waits for a slot, and slots held by posted receives
+/// come back only when those receives are matched — perhaps by the answer to that very send.
+/// Receives beyond the others land in their registered buffers instead.
+const SEND_RESERVE: usize = 64;
 const EQ_LEN: usize = 1 << 16;
 /// The "cache use" of a buffer in `alloc_mem` memory (nothing to release).
 const NOT_CACHED: u64 = u64::MAX;
@@ -598,15 +602,24 @@ impl State {
         addr: u64,
         len: u64,
     ) -> Result<(Registration, u64, u64), MpiError> {
+        if len == 0 {
+            // No byte moves: any memory of ours will do. An empty buffer's address may be
+            // dangling (an empty Vec's), and the daemon would refuse to reach it.
+            let reg = Registration {
+                region: self.bounce.handle.0,
+                md: self.bounce_md,
+            };
+            return Ok((reg, 0, NOT_CACHED));
+        }
         if let Some(hit) = self.in_alloc_mem(addr, len)? {
             return Ok(hit);
         }
-        if let Some(u) = self.fh.lookup(addr, len.max(1)) {
+        if let Some(u) = self.fh.lookup(addr, len) {
             return Ok((u.reg, u.offset, u.id));
         }
         let miss = self
             .fh
-            .plan(addr, len.max(1))
+            .plan(addr, len)
             .ok_or_else(|| MpiError::new(ErrorClass::Buffer, "buffer wraps the address space"))?;
         let registrar = Registrar {
             perms: Perms::READ_WRITE,
@@ -614,7 +627,7 @@ impl State {
             eq: Some(self.eq_md),
         };
         let u = registrar
-            .register_miss(&mut self.fh, &mut self.p, self.ni, miss, (addr, len.max(1)))
+            .register_miss(&mut self.fh, &mut self.p, self.ni, miss, (addr, len))
             .map_err(|e| MpiError::new(ErrorClass::Buffer, format!("registering a buffer: {e}")))?;
         Ok((u.reg, u.offset, u.id))
     }
@@ -743,21 +756,22 @@ impl State {
             self.check_alive(p)?;
         }
         r.peer = peer;
-        let (region, offset, landing) = if len <= self.slot_len && !self.free_slots.is_empty() {
-            let s = self.free_slots.pop().expect("checked");
-            (self.bounce.handle, self.slot_off(s), Landing::Slot(s))
-        } else {
-            let (reg, off, id) = self.cached(addr, len as u64)?;
-            (
-                MemHandle(reg.region),
-                off,
-                Landing::Cached {
-                    md: reg.md,
-                    offset: off,
-                    id,
-                },
-            )
-        };
+        let (region, offset, landing) =
+            if len <= self.slot_len && self.free_slots.len() > SEND_RESERVE {
+                let s = self.free_slots.pop().expect("checked");
+                (self.bounce.handle, self.slot_off(s), Landing::Slot(s))
+            } else {
+                let (reg, off, id) = self.cached(addr, len as u64)?;
+                (
+                    MemHandle(reg.region),
+                    off,
+                    Landing::Cached {
+                        md: reg.md,
+                        offset: off,
+                        id,
+                    },
+                )
+            };
         r.landing = Some(landing);
         let i = self.new_req(r);
         let (match_bits, ignore_bits) = bits::receive(ctx, src, tag);
