@@ -74,6 +74,12 @@ impl std::fmt::Debug for Request<'_> {
 impl Drop for Request<'_> {
     fn drop(&mut self) {
         if self.live {
+            if std::thread::panicking() {
+                // Waiting could hold the unwinding rank forever (the peer may be waiting for
+                // it), and not waiting would leave the NIC writing into memory unwinding
+                // frees: the rank leaves at once, as a crashed one does.
+                std::process::abort();
+            }
             let _ = self.st.borrow_mut().wait(self.id);
         }
     }
