@@ -341,9 +341,9 @@ fn messages_to_self_under_both_protocols() {
     world.barrier().unwrap();
 }
 
-/// A zero-length receive posted while every bounce slot holds a receive lands nowhere: no
-/// slot, no registration of its (dangling) empty buffer; it completes with count 0, and the
-/// receives holding the slots complete too.
+/// A zero-length receive posted after receives took every bounce slot they may lands nowhere:
+/// no slot, no registration of its (dangling) empty buffer; it completes with count 0. The
+/// send whose answer completes the receives still finds a slot (receives leave some to sends).
 #[test]
 fn an_empty_receive_needs_no_slot_and_no_registration() {
     if !in_job() {

@@ -178,7 +178,7 @@ impl DatagramHeader {
     /// Whether [`DatagramHeader::seal_with_tail`] works with `key` (AEAD keys; the udp
     /// conduit's tags in clear do not).
     pub fn seals_tails(key: &SealKey) -> bool {
-        matches!(key, SealKey::Aead { .. })
+        matches!(key, SealKey::Aead(_))
     }
 
     /// [`DatagramHeader::seal`] of `buf[..len]` (header written, body so far after it) with
