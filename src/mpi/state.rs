@@ -38,7 +38,7 @@ pub const RMA_PT: u32 = 22;
 const OVF_N: usize = 16;
 pub(super) const OVF_MAX: usize = 64;
 const OVF_LEN: usize = 1 << 20;
-/// Bounce slots (for small sends and small receive buffers).
+/// Bounce slots (for small sends and small, non-empty receive buffers).
 const SLOTS: usize = 512;
 /// Slots receives leave to sends: a send waits for a slot, and slots held by posted receives
 /// come back only when those receives are matched — perhaps by the answer to that very send.
@@ -757,7 +757,7 @@ impl State {
         }
         r.peer = peer;
         let (region, offset, landing) =
-            if len <= self.slot_len && self.free_slots.len() > SEND_RESERVE {
+            if len > 0 && len <= self.slot_len && self.free_slots.len() > SEND_RESERVE {
                 let s = self.free_slots.pop().expect("checked");
                 (self.bounce.handle, self.slot_off(s), Landing::Slot(s))
             } else {

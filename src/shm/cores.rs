@@ -130,9 +130,8 @@ impl Load {
 /// as waited, any longer gap as work.
 #[derive(Default)]
 struct Duty {
-    /// The first yield: the clock `load` counts from.
-    since: Option<std::time::Instant>,
-    load: Option<Load>,
+    /// From the first yield: that instant (the clock the load counts from) and the load.
+    clock: Option<(std::time::Instant, Load)>,
     /// Over the last full window it waited more than it worked.
     mostly_waiting: bool,
 }
@@ -140,11 +139,10 @@ struct Duty {
 impl Duty {
     /// Counts a yield at `now`; whether the thread mostly waits.
     fn on_yield(&mut self, now: std::time::Instant) -> bool {
-        let since = *self.since.get_or_insert(now);
-        let ns = now.saturating_duration_since(since).as_nanos() as u64;
-        let load = self
-            .load
-            .get_or_insert_with(|| Load::new(ns, DUTY_WINDOW_NS));
+        let (since, load) = self
+            .clock
+            .get_or_insert_with(|| (now, Load::new(0, DUTY_WINDOW_NS)));
+        let ns = now.saturating_duration_since(*since).as_nanos() as u64;
         let same_wait = load.since_last(ns) < SAME_WAIT_NS;
         if let Some(share) = load.turn(ns, same_wait) {
             self.mostly_waiting = share > 500;
@@ -230,9 +228,9 @@ pub fn keep_off(nic: u32, sharing: u32) -> Placed {
     }
     LEFT.with_borrow_mut(|l| {
         let waiting = l.duty.on_yield(std::time::Instant::now());
-        let room = |others: usize| room(sharing, others, waiting);
+        let fits = |others: usize| room(sharing, others, waiting);
         if let (Some(cpus), false) = (&l.before, l.for_good) {
-            if !room(others(cpus, nic).count()) && set_allowed(cpus).is_ok() {
+            if !fits(others(cpus, nic).count()) && set_allowed(cpus).is_ok() {
                 tracing::debug!(nic, sharing, "a client may use the NIC's core again");
                 l.before = None;
             }
@@ -243,7 +241,7 @@ pub fn keep_off(nic: u32, sharing: u32) -> Placed {
         }
         let crowded = std::cell::Cell::new(false);
         let placed = leave_nic(l, nic, false, |others| {
-            crowded.set(!room(others));
+            crowded.set(!fits(others));
             !crowded.get()
         });
         l.crowded_at = crowded.get().then_some((sharing, waiting));
