@@ -31,9 +31,6 @@ pub const MAGIC: u16 = 0x4e53; // "SN"
 pub const VERSION: u8 = 6;
 pub const HEADER_LEN: usize = 48;
 pub const TAG_LEN: usize = 16;
-/// A tail read from registered memory is copied and encrypted this many bytes at a time, so
-/// each piece is still in the first-level cache when it is encrypted in place.
-const TAIL_CHUNK: usize = 8 * 1024;
 
 /// Header flag: the sender has the receiver's epoch (`dst_epoch`) as its session peer. An
 /// answer to a stale datagram names the epoch without it.
@@ -182,11 +179,12 @@ impl DatagramHeader {
     }
 
     /// [`DatagramHeader::seal`] of `buf[..len]` (header written, body so far after it) with
-    /// `tail_len` more body bytes read from `tail`: copied into `buf` and encrypted there a
-    /// [`TAIL_CHUNK`] at a time, so the bytes are read from `tail` once and encrypted while
-    /// still in the first-level cache. `buf` grows to the returned length. The bytes are read
-    /// through raw pointers, as any NIC read of registered memory is: whatever they are at that
-    /// moment, even if their owner writes them meanwhile (what is sealed is what was copied).
+    /// `tail_len` more body bytes read from `tail`: copied into `buf` whole, then sealed in
+    /// place in one pass (measured here from a 1 MiB source in 65,000-byte datagrams: 29–31
+    /// GB/s, against 23–26 for copying and encrypting pieces of 4–64 KiB through the
+    /// incremental encryptor). `buf` grows to the returned length. The bytes are read through
+    /// raw pointers, as any NIC read of registered memory is: whatever they are at that moment,
+    /// even if their owner writes them meanwhile (what is sealed is what was copied).
     ///
     /// # Safety
     /// `tail..tail + tail_len` must be readable (mapped) for the duration of the call and must
@@ -201,30 +199,22 @@ impl DatagramHeader {
         tail: *const u8,
         tail_len: usize,
     ) -> usize {
-        let SealKey::Aead(k) = key else {
-            panic!("seal_with_tail with a key in clear");
-        };
+        assert!(
+            Self::seals_tails(key),
+            "seal_with_tail with a key in clear"
+        );
         buf.truncate(len);
+        let body_end = len + tail_len;
         buf.reserve(tail_len + TAG_LEN);
-        let header: [u8; HEADER_LEN] = buf[..HEADER_LEN].try_into().expect("a whole header");
-        let mut seal = cipher(k, &header).encryptor(&header);
-        seal.update_in_place(&mut buf[HEADER_LEN..len]);
-        let mut done = 0;
-        while done < tail_len {
-            let n = TAIL_CHUNK.min(tail_len - done);
-            let at = buf.len();
-            // SAFETY: the caller's promise makes `tail + done..+n` readable and apart from
-            // `buf`, whose reserved spare capacity holds the `n` bytes; they are initialised
-            // by the copy before the length covers them.
-            unsafe {
-                std::ptr::copy_nonoverlapping(tail.add(done), buf.as_mut_ptr().add(at), n);
-                buf.set_len(at + n);
-            }
-            seal.update_in_place(&mut buf[at..]);
-            done += n;
+        // SAFETY: the caller's promise makes `tail..tail + tail_len` readable and apart from
+        // `buf`, whose reserved spare capacity holds the bytes; they are initialised by the
+        // copy before the length covers them.
+        unsafe {
+            std::ptr::copy_nonoverlapping(tail, buf.as_mut_ptr().add(len), tail_len);
+            buf.set_len(body_end);
         }
-        buf.extend_from_slice(&seal.finalize());
-        buf.len()
+        buf.resize(body_end + TAG_LEN, 0);
+        Self::seal(key, buf, body_end)
     }
 
     /// The sending host a datagram claims (not yet authenticated: it picks the key to check
@@ -380,8 +370,8 @@ mod tests {
 
     /// Sealing is AEGIS-256X4 with the nonce made of the sender's epoch and counter (checked
     /// against the crate's one-shot encryption with that nonce built by hand), and sealing
-    /// with a tail read from elsewhere gives the same bytes wherever the tail starts and
-    /// however many chunks it takes; a body with a flipped bit is refused.
+    /// with a tail read from elsewhere gives the same bytes wherever the tail starts; a body
+    /// with a flipped bit is refused.
     #[test]
     fn sealing_with_a_tail_matches_sealing_in_place() {
         let k = key();
@@ -392,9 +382,9 @@ mod tests {
             0,
             1,
             1000,
-            TAIL_CHUNK - 1,
-            TAIL_CHUNK,
-            3 * TAIL_CHUNK + 5,
+            8191,
+            8192,
+            3 * 8192 + 5,
             65000,
         ] {
             let mut buf = vec![0u8; HEADER_LEN + body_len + TAG_LEN];
