@@ -677,10 +677,9 @@ impl Transport {
     /// [`Transport::push_op_filled`] with the data at `data..data + data_len` in mapped
     /// memory. When the op ends a datagram that may leave at once (a large op, the session
     /// open, the window with room, nothing queued before it), that datagram is sealed now,
-    /// the data copied in and encrypted a few KiB at a time (each piece still in the
-    /// first-level cache) instead of a copy of the whole and a seal in place after it.
-    /// Otherwise the data is copied in as `push_op_filled` does. Either way the bytes are read
-    /// before this returns.
+    /// right after the data is copied in (still in cache), not when it leaves. Otherwise the
+    /// data is copied in as `push_op_filled` does. Either way the bytes are read before this
+    /// returns.
     ///
     /// # Safety
     /// `data..data + data_len` must be readable for the duration of the call.
