@@ -199,10 +199,7 @@ impl DatagramHeader {
         tail: *const u8,
         tail_len: usize,
     ) -> usize {
-        assert!(
-            Self::seals_tails(key),
-            "seal_with_tail with a key in clear"
-        );
+        assert!(Self::seals_tails(key), "seal_with_tail with a key in clear");
         buf.truncate(len);
         let body_end = len + tail_len;
         buf.reserve(tail_len + TAG_LEN);
@@ -378,15 +375,7 @@ mod tests {
         let SealKey::Aead(raw) = &k else {
             unreachable!("sealing gives AEAD keys")
         };
-        for body_len in [
-            0,
-            1,
-            1000,
-            8191,
-            8192,
-            3 * 8192 + 5,
-            65000,
-        ] {
+        for body_len in [0, 1, 1000, 8191, 8192, 3 * 8192 + 5, 65000] {
             let mut buf = vec![0u8; HEADER_LEN + body_len + TAG_LEN];
             DatagramHeader {
                 src_epoch: 0x0102_0304,
