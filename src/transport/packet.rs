@@ -408,27 +408,36 @@ impl PacketDriver {
 mod tests {
     use super::*;
 
-    /// Opens drivers for `n` hosts on loopback, or `None` (with the reason) without CAP_NET_RAW.
-    pub(crate) fn open_all(n: u16, port: u16) -> Option<Vec<PacketDriver>> {
-        let addrs: Vec<SocketAddr> = (0..n)
-            .map(|i| SocketAddr::from(([127, 0, 0, 2 + i as u8], port)))
-            .collect();
-        let link = PacketLink {
-            interface: "lo".into(),
-            macs: addrs.iter().map(|&a| loopback_mac(a)).collect(),
-        };
-        let mut out = Vec::new();
-        for (i, &a) in addrs.iter().enumerate() {
-            match PacketDriver::open(a, i as u16, &link, 65_000, None) {
-                Ok(d) => out.push(d),
-                Err(e) if e.kind() == io::ErrorKind::PermissionDenied => {
-                    eprintln!("skipped: packet sockets need CAP_NET_RAW (run as root): {e}");
-                    return None;
+    /// Opens drivers for `n` hosts on loopback at a random port (another one if a concurrent
+    /// test holds it: the port names the hosts' MACs, and sockets bound elsewhere take ports
+    /// of this range too), or `None` (with the reason) without CAP_NET_RAW.
+    pub(crate) fn open_all(n: u16) -> Option<Vec<PacketDriver>> {
+        for _ in 0..50 {
+            let port = 30_000 + rand::random::<u16>() % 20_000;
+            let addrs: Vec<SocketAddr> = (0..n)
+                .map(|i| SocketAddr::from(([127, 0, 0, 2 + i as u8], port)))
+                .collect();
+            let link = PacketLink {
+                interface: "lo".into(),
+                macs: addrs.iter().map(|&a| loopback_mac(a)).collect(),
+            };
+            let mut out = Vec::new();
+            for (i, &a) in addrs.iter().enumerate() {
+                match PacketDriver::open(a, i as u16, &link, 65_000, None) {
+                    Ok(d) => out.push(d),
+                    Err(e) if e.kind() == io::ErrorKind::PermissionDenied => {
+                        eprintln!("skipped: packet sockets need CAP_NET_RAW (run as root): {e}");
+                        return None;
+                    }
+                    Err(e) if e.kind() == io::ErrorKind::AddrInUse => break,
+                    Err(e) => panic!("cannot open packet driver: {e}"),
                 }
-                Err(e) => panic!("cannot open packet driver: {e}"),
+            }
+            if out.len() == n as usize {
+                return Some(out);
             }
         }
-        Some(out)
+        panic!("no free port for {n} packet drivers in 50 tries");
     }
 
     fn recv_soon(d: &mut PacketDriver, out: &mut [u8]) -> Option<usize> {
@@ -454,8 +463,7 @@ mod tests {
 
     #[test]
     fn frames_reach_only_the_host_they_are_for() {
-        let port = 30_000 + rand::random::<u16>() % 20_000;
-        let Some(mut d) = open_all(3, port) else {
+        let Some(mut d) = open_all(3) else {
             return;
         };
         let mut buf = vec![0u8; 70_000];
@@ -500,8 +508,7 @@ mod tests {
 
     #[test]
     fn a_datagram_longer_than_the_buffer_is_counted_and_skipped() {
-        let port = 30_000 + rand::random::<u16>() % 20_000;
-        let Some(mut d) = open_all(2, port) else {
+        let Some(mut d) = open_all(2) else {
             return;
         };
         d[0].send(1, &[7u8; 100]);
@@ -515,8 +522,7 @@ mod tests {
 
     #[test]
     fn the_ring_wraps_around() {
-        let port = 30_000 + rand::random::<u16>() % 20_000;
-        let Some(mut d) = open_all(2, port) else {
+        let Some(mut d) = open_all(2) else {
             return;
         };
         let slots = d[1].ring_slots();
