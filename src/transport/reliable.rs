@@ -67,7 +67,7 @@ pub struct TransportConfig {
     pub lazy_delay: u64,
     /// Least time between two answers to stale datagrams from one peer.
     pub stale_answer_gap: u64,
-    /// Seal every datagram (AES-256-GCM); `false`: a tag in clear, as GASNet's udp-conduit
+    /// Seal every datagram (AEGIS-256X4); `false`: a tag in clear, as GASNet's udp-conduit
     /// (see [`crate::wire::Key::tagging`]) — for the udp conduit's baseline mode only.
     pub authenticate: bool,
 }
@@ -403,7 +403,7 @@ fn recycle_into(pool: &mut Vec<Vec<u8>>, b: Vec<u8>) {
     }
 }
 
-/// Body bytes per datagram for an MTU: all of it but header and tag (AES-GCM seals any length
+/// Body bytes per datagram for an MTU: all of it but header and tag (AEGIS seals any length
 /// at the same speed per byte, unlike the BLAKE3 tag before it, which wanted powers of two).
 pub fn body_len_for(mtu: usize) -> usize {
     mtu - TAG_LEN - HEADER_LEN
@@ -761,7 +761,6 @@ impl Transport {
             && p.answer.is_none()
             && p.queued.is_empty()
             && p.inflight.len() + p.ready.len() < self.cfg.window
-            && DatagramHeader::seals_tails(&self.tx_keys[peer as usize])
     }
 
     fn push(&mut self, peer: u16, op: &OpRef<'_>, lazy: Option<u64>) -> Result<(), PushError> {
