@@ -692,14 +692,8 @@ impl Transport {
     ) -> Result<(), PushError> {
         if !self.seals_at_push(peer, head.encoded_len() + data_len, data_len) {
             return self.push_op_filled(peer, head, data_len, &mut |b| {
-                b.reserve(data_len);
-                let at = b.len();
-                // SAFETY: the caller's promise for the source; the destination is spare
-                // capacity reserved above, initialised by the copy before `set_len`.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(data, b.as_mut_ptr().add(at), data_len);
-                    b.set_len(at + data_len);
-                }
+                // SAFETY: the caller's promise for the source; `b` is the transport's own.
+                unsafe { crate::wire::extend_from_raw(b, data, data_len) };
                 true
             });
         }

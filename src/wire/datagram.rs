@@ -143,6 +143,21 @@ pub struct DatagramHeader {
     pub nonce: u64,
 }
 
+/// Appends `len` bytes read from `src` to `buf` (one copy, straight into its spare capacity).
+///
+/// # Safety
+/// `src..src + len` must be readable for the duration of the call and must not overlap `buf`.
+pub unsafe fn extend_from_raw(buf: &mut Vec<u8>, src: *const u8, len: usize) {
+    buf.reserve(len);
+    let at = buf.len();
+    // SAFETY: the caller's promise for the source; the destination is spare capacity reserved
+    // above, initialised by the copy before the length covers it.
+    unsafe {
+        std::ptr::copy_nonoverlapping(src, buf.as_mut_ptr().add(at), len);
+        buf.set_len(at + len);
+    }
+}
+
 impl DatagramHeader {
     /// Writes the header into the first [`HEADER_LEN`] bytes of `buf`.
     pub fn write(&self, buf: &mut [u8]) {
@@ -193,13 +208,8 @@ impl DatagramHeader {
         buf.truncate(len);
         let body_end = len + tail_len;
         buf.reserve(tail_len + TAG_LEN);
-        // SAFETY: the caller's promise makes `tail..tail + tail_len` readable and apart from
-        // `buf`, whose reserved spare capacity holds the bytes; they are initialised by the
-        // copy before the length covers them.
-        unsafe {
-            std::ptr::copy_nonoverlapping(tail, buf.as_mut_ptr().add(len), tail_len);
-            buf.set_len(body_end);
-        }
+        // SAFETY: the caller's promise.
+        unsafe { extend_from_raw(buf, tail, tail_len) };
         buf.resize(body_end + TAG_LEN, 0);
         Self::seal(key, buf, body_end)
     }
