@@ -165,25 +165,22 @@ impl Daemon {
             }
         }
         let mut idle_since = self.now();
-        let mut busy_since = idle_since;
         let mut busy_turns = 0u64;
         let mut idle_turns = 0u64;
         let mut sent_to = Vec::new();
-        // The loop's load, measured while a host is lent.
-        let mut load: Option<Load> = None;
+        // The loop's load over each window: a busy one lends a host, and while one is lent
+        // the helper weighs it to decide when to give it back.
+        let mut load = Load::new(idle_since, helper::WINDOW_NS);
         let mut busy = false;
         while !self.stop.load(Ordering::Relaxed) {
             // One clock read per turn, shared by every host (a read is a good part of an idle
             // turn, and idle turns are how fast new work is seen).
             let at = std::time::Instant::now();
             let now = at.duration_since(self.clock).as_nanos() as u64;
-            match (&self.helper, &mut load) {
-                (None, _) => load = None,
-                (Some(_), None) => load = Some(Load::new(now, helper::WINDOW_NS)),
-                (Some(_), Some(l)) => {
-                    if let Some(share) = l.turn(now, busy) {
-                        self.loop_load.store(share, Ordering::Relaxed);
-                    }
+            if let Some(share) = load.turn(now, busy) {
+                self.loop_load.store(share, Ordering::Relaxed);
+                if self.helper.is_none() && share >= helper::LEND_ABOVE {
+                    self.lend();
                 }
             }
             busy = false;
@@ -212,18 +209,13 @@ impl Daemon {
                 busy_turns += 1;
                 idle_turns = 0;
                 idle_since = now;
-                // A long busy stretch still looks at new connections now and then, and may
-                // hand a host to the bulk helper.
+                // A long busy stretch still looks at new connections now and then.
                 if busy_turns.is_multiple_of(64) {
                     self.poll_events(Some(Duration::ZERO))?;
                     self.join_helper();
-                    if now - busy_since >= helper::LEND_AFTER_NS {
-                        self.lend();
-                    }
                 }
                 continue;
             }
-            busy_since = now;
             // Idle. A turn that finds nothing makes no syscall (rings are shared memory, and
             // datagrams between hosts of this process are counted, see `rx_watch`), so spin on
             // turns; every 16th idle turn look at the sockets and ask epoll (attach sockets,
