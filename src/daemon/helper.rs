@@ -4,8 +4,9 @@
 //! The local default runs every host in one loop: on two cores that keeps a second spinning
 //! thread away from the ranks, and a live second thread would cost every socket call a file
 //! reference (measured: +0.23 µs a round trip). But a stream then has one core seal, send,
-//! open and copy both sides' datagrams. So when the loop has been busy for [`LEND_ABOVE`] of
-//! a [`WINDOW_NS`], one host's turns move to a helper thread. It hands the host back (and
+//! open and copy both sides' datagrams. So when the loop has been busy without a break for
+//! [`LEND_AFTER_NS`], or for [`LEND_ABOVE`] of a [`WINDOW_NS`] while sending at least
+//! [`LEND_BYTES`], one host's turns move to a helper thread. It hands the host back (and
 //! exits) once one thread could do the work of both again: when the two threads' busy shares
 //! of a [`WINDOW_NS`] add up to less than [`RECALL_BELOW`] — a stream ended, or a ping-pong
 //! followed it (whose latency a second spinning thread on two cores costs ~60%: AM Medium
@@ -20,13 +21,19 @@ use std::time::Instant;
 use super::HostNic;
 use crate::shm::cores::{self, Load};
 
+/// Busy this long without an idle turn: lend a host (streams and RandomAccess floods get
+/// there; small ping-pongs idle between round trips).
+pub(super) const LEND_AFTER_NS: u64 = 2_000_000;
 /// The window over which each thread measures its busy share.
 pub(super) const WINDOW_NS: u64 = 1_000_000;
-/// The loop busy for this share of a window (per mille): lend a host. Streams, RandomAccess
-/// floods and loops of blocking MiB puts get there (the latter idle a few µs between puts,
-/// which a rule of an unbroken busy stretch missed: 1 MiB puts 196–200 → 153–168 µs);
-/// small ping-pongs idle between round trips.
+/// The loop busy for this share of a window (per mille) while its hosts sent at least
+/// [`LEND_BYTES`] in it: lend a host. A loop of blocking MiB puts gets there, though it idles
+/// a few µs between puts, which breaks the stretch [`LEND_AFTER_NS`] asks for (1 MiB puts
+/// 196–200 → 153–168 µs). Without the bytes, an 8-byte Portals put ping-pong got there too,
+/// and a second spinning thread cost it 5.0–5.2 → 5.8–6.2 µs.
 pub(super) const LEND_ABOVE: u32 = 900;
+/// See [`LEND_ABOVE`]: bulk traffic, 1 GB/s.
+pub(super) const LEND_BYTES: u64 = 1 << 20;
 /// Both threads' busy shares of a window together below this (per mille): one thread is
 /// enough, the host goes back.
 const RECALL_BELOW: u32 = 750;

@@ -171,6 +171,9 @@ impl Daemon {
         // The loop's load over each window: a busy one lends a host, and while one is lent
         // the helper weighs it to decide when to give it back.
         let mut load = Load::new(idle_since, helper::WINDOW_NS);
+        // Bytes every host had sent at the end of the last window.
+        let mut sent_before = 0u64;
+        let mut busy_since = idle_since;
         let mut busy = false;
         while !self.stop.load(Ordering::Relaxed) {
             // One clock read per turn, shared by every host (a read is a good part of an idle
@@ -179,8 +182,14 @@ impl Daemon {
             let now = at.duration_since(self.clock).as_nanos() as u64;
             if let Some(share) = load.turn(now, busy) {
                 self.loop_load.store(share, Ordering::Relaxed);
-                if self.helper.is_none() && share >= helper::LEND_ABOVE {
-                    self.lend();
+                if self.helper.is_none() {
+                    let sent = self.bytes_sent();
+                    if share >= helper::LEND_ABOVE
+                        && sent.saturating_sub(sent_before) >= helper::LEND_BYTES
+                    {
+                        self.lend();
+                    }
+                    sent_before = sent;
                 }
             }
             busy = false;
@@ -209,13 +218,18 @@ impl Daemon {
                 busy_turns += 1;
                 idle_turns = 0;
                 idle_since = now;
-                // A long busy stretch still looks at new connections now and then.
+                // A long busy stretch still looks at new connections now and then, and may
+                // hand a host to the bulk helper.
                 if busy_turns.is_multiple_of(64) {
                     self.poll_events(Some(Duration::ZERO))?;
                     self.join_helper();
+                    if now - busy_since >= helper::LEND_AFTER_NS {
+                        self.lend();
+                    }
                 }
                 continue;
             }
+            busy_since = now;
             // Idle. A turn that finds nothing makes no syscall (rings are shared memory, and
             // datagrams between hosts of this process are counted, see `rx_watch`), so spin on
             // turns; every 16th idle turn look at the sockets and ask epoll (attach sockets,
@@ -249,6 +263,15 @@ impl Daemon {
             }
         }
         Ok(())
+    }
+
+    /// Datagram bytes the hosts this loop turns have sent so far.
+    fn bytes_sent(&self) -> u64 {
+        self.hosts
+            .iter()
+            .filter(|h| !h.lent())
+            .map(|h| h.turn_lock().core.bytes_sent())
+            .sum()
     }
 
     /// Hands the last host to the bulk helper (the loop keeps the others), if this process

@@ -315,6 +315,11 @@ impl HostCore {
         self.velo.values().any(|p| p.has_waiting()) || self.rma.values().any(|p| p.has_waiting())
     }
 
+    /// Datagram bytes this host sent so far (retransmissions included).
+    pub fn bytes_sent(&self) -> u64 {
+        self.transport.stats.bytes_sent
+    }
+
     /// Operations this host started and that have not completed.
     pub fn outstanding(&self) -> usize {
         self.initiator.outstanding()
