@@ -274,7 +274,7 @@ impl Gasnet {
     ) -> Result<u64, GasnetError> {
         self.ad_check(node, offset)?;
         let op = self.ad_start(node, offset, atomic, [a, b])?;
-        let r = self.wait_op(op);
+        let r = self.wait_op(op, 8);
         let data = self.ext.borrow_mut().get_data.remove(&op);
         r?;
         Ok(data.map_or(0, |d| {

@@ -413,9 +413,10 @@ impl Gasnet {
         Ok(op)
     }
 
-    pub(super) fn wait_op(&mut self, op: u64) -> Result<(), GasnetError> {
+    /// Waits for operation `op`, which moves `bytes` (0 when unknown).
+    pub(super) fn wait_op(&mut self, op: u64, bytes: usize) -> Result<(), GasnetError> {
         let st = self.ext.clone();
-        self.block_until_op(|| st.borrow().done(op))?;
+        self.block_until_op(bytes, || st.borrow().done(op))?;
         self.finish_op(op)
     }
 
@@ -441,7 +442,7 @@ impl Gasnet {
     pub fn put(&mut self, node: u32, dest_offset: u64, src: &[u8]) -> Result<(), GasnetError> {
         // `src` is borrowed until the put completes: bulk rules hold.
         let op = self.put_op(node, dest_offset, src, true)?;
-        self.wait_op(op)
+        self.wait_op(op, src.len())
     }
 
     /// gasnet_get into any local buffer (the network writes it in place where it can).
@@ -449,7 +450,7 @@ impl Gasnet {
         let at = GetDest::Local(dst.as_mut_ptr() as u64);
         let op = self.get_op(node, src_offset, dst.len(), at)?;
         let st = self.ext.clone();
-        if let Err(e) = self.block_until_op(|| st.borrow().done(op)) {
+        if let Err(e) = self.block_until_op(dst.len(), || st.borrow().done(op)) {
             self.core.conduit.abandon(op);
             return Err(e);
         }
@@ -548,7 +549,7 @@ impl Gasnet {
 
     /// gasnet_wait_syncnb.
     pub fn wait_syncnb(&mut self, h: Handle) -> Result<(), GasnetError> {
-        self.wait_op(h.0)
+        self.wait_op(h.0, 0)
     }
 
     /// gasnet_wait_syncnb_all.

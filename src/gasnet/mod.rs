@@ -239,12 +239,13 @@ impl Gasnet {
     }
 
     /// Like [`Gasnet::block_until`], for a condition that one operation through the network
-    /// makes true (it may spin longer: see `backoff`).
+    /// moving `bytes` makes true (it may spin longer: see `backoff`).
     pub(crate) fn block_until_op(
         &mut self,
+        bytes: usize,
         mut cond: impl FnMut() -> bool,
     ) -> Result<(), GasnetError> {
-        self.wait_with(backoff::Backoff::one_op(), |_| cond())
+        self.wait_with(backoff::Backoff::one_op(bytes), |_| cond())
     }
 
     /// Polls (running handlers), backing off as `b` says, until `cond` holds.
