@@ -171,8 +171,9 @@ impl Daemon {
         // The loop's load over each window: a busy one lends a host, and while one is lent
         // the helper weighs it to decide when to give it back.
         let mut load = Load::new(idle_since, helper::WINDOW_NS);
-        // Bytes every host had sent at the end of the last window.
-        let mut sent_before = 0u64;
+        // Bytes every host had sent at the end of the last window (none while a host is
+        // lent: the loop does not count it then).
+        let mut sent_before: Option<u64> = None;
         let mut busy_since = idle_since;
         let mut busy = false;
         while !self.stop.load(Ordering::Relaxed) {
@@ -184,12 +185,14 @@ impl Daemon {
                 self.loop_load.store(share, Ordering::Relaxed);
                 if self.helper.is_none() {
                     let sent = self.bytes_sent();
-                    if share >= helper::LEND_ABOVE
-                        && sent.saturating_sub(sent_before) >= helper::LEND_BYTES
-                    {
+                    let bulk =
+                        sent_before.is_some_and(|b| sent.saturating_sub(b) >= helper::LEND_BYTES);
+                    sent_before = Some(sent);
+                    if share >= helper::LEND_ABOVE && bulk {
                         self.lend();
                     }
-                    sent_before = sent;
+                } else {
+                    sent_before = None;
                 }
             }
             busy = false;
@@ -265,11 +268,10 @@ impl Daemon {
         Ok(())
     }
 
-    /// Datagram bytes the hosts this loop turns have sent so far.
+    /// Datagram bytes the hosts have sent so far (asked while none is lent).
     fn bytes_sent(&self) -> u64 {
         self.hosts
             .iter()
-            .filter(|h| !h.lent())
             .map(|h| h.turn_lock().core.bytes_sent())
             .sum()
     }

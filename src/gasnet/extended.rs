@@ -413,7 +413,8 @@ impl Gasnet {
         Ok(op)
     }
 
-    /// Waits for operation `op`, which moves `bytes` (0 when unknown).
+    /// Waits for operation `op`, which moves `bytes` (0 when unknown: waited for as a small
+    /// one).
     pub(super) fn wait_op(&mut self, op: u64, bytes: usize) -> Result<(), GasnetError> {
         let st = self.ext.clone();
         self.block_until_op(bytes, || st.borrow().done(op))?;
