@@ -65,7 +65,8 @@ fn explain(s: Status) -> &'static str {
 }
 
 enum Slot {
-    Pending,
+    /// Waiting; the bytes the operation moves (how its waiter backs off).
+    Pending(u64),
     /// The raw completion status (a Gemini `Status`, or a Portals return code) and value.
     Done(u32, u64),
 }
@@ -190,14 +191,14 @@ impl Endpoint {
 
     // ------------------------------------------------------------ completions
 
-    fn new_req(&mut self, implicit: bool) -> u64 {
+    fn new_req(&mut self, implicit: bool, bytes: u64) -> u64 {
         let r = self.next_req;
         self.next_req += 1;
         if implicit {
             self.implicit += 1;
             r | IMPLICIT
         } else {
-            self.explicit.insert(r, Slot::Pending);
+            self.explicit.insert(r, Slot::Pending(bytes));
             r
         }
     }
@@ -205,7 +206,7 @@ impl Endpoint {
     /// A request id that is already complete (successfully, value 0): for operations that
     /// had to finish synchronously but hand out a handle.
     pub fn done_req(&mut self) -> u64 {
-        let req = self.new_req(false);
+        let req = self.new_req(false, 0);
         self.explicit.insert(req, Slot::Done(Status::Ok as u32, 0));
         req
     }
@@ -239,7 +240,13 @@ impl Endpoint {
     }
 
     fn wait_one(&mut self) -> Result<(), NicError> {
-        let e = self.client.wait()?;
+        self.wait_one_for(0)
+    }
+
+    /// [`Endpoint::wait_one`] for an operation moving `bytes`: a large one does not spin
+    /// first (see [`crate::client::Client::wait_for`]).
+    fn wait_one_for(&mut self, bytes: u64) -> Result<(), NicError> {
+        let e = self.client.wait_for(bytes)?;
         self.on_completion(e.client_req, e.status, e.value);
         Ok(())
     }
@@ -256,7 +263,7 @@ impl Endpoint {
         while self.outstanding >= self.client.cq_capacity() {
             self.wait_one()?;
         }
-        let req = self.new_req(implicit);
+        let req = self.new_req(implicit, cmd.len);
         cmd.client_req = req;
         if implicit {
             cmd.flags |= CMD_IMPLICIT;
@@ -343,7 +350,7 @@ impl Endpoint {
                     self.explicit.remove(&req);
                     return Ok(r);
                 }
-                Some(Slot::Pending) => self.wait_one()?,
+                Some(&Slot::Pending(bytes)) => self.wait_one_for(bytes)?,
                 None => return Err(NicError::BadSyncId(req)),
             }
         }
@@ -359,7 +366,7 @@ impl Endpoint {
     pub fn test(&mut self, req: u64) -> Result<Option<u64>, NicError> {
         self.progress();
         match self.explicit.get(&req) {
-            Some(Slot::Pending) => Ok(None),
+            Some(Slot::Pending(_)) => Ok(None),
             Some(Slot::Done(..)) => self.finish(req).map(Some),
             None => Err(NicError::BadSyncId(req)),
         }
