@@ -43,8 +43,12 @@ const SPIN_POLLS: u32 = 64;
 /// yields for `YIELD_FOR`, then sleeps on the doorbell: a blocking wake-up costs ~30 µs on
 /// these machines, and a yield is a context switch when the cores are busy.
 const SPIN_FOR: Duration = Duration::from_micros(20);
-/// Waits for operations moving this many bytes or more do not spin (see [`Client::wait_for`]).
-const SPIN_BELOW: u64 = 64 << 10;
+/// A wait for one operation moving this many bytes or more does not spin, here or in
+/// GASNet's backoff: the NIC lends a host of a bulk transfer to its helper thread (see
+/// `daemon::helper`), which runs beside the ranks, not on the NIC's core, and would wait the
+/// spin out (measured: gni blocking get 256 KiB 65–77 → 41–45 µs; portals conduit blocking
+/// put 1 MiB 188 → 158–161, get 1 MiB 186–197 → 141–151; 64 KiB and smaller unchanged).
+pub const SPIN_BELOW_BYTES: u64 = 64 << 10;
 const YIELD_FOR: Duration = Duration::from_micros(500);
 /// How long a leaving client waits for its daemon to take the commands still in its ring.
 const LEAVE_WAIT: Duration = Duration::from_secs(2);
@@ -247,17 +251,15 @@ impl Client {
         self.wait_for(0)
     }
 
-    /// [`Client::wait`] for an operation moving `bytes`: from [`SPIN_BELOW`] on it yields from
-    /// the first look. The NIC then lends a host to its bulk helper, which runs beside the
-    /// ranks and would wait the spin out (measured, gni blocking get from private memory:
-    /// 256 KiB 54–58 → 37–42 µs, 1 MiB 184–210 → 154–193).
+    /// [`Client::wait`] for an operation moving `bytes`: from [`SPIN_BELOW_BYTES`] on it
+    /// yields from the first look.
     pub fn wait_for(&self, bytes: u64) -> Result<CqEntry, ClientError> {
         let start = Instant::now();
         let mut polls = 0u32;
         // On the pinned NIC's own core a spin only keeps the NIC from the work waited for:
         // a blocking put spun its 20 µs out each time (32 µs instead of 6 in whole runs
         // where the scheduler left the rank there). Yield from the first look instead.
-        let spin = bytes < SPIN_BELOW
+        let spin = bytes < SPIN_BELOW_BYTES
             && match self.control.nic_cpu() {
                 Some(nic) => crate::shm::cores::current_cpu() != Some(nic),
                 None => true,

@@ -27,11 +27,6 @@ const SLEEP_MAX: Duration = Duration::from_millis(1);
 /// How long a wait for one operation spins when the NIC works on another core (a blocking
 /// put or get takes ~10 µs; a long one still yields and sleeps after this).
 const OP_SPIN: Duration = Duration::from_micros(100);
-/// Operations moving this many bytes or more never spin so: the NIC lends a host of a bulk
-/// transfer to a second thread (see `daemon::helper`), which runs beside the ranks and would
-/// wait out the spin (measured, portals conduit: blocking 1 MiB put 189–229 → 159–162 µs,
-/// get 192–198 → 145–147, 256 KiB put 54–59 → 43–47; 64 KiB unchanged).
-const OP_SPIN_BELOW: usize = 64 << 10;
 /// While spinning for one operation, the clock is read every this many idle polls: a read
 /// costs about as much as a poll, and the event is seen a poll sooner.
 const CLOCK_EVERY: u32 = 16;
@@ -49,10 +44,11 @@ pub(crate) struct Backoff {
 }
 
 impl Backoff {
-    /// For a wait on one operation (blocking put, get, atomic) moving `bytes`.
+    /// For a wait on one operation (blocking put, get, atomic) moving `bytes`: a large one
+    /// never spins so (see [`crate::client::SPIN_BELOW_BYTES`]).
     pub(crate) fn one_op(bytes: usize) -> Backoff {
         Backoff {
-            one_op: bytes < OP_SPIN_BELOW,
+            one_op: (bytes as u64) < crate::client::SPIN_BELOW_BYTES,
             ..Backoff::default()
         }
     }
