@@ -11,8 +11,10 @@
 //! reassembles per source (`gasnetc_am_header_recv` / `gasnetc_am_data_recv` in the seed).
 //!
 //! A Long's AM is delivered only once its payload is in place: its header arrives as an
-//! in-place Long, and waits for the completer notification of the put from the same source
-//! (both come in order per source, so they pair up first with first).
+//! in-place Long naming how many puts carry its payload (its tag), and waits for as many
+//! completer notifications from the same source (both come in order per source, so they pair
+//! up first with first). A payload from outside the segment is staged in pieces of
+//! [`PIECE`], a put each, so the NIC sends one while the next is copied.
 //!
 //! Flow control: VELO's credits per destination. A request needs a credit for each of its
 //! messages, else `Ok(false)` and the Core polls; a reply waits for its credits, moving what
@@ -42,6 +44,9 @@ pub const MAX_MEDIUM: usize = 8192;
 pub const MAX_LONG: usize = 8 << 20;
 /// VELO credits per destination: a largest Medium takes 130 messages of 64 bytes.
 const CREDITS: u32 = 512;
+/// Piece of a Long payload staged through the bounce ring (measured, a blocking 1 MiB put:
+/// docs/performance.md, stop 52).
+pub const PIECE: usize = 128 * 1024;
 /// Messages handled per poll, so that one busy sender cannot keep a poll from returning.
 const POLL_BUDGET: usize = 512;
 
@@ -74,8 +79,9 @@ pub struct ExtollConduit {
     /// Whole AMs to deliver (own ones, and those whose Long payload is in place).
     ready: VecDeque<(u32, Vec<u8>)>,
     /// Whole AMs per source, in arrival order, behind an in-place Long still waiting for its
-    /// payload's completer notification (each source's AMs are delivered in order).
-    queued: Vec<VecDeque<(bool, Vec<u8>)>>,
+    /// payload's completer notifications (each source's AMs are delivered in order): with the
+    /// number each waits for (0: not an in-place Long).
+    queued: Vec<VecDeque<(u32, Vec<u8>)>>,
     /// Completer notifications per source not yet paired with a Long header.
     landed: Vec<u32>,
     /// Wire form of the AM being sent.
@@ -92,6 +98,11 @@ fn velo_err(e: VeloError) -> GasnetError {
         VeloError::SendFailed { rank, .. } => GasnetError::NodeDead(rank),
         other => GasnetError::Wait(other.to_string()),
     }
+}
+
+/// The puts of a Long payload of `len` bytes staged through the bounce ring.
+fn staged_puts(len: usize) -> u64 {
+    len.div_ceil(PIECE).max(1) as u64
 }
 
 /// VELO messages the wire form of `len` bytes takes: two bytes of length in the first.
@@ -166,7 +177,11 @@ impl ExtollConduit {
                 return Ok(true);
             }
             wire.resize(wire.len() + am::IN_PLACE_LEN, 0);
-            am::mark_in_place(&mut wire, payload.len() as u32, 0);
+            let puts = match self.in_segment(payload) {
+                true => 1,
+                false => staged_puts(payload.len()),
+            };
+            am::mark_in_place(&mut wire, payload.len() as u32, puts);
         } else if dest == self.me {
             self.ready.push_back((dest, wire.clone()));
             self.wire = wire;
@@ -196,49 +211,51 @@ impl ExtollConduit {
         r.map(|()| true)
     }
 
-    /// The RMA put of a Long's payload into `dest`'s segment at the AM's offset.
+    /// Whether `payload` lies in this node's segment (the NIC can read it in place).
+    fn in_segment(&self, payload: &[u8]) -> bool {
+        let base = self.seg.mem.as_ptr() as usize;
+        let p = payload.as_ptr() as usize;
+        p >= base && p + payload.len() <= base + self.seg.mem.len()
+    }
+
+    /// The RMA puts of a Long's payload into `dest`'s segment at the AM's offset.
     /// AMRequestLong's source may be reused as soon as the call returns: a source outside the
-    /// segment is copied into the bounce ring and the call returns at once (the NIC reads the
-    /// copy meanwhile, so puts stream back to back); from the segment the NIC reads it in place
-    /// and the call waits until it has (its requester notification).
+    /// segment is copied into the bounce ring, a piece at a time, each piece put as soon as
+    /// it is copied, and the call returns at once (the NIC reads the copies meanwhile, so puts
+    /// stream back to back); from the segment the NIC reads it in place, one put, and the call
+    /// waits until it has (its requester notification). A put that cannot be posted fails
+    /// the call; the conduit is unusable after that (the client lost its NIC).
     fn put_long(&mut self, dest: u32, wire: &[u8], payload: &[u8]) -> Result<(), GasnetError> {
         let (h, _) = am::decode(wire).ok_or(GasnetError::HandlerRule("malformed AM"))?;
         let conn = self.conns[dest as usize];
-        let dst = self.seg.nla_at(h.offset);
-        let len = payload.len() as u64;
-        let base = self.seg.mem.as_ptr() as usize;
-        let p = payload.as_ptr() as usize;
-        let in_segment = p >= base && p + payload.len() <= base + self.seg.mem.len();
-        let (from, at) = if in_segment {
-            (self.seg.clone(), (p - base) as u64)
-        } else {
-            let at = loop {
-                if let Some(at) = self.ring.alloc(payload.len()) {
-                    break at;
-                }
-                self.await_notifications()?;
-            };
-            self.bounce.mem.bytes()[at as usize..(at + len) as usize].copy_from_slice(payload);
-            (self.bounce.clone(), at)
-        };
-        self.rma
-            .post_put(
-                conn,
-                &from,
-                at,
-                dst,
-                len,
-                NOTIFY_REQUESTER | NOTIFY_COMPLETER,
-            )
-            .map_err(|e| {
-                if !in_segment {
+        let notify = NOTIFY_REQUESTER | NOTIFY_COMPLETER;
+        if !self.in_segment(payload) {
+            // (An empty payload is one empty put: its header waits for one completer.)
+            let parts = payload
+                .chunks(PIECE)
+                .chain(payload.is_empty().then_some(payload));
+            for (i, part) in parts.enumerate() {
+                let at = loop {
+                    if let Some(at) = self.ring.alloc(part.len()) {
+                        break at;
+                    }
+                    self.await_notifications()?;
+                };
+                let n = part.len() as u64;
+                self.bounce.mem.bytes()[at as usize..(at + n) as usize].copy_from_slice(part);
+                let dst = self.seg.nla_at(h.offset + (i * PIECE) as u64);
+                if let Err(e) = self.rma.post_put(conn, &self.bounce, at, dst, n, notify) {
                     self.ring.free(at);
+                    return Err(err(e));
                 }
-                err(e)
-            })?;
-        if !in_segment {
+            }
             return Ok(());
         }
+        let at = payload.as_ptr() as u64 - self.seg.mem.as_ptr() as u64;
+        let dst = self.seg.nla_at(h.offset);
+        self.rma
+            .post_put(conn, &self.seg, at, dst, payload.len() as u64, notify)
+            .map_err(err)?;
         self.unread += 1;
         while self.unread > 0 {
             self.await_notifications()?;
@@ -347,26 +364,34 @@ impl ExtollConduit {
         }
         let whole = std::mem::take(&mut p.buf);
         p.total = 0;
-        let in_place_long =
-            am::decode(&whole).is_some_and(|(h, _)| h.category == am::Category::Long && h.in_place);
+        // An in-place Long waits for the completers of the puts it names; a count no sender
+        // of this conduit would name (none, or more pieces than its length has) counts as one.
+        let puts = match am::decode(&whole) {
+            Some((h, p)) if h.category == am::Category::Long && h.in_place => {
+                let (len, tag) = am::in_place_fields(p);
+                match tag {
+                    1.. if tag <= staged_puts(len as usize) => tag as u32,
+                    _ => 1,
+                }
+            }
+            _ => 0,
+        };
         let q = &mut self.queued[src as usize];
-        if q.is_empty() && !in_place_long {
+        if q.is_empty() && puts == 0 {
             self.ready.push_back((src, whole));
         } else {
-            q.push_back((in_place_long, whole));
+            q.push_back((puts, whole));
         }
     }
 
     /// AMs queued behind Long headers whose payloads have now landed become ready, in order.
     fn pair_longs(&mut self) {
         for src in 0..self.n as usize {
-            while let Some((long, _)) = self.queued[src].front() {
-                if *long {
-                    if self.landed[src] == 0 {
-                        break;
-                    }
-                    self.landed[src] -= 1;
+            while let Some(&(puts, _)) = self.queued[src].front() {
+                if self.landed[src] < puts {
+                    break;
                 }
+                self.landed[src] -= puts;
                 let (_, whole) = self.queued[src].pop_front().expect("checked non-empty");
                 self.ready.push_back((src as u32, whole));
             }

@@ -7,7 +7,8 @@
 
 use super::firehose::{Registrar, Use};
 use super::{
-    err, Pieces, PortalsConduit, Rma, BOUNCE_LEN, CHUNK, COPY_MAX, IMPLICIT_SLOTS, MAX_RMA, RMA_TAG,
+    err, Pieces, PortalsConduit, Rma, BOUNCE_LEN, CHUNK, COPY_MAX, COPY_PIECE, IMPLICIT_SLOTS,
+    MAX_RMA, RMA_TAG,
 };
 use crate::gasnet::atomic::PortalsCall;
 use crate::gasnet::conduit::{GetDest, RmaDone};
@@ -157,7 +158,6 @@ impl PortalsConduit {
         if node >= self.n {
             return Err(GasnetError::BadNode(node));
         }
-        let pieces = src.len().div_ceil(CHUNK).max(1);
         let (addr, base) = (src.as_ptr() as u64, self.seg.as_ptr() as u64);
         let in_seg = addr >= base && addr + src.len() as u64 <= base + self.seg.len() as u64;
         let copied = if in_seg {
@@ -165,6 +165,13 @@ impl PortalsConduit {
         } else {
             src.len() <= self.copy_max
         };
+        // (A piece's index has 16 bits in its `user_ptr`: pieces grow for huge copies.)
+        let piece = if copied {
+            COPY_PIECE.max(src.len().div_ceil(1 << 16))
+        } else {
+            CHUNK
+        };
+        let pieces = src.len().div_ceil(piece).max(1);
         // Where the bytes go from: (MD, offset of src in it), or the bounce region.
         let (from, cached) = if copied {
             (None, None)
@@ -181,17 +188,17 @@ impl PortalsConduit {
             r.unsent = pieces;
         }
         for i in 0..pieces {
-            let part = &src[(i * CHUNK).min(src.len())..((i + 1) * CHUNK).min(src.len())];
+            let part = &src[(i * piece).min(src.len())..((i + 1) * piece).min(src.len())];
             self.rma_slot()?;
             let (md, off) = match from {
-                Some((md, at)) => (md, at + (i * CHUNK) as u64),
+                Some((md, at)) => (md, at + (i * piece) as u64),
                 None => {
                     let b = self.bounce_piece(op, i, part.len())?;
                     self.bounce.bytes()[b as usize..b as usize + part.len()].copy_from_slice(part);
                     (self.bounce_md, b)
                 }
             };
-            let t = self.rar(node, dest_offset + (i * CHUNK) as u64);
+            let t = self.rar(node, dest_offset + (i * piece) as u64);
             self.p
                 .put(
                     self.ni,
