@@ -3,6 +3,7 @@
 //! Everything here is pure. Decoding never trusts its input: every length is checked against the
 //! buffer before use and a malformed datagram yields a typed [`WireError`].
 
+mod aegis_raw;
 mod datagram;
 mod op;
 
