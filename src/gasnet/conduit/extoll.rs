@@ -1,6 +1,6 @@
 //! The extoll conduit (seed 004): GASNet's Core over EXTOLL's two engines through the soft NIC.
 //! Short and Medium Active Messages go entirely over VELO; a Long's header goes over VELO and
-//! its payload as one RMA put into the destination's segment, raising a completer
+//! its payload as RMA puts into the destination's segment, each raising a completer
 //! notification there.
 //!
 //! On the wire an AM is the Core's encoding (header, 0–16 arguments, payload) cut into VELO
