@@ -45,6 +45,8 @@ pub enum GasnetError {
     TooManyArgs(usize),
     #[error("payload of {0} bytes exceeds the AM maximum for this conduit")]
     TooLarge(usize),
+    #[error("a transfer of {0} bytes is more than this conduit moves in one operation")]
+    TransferTooLarge(usize),
     #[error("handler rule broken: {0}")]
     HandlerRule(&'static str),
     #[error("segment range [{0}, +{1}) lies outside the segment")]

@@ -13,8 +13,8 @@
 //! A Long's AM is delivered only once its payload is in place: its header arrives as an
 //! in-place Long naming how many puts carry its payload (its tag), and waits for as many
 //! completer notifications from the same source (both come in order per source, so they pair
-//! up first with first). A payload from outside the segment is staged in pieces of
-//! [`PIECE`], a put each, so the NIC sends one while the next is copied.
+//! up first with first). A payload from outside the segment is staged in pieces (see
+//! [`super::staging`]), a put each, so the NIC sends one while the next is copied.
 //!
 //! Flow control: VELO's credits per destination. A request needs a credit for each of its
 //! messages, else `Ok(false)` and the Core polls; a reply waits for its credits, moving what
@@ -24,7 +24,7 @@
 use std::collections::VecDeque;
 use std::time::Duration;
 
-use super::Conduit;
+use super::{staging, Conduit};
 use crate::client::bounce::Ring;
 use crate::extoll::rma::{Class, Rma, RmaRegion, NOTIFY_COMPLETER, NOTIFY_REQUESTER};
 use crate::extoll::velo::{Velo, VeloError};
@@ -44,9 +44,8 @@ pub const MAX_MEDIUM: usize = 8192;
 pub const MAX_LONG: usize = 8 << 20;
 /// VELO credits per destination: a largest Medium takes 130 messages of 64 bytes.
 const CREDITS: u32 = 512;
-/// Piece of a Long payload staged through the bounce ring (measured, a blocking 1 MiB put:
-/// docs/performance.md, stop 52).
-pub const PIECE: usize = 128 * 1024;
+/// Largest piece of a Long payload staged through the bounce ring.
+const PIECE_MAX: usize = 1 << 20;
 /// Messages handled per poll, so that one busy sender cannot keep a poll from returning.
 const POLL_BUDGET: usize = 512;
 
@@ -100,9 +99,9 @@ fn velo_err(e: VeloError) -> GasnetError {
     }
 }
 
-/// The puts of a Long payload of `len` bytes staged through the bounce ring.
-fn staged_puts(len: usize) -> u64 {
-    len.div_ceil(PIECE).max(1) as u64
+/// The pieces of a Long payload of `len` bytes staged through the bounce ring.
+fn staged(len: usize) -> staging::Pieces {
+    staging::pieces(len, staging::FIRST, PIECE_MAX)
 }
 
 /// VELO messages the wire form of `len` bytes takes: two bytes of length in the first.
@@ -179,7 +178,7 @@ impl ExtollConduit {
             wire.resize(wire.len() + am::IN_PLACE_LEN, 0);
             let puts = match self.in_segment(payload) {
                 true => 1,
-                false => staged_puts(payload.len()),
+                false => staged(payload.len()).count() as u64,
             };
             am::mark_in_place(&mut wire, payload.len() as u32, puts);
         } else if dest == self.me {
@@ -230,11 +229,8 @@ impl ExtollConduit {
         let conn = self.conns[dest as usize];
         let notify = NOTIFY_REQUESTER | NOTIFY_COMPLETER;
         if !self.in_segment(payload) {
-            // (An empty payload is one empty put: its header waits for one completer.)
-            let parts = payload
-                .chunks(PIECE)
-                .chain(payload.is_empty().then_some(payload));
-            for (i, part) in parts.enumerate() {
+            for (off, n) in staged(payload.len()) {
+                let part = &payload[off..off + n];
                 let at = loop {
                     if let Some(at) = self.ring.alloc(part.len()) {
                         break at;
@@ -243,7 +239,7 @@ impl ExtollConduit {
                 };
                 let n = part.len() as u64;
                 self.bounce.mem.bytes()[at as usize..(at + n) as usize].copy_from_slice(part);
-                let dst = self.seg.nla_at(h.offset + (i * PIECE) as u64);
+                let dst = self.seg.nla_at(h.offset + off as u64);
                 if let Err(e) = self.rma.post_put(conn, &self.bounce, at, dst, n, notify) {
                     self.ring.free(at);
                     return Err(err(e));
@@ -370,7 +366,7 @@ impl ExtollConduit {
             Some((h, p)) if h.category == am::Category::Long && h.in_place => {
                 let (len, tag) = am::in_place_fields(p);
                 match tag {
-                    1.. if tag <= staged_puts(len as usize) => tag as u32,
+                    1.. if tag <= staged(len as usize).count() as u64 => tag as u32,
                     _ => 1,
                 }
             }

@@ -3,6 +3,7 @@
 
 pub mod extoll;
 pub mod portals;
+mod staging;
 pub mod udp;
 
 use super::{AdOp, GasnetError};

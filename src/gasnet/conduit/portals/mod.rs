@@ -66,11 +66,6 @@ const BITS_AM: u64 = 0xa11;
 /// Largest piece of one direct transfer, and the bounce region (eight pieces in flight).
 const CHUNK: usize = 1 << 20;
 const BOUNCE_LEN: usize = 8 * CHUNK;
-/// Piece of a put this process copies through the bounce region: the NIC sends one piece
-/// while the next is copied, so a blocking put does not wait for the whole copy first
-/// (measured, 1 MiB: 1 MiB pieces 158 µs, 256 KiB 135–142, 128 KiB 130–137, 64 KiB 131–141;
-/// docs/performance.md, stop 52).
-const COPY_PIECE: usize = 128 * 1024;
 /// Most direct pieces in flight (SAFE_EQ holds their completions).
 const MAX_RMA: usize = 256;
 /// Segment sources of non-bulk puts up to this size are copied through the bounce region (the

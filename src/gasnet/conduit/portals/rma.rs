@@ -7,13 +7,15 @@
 
 use super::firehose::{Registrar, Use};
 use super::{
-    err, Pieces, PortalsConduit, Rma, BOUNCE_LEN, CHUNK, COPY_MAX, COPY_PIECE, IMPLICIT_SLOTS,
-    MAX_RMA, RMA_TAG,
+    err, Pieces, PortalsConduit, Rma, BOUNCE_LEN, CHUNK, COPY_MAX, IMPLICIT_SLOTS, MAX_RMA, RMA_TAG,
 };
 use crate::gasnet::atomic::PortalsCall;
-use crate::gasnet::conduit::{GetDest, RmaDone};
+use crate::gasnet::conduit::{staging, GetDest, RmaDone};
 use crate::gasnet::{AdOp, GasnetError};
 use crate::portals::{AckReq, EventKind, NiFail};
+
+/// Pieces of one direct operation at most: a piece's index has 16 bits in its `user_ptr`.
+const PIECES_MAX: usize = 1 << 16;
 
 impl PortalsConduit {
     /// Starts tracking a direct operation of `pieces` pieces.
@@ -165,13 +167,13 @@ impl PortalsConduit {
         } else {
             src.len() <= self.copy_max
         };
-        // (A piece's index has 16 bits in its `user_ptr`: pieces grow for huge copies.)
-        let piece = if copied {
-            COPY_PIECE.max(src.len().div_ceil(1 << 16))
-        } else {
-            CHUNK
-        };
-        let pieces = src.len().div_ceil(piece).max(1);
+        // A copy goes in growing pieces, each put once copied (see `staging`).
+        let first = if copied { staging::FIRST } else { CHUNK };
+        let cuts = staging::pieces(src.len(), first, CHUNK);
+        let pieces = cuts.clone().count();
+        if pieces > PIECES_MAX {
+            return Err(GasnetError::TransferTooLarge(src.len()));
+        }
         // Where the bytes go from: (MD, offset of src in it), or the bounce region.
         let (from, cached) = if copied {
             (None, None)
@@ -187,18 +189,18 @@ impl PortalsConduit {
         if from.is_some() && !bulk {
             r.unsent = pieces;
         }
-        for i in 0..pieces {
-            let part = &src[(i * piece).min(src.len())..((i + 1) * piece).min(src.len())];
+        for (i, (at0, n)) in cuts.enumerate() {
+            let part = &src[at0..at0 + n];
             self.rma_slot()?;
             let (md, off) = match from {
-                Some((md, at)) => (md, at + (i * piece) as u64),
+                Some((md, at)) => (md, at + at0 as u64),
                 None => {
                     let b = self.bounce_piece(op, i, part.len())?;
                     self.bounce.bytes()[b as usize..b as usize + part.len()].copy_from_slice(part);
                     (self.bounce_md, b)
                 }
             };
-            let t = self.rar(node, dest_offset + (i * piece) as u64);
+            let t = self.rar(node, dest_offset + at0 as u64);
             self.p
                 .put(
                     self.ni,
@@ -231,6 +233,9 @@ impl PortalsConduit {
             return Err(GasnetError::BadNode(node));
         }
         let pieces = len.div_ceil(CHUNK).max(1);
+        if pieces > PIECES_MAX {
+            return Err(GasnetError::TransferTooLarge(len));
+        }
         // Where the reply lands: (MD, offset), or bounce pieces copied out at completion.
         let (to, cached) = match dest {
             GetDest::Segment(base) => (Some((self.seg_md, base)), None),
