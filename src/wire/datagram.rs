@@ -25,9 +25,7 @@
 
 use aegis::aegis256x4::Aegis256X4;
 
-use super::aegis_raw;
-
-use super::{get_u16, get_u32, get_u64, WireError};
+use super::{aegis_raw, get_u16, get_u32, get_u64, WireError};
 
 pub const MAGIC: u16 = 0x4e53; // "SN"
 pub const VERSION: u8 = 6;
@@ -203,8 +201,9 @@ impl DatagramHeader {
     /// partial block, are copied in and encrypted in place). Measured here, 65,000 B from a
     /// 1 MiB source: 38 GB/s, against 27.5 for copying the whole tail in and then sealing in
     /// place (31 when the destination had to be zeroed first for the cipher crate's safe
-    /// interface: see [`aegis_raw`]). The cipher loads each source block once and absorbs what it loaded, so what is
-    /// sealed is what was read, even if the owner writes these bytes meanwhile, as under DMA.
+    /// interface: see [`aegis_raw`]). The cipher loads each source block once and absorbs
+    /// what it loaded, so what is sealed is what was read, even if the owner writes these
+    /// bytes meanwhile, as under DMA.
     ///
     /// # Safety
     /// `tail..tail + tail_len` must be readable (mapped) for the duration of the call and must
