@@ -37,8 +37,10 @@ extern "C" {
 }
 
 /// One message being encrypted (AEGIS-256X4, 16-byte tag); its state is wiped on drop.
+/// The state stays `MaybeUninit`: libaegis writes what it uses of it, and Rust never reads it
+/// (no 1 KiB clear per datagram).
 pub(super) struct Encryptor {
-    st: State,
+    st: MaybeUninit<State>,
 }
 
 impl Encryptor {
@@ -48,13 +50,13 @@ impl Encryptor {
         // SAFETY: feature detection, idempotent (the crate calls it too).
         INIT.call_once(|| assert_eq!(unsafe { aegis_init() }, 0, "libaegis init"));
         let mut e = Encryptor {
-            st: State([0; 1024]),
+            st: MaybeUninit::uninit(),
         };
         // SAFETY: the pointers are valid for the lengths given; the state has room (and,
         // aligned to 64, libaegis finds its place at its start wherever the value moves).
         unsafe {
             aegis256x4_state_init(
-                &mut e.st,
+                e.st.as_mut_ptr(),
                 ad.as_ptr(),
                 ad.len(),
                 nonce.as_ptr(),
@@ -86,7 +88,8 @@ impl Encryptor {
     pub fn finalize(mut self) -> [u8; 16] {
         let mut tag = [0u8; 16];
         // SAFETY: `tag` has room for the 16 bytes asked for.
-        let rc = unsafe { aegis256x4_state_encrypt_final(&mut self.st, tag.as_mut_ptr(), 16) };
+        let rc =
+            unsafe { aegis256x4_state_encrypt_final(self.st.as_mut_ptr(), tag.as_mut_ptr(), 16) };
         assert_eq!(rc, 0, "libaegis refused a 16-byte tag");
         tag
     }
@@ -95,7 +98,7 @@ impl Encryptor {
     /// `m..m + len` readable, `c..c + len` writable.
     unsafe fn raw(&mut self, c: *mut u8, m: *const u8, len: usize) {
         // SAFETY: the caller's promise.
-        let rc = unsafe { aegis256x4_state_encrypt_update(&mut self.st, c, m, len) };
+        let rc = unsafe { aegis256x4_state_encrypt_update(self.st.as_mut_ptr(), c, m, len) };
         // Only a message beyond 2^61 bytes fails.
         assert_eq!(rc, 0, "libaegis refused an update");
     }
@@ -104,8 +107,8 @@ impl Encryptor {
 impl Drop for Encryptor {
     fn drop(&mut self) {
         // Key-derived state: wiped as the crate wipes its own.
-        // SAFETY: a valid, aligned place of this type.
-        unsafe { std::ptr::write_volatile(&mut self.st, State([0; 1024])) };
+        // SAFETY: a valid, aligned place of this type (writing needs nothing initialised).
+        unsafe { std::ptr::write_volatile(self.st.as_mut_ptr(), State([0; 1024])) };
     }
 }
 

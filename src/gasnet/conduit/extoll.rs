@@ -100,7 +100,7 @@ fn velo_err(e: VeloError) -> GasnetError {
 }
 
 /// The pieces of a Long payload of `len` bytes staged through the bounce ring.
-fn staged(len: usize) -> staging::Pieces {
+fn staged(len: usize) -> staging::Cuts {
     staging::pieces(len, staging::FIRST, PIECE_MAX)
 }
 

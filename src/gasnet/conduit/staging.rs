@@ -12,8 +12,8 @@ pub const FIRST: usize = 128 * 1024;
 /// The pieces `(offset, length)` of a payload of `len` bytes: two of `first`, then each twice
 /// the one before, at most `max` (`first` = `max`: equal pieces; no piece is empty but for an
 /// empty payload's one, which its target still hears of).
-pub fn pieces(len: usize, first: usize, max: usize) -> Pieces {
-    Pieces {
+pub fn pieces(len: usize, first: usize, max: usize) -> Cuts {
+    Cuts {
         len,
         at: 0,
         next: first.min(max).max(1),
@@ -22,9 +22,10 @@ pub fn pieces(len: usize, first: usize, max: usize) -> Pieces {
     }
 }
 
-/// The iterator of [`pieces`].
+/// The iterator of [`pieces`] (not the portals conduit's `Pieces`, which keeps where each
+/// piece of an operation lies in bounce memory).
 #[derive(Debug, Clone)]
-pub struct Pieces {
+pub struct Cuts {
     len: usize,
     at: usize,
     next: usize,
@@ -32,7 +33,7 @@ pub struct Pieces {
     taken: usize,
 }
 
-impl Iterator for Pieces {
+impl Iterator for Cuts {
     type Item = (usize, usize);
 
     fn next(&mut self) -> Option<(usize, usize)> {
