@@ -172,7 +172,7 @@ impl HostNic {
         let pin = device.as_deref().filter(|_| !addr.ip().is_loopback());
         let driver = match cfg.cluster.transport {
             TransportKind::Udp => {
-                let d = UdpDriver::bind(addr, pin, peers, fault).map_err(|e| {
+                let d = UdpDriver::bind(addr, pin, peers, fault, cfg.cluster.mtu).map_err(|e| {
                     io::Error::new(e.kind(), format!("cannot bind UDP {addr}: {e}"))
                 })?;
                 Driver::Udp(d)
@@ -787,6 +787,8 @@ impl HostNic {
             ("send_would_block", d.send_would_block.to_string()),
             ("send_syscalls", d.send_syscalls.to_string()),
             ("recv_syscalls", d.recv_syscalls.to_string()),
+            ("gso_sends", d.gso_sends.to_string()),
+            ("gro_joined", d.gro_joined.to_string()),
             ("rx_bad_frames", d.rx_bad_frames.to_string()),
             ("bad_commands", self.counters.bad_commands.to_string()),
             ("client_wakes", self.counters.client_wakes.to_string()),

@@ -11,6 +11,7 @@ pub mod iface;
 mod lazy;
 pub mod packet;
 pub mod reliable;
+mod segment;
 pub mod sim;
 pub mod tcp;
 pub mod udp;

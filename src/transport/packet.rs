@@ -330,6 +330,7 @@ impl PacketDriver {
             self.fd.as_raw_fd(),
             &mut self.tx,
             &self.tx_lens,
+            &mut false,
             &mut self.stats,
         ) {
             count_send_error(&mut self.stats, &e, lost);

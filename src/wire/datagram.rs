@@ -246,6 +246,12 @@ impl DatagramHeader {
         body_end + TAG_LEN
     }
 
+    /// Whether a datagram (not yet authenticated) says it is a path MTU probe
+    /// ([`FLAG_PADDED`]): for the driver, which sends those alone.
+    pub fn is_probe(dgram: &[u8]) -> bool {
+        dgram.len() >= HEADER_LEN && get_u16(dgram, 0) == MAGIC && dgram[3] & FLAG_PADDED != 0
+    }
+
     /// The sending host a datagram claims (not yet authenticated: it picks the key to check
     /// the tag with); `None` unless it is long enough and has the magic and version.
     pub fn claimed_src(dgram: &[u8]) -> Option<u16> {

@@ -62,8 +62,6 @@ impl UdpConduit {
         let peers: Vec<SocketAddr> = job
             .rank_addrs(PORT_SALT)
             .map_err(|e| GasnetError::Setup(format!("udp conduit addresses: {e}")))?;
-        let d = UdpDriver::bind(peers[job.rank as usize], None, peers, None)
-            .map_err(|e| GasnetError::Setup(format!("udp conduit cannot bind: {e}")))?;
         let key = Key(*blake3::hash(
             &[job.job_key.to_le_bytes(), (job.job_id as u64).to_le_bytes()].concat(),
         )
@@ -72,6 +70,8 @@ impl UdpConduit {
         let mtu = job
             .mtu()
             .map_err(|e| GasnetError::Setup(format!("cluster configuration: {e}")))?;
+        let d = UdpDriver::bind(peers[job.rank as usize], None, peers, None, mtu)
+            .map_err(|e| GasnetError::Setup(format!("udp conduit cannot bind: {e}")))?;
         let cfg = TransportConfig {
             mtu,
             window: 128,
