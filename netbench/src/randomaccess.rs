@@ -18,7 +18,7 @@ fn step(x: u64) -> u64 {
     (x << 1) ^ if (x as i64) < 0 { POLY } else { 0 }
 }
 
-/// The n-th element of the update stream, by repeated squaring in GF(2)[x] (HPCC's starts).
+/// The n-th element of the update stream, by repeated squaring in GF(2)\[x\] (HPCC's starts).
 pub fn starts(mut n: i64) -> u64 {
     while n < 0 {
         n += PERIOD;

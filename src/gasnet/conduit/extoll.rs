@@ -14,7 +14,7 @@
 //! in-place Long naming how many puts carry its payload (its tag), and waits for as many
 //! completer notifications from the same source (both come in order per source, so they pair
 //! up first with first). A payload from outside the segment is staged in pieces (see
-//! [`super::staging`]), a put each, so the NIC sends one while the next is copied.
+//! `conduit::staging`), a put each, so the NIC sends one while the next is copied.
 //!
 //! Flow control: VELO's credits per destination. A request needs a credit for each of its
 //! messages, else `Ok(false)` and the Core polls; a reply waits for its credits, moving what
