@@ -85,6 +85,45 @@ fn hydra_ranks_bootstrap_through_pmi_and_find_their_daemons() {
     );
 }
 
+/// What a program using two layers does (netbench, then GASNet or a NIC API): ask for its job
+/// twice. Both see one job, and every rank ends cleanly — a second PMI bootstrap used to close
+/// the first connection, the rank's PMI_Finalize then failed, and Hydra killed the other ranks
+/// as it left (exit code 9).
+#[test]
+fn a_rank_that_asks_for_its_job_twice_leaves_cleanly_under_hydra() {
+    const NAME: &str = "a_rank_that_asks_for_its_job_twice_leaves_cleanly_under_hydra";
+    if in_job() {
+        let a = softnic::job::JobInfo::from_env().unwrap();
+        let mut nic = init();
+        let b = softnic::job::JobInfo::from_env().unwrap();
+        assert_eq!((a.rank, a.job_id, a.job_key), (b.rank, b.job_id, b.job_key));
+        assert_eq!((nic.rank(), nic.size()), (a.rank, a.size));
+        nic.barrier().unwrap();
+        // The last rank leaves later than the others: Hydra must not kill it meanwhile.
+        if a.rank + 1 == a.size {
+            std::thread::sleep(std::time::Duration::from_millis(300));
+        }
+        return;
+    }
+    if !have("mpiexec.hydra") {
+        eprintln!("skipped: mpiexec.hydra not installed (apt install mpich; CI installs it)");
+        return;
+    }
+    let d = Daemons::start(2);
+    let exe = std::env::current_exe().unwrap();
+    let args = ["--exact", NAME, "--nocapture", "--test-threads=1"];
+    let out = hydra(&d, &[(1, "h0"), (1, "h1")], &exe, &args);
+    assert!(out.status.success(), "{}", output_text(&out));
+    assert_eq!(
+        output_text(&out)
+            .matches("test result: ok. 1 passed")
+            .count(),
+        2,
+        "both ranks ran the test to its end:\n{}",
+        output_text(&out)
+    );
+}
+
 #[test]
 fn softnic_run_starts_the_examples() {
     let run = |args: &[&str], prog: &str| {

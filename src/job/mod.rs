@@ -246,6 +246,11 @@ impl JobInfo {
 
 /// The PMI connection of a rank that bootstrapped through one, kept until the process exits.
 static PMI: std::sync::Mutex<Option<pmi::PmiClient>> = std::sync::Mutex::new(None);
+/// The job a PMI bootstrap found: a process bootstraps once, however many of its layers ask
+/// (netbench and then GASNet, or a program using two APIs). A second bootstrap would connect
+/// to the manager again, draw another job id, and close the first connection, after which
+/// the process's PMI_Finalize fails and Hydra kills the job's other ranks as it exits.
+static PMI_JOB: std::sync::Mutex<Option<JobInfo>> = std::sync::Mutex::new(None);
 
 /// Tells the PMI process manager, if this rank bootstrapped through one, that it is done.
 pub fn pmi_finalize() {
@@ -262,6 +267,16 @@ impl JobInfo {
     /// is on this machine); rank 0 draws the job id and key, every rank publishes its host, and
     /// one PMI barrier later every rank knows the job.
     pub fn from_pmi() -> Result<JobInfo, JobError> {
+        let mut known = PMI_JOB.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(job) = known.as_ref() {
+            return Ok(job.clone());
+        }
+        let job = Self::bootstrap_pmi()?;
+        *known = Some(job.clone());
+        Ok(job)
+    }
+
+    fn bootstrap_pmi() -> Result<JobInfo, JobError> {
         let config: PathBuf = var("SOFTNIC_CONFIG")?.into();
         let cfg = crate::config::Config::load(&config)?;
         let host = this_host(&cfg, &config)?;
