@@ -602,35 +602,38 @@ fn floods_of_requests_both_ways_without_polling_all_arrive() {
 }
 
 /// The udp conduit as GASNet's own sends its datagrams (`SOFTNIC_UDP_AUTH=0`: a tag in clear,
-/// the baseline netbench measures): Active Messages of every kind and put/get of every size
-/// work as sealed; a value other than 0 or 1 is refused at init, naming the variable.
+/// the baseline netbench measures), and in datagrams of a LAN's size (`SOFTNIC_UDP_MTU=1472`
+/// instead of AMUDP's 65,000): Active Messages of every kind and put/get of every size work
+/// as sealed; a bad value of either is refused at init, naming the variable.
 #[test]
 fn udp_conduit_with_tags_in_clear() {
     if !in_job() {
         let clear = [ENV_SEG, ("SOFTNIC_UDP_AUTH", "0")];
+        let small = [ENV_SEG, ("SOFTNIC_UDP_MTU", "1472")];
         for test in [
             "active_messages_every_category_and_argument_count",
             "put_get_sizes_offsets_and_handles",
             "floods_of_requests_both_ways_without_polling_all_arrive",
         ] {
             launch_ok_env(test, 2, 2, &["--conduit", "udp"], &clear);
+            launch_ok_env(test, 2, 2, &["--conduit", "udp"], &small);
         }
-        let out = launch_env(
-            "udp_conduit_with_tags_in_clear",
-            2,
-            2,
-            &["--conduit", "udp"],
-            &[ENV_SEG, ("SOFTNIC_UDP_AUTH", "maybe")],
-        );
-        let text = output_text(&out);
-        assert!(!out.status.success(), "{text}");
-        assert!(text.contains("SOFTNIC_UDP_AUTH=maybe"), "{text}");
+        for (var, bad) in [("SOFTNIC_UDP_AUTH", "maybe"), ("SOFTNIC_UDP_MTU", "100")] {
+            let out = launch_env(
+                "udp_conduit_with_tags_in_clear",
+                2,
+                2,
+                &["--conduit", "udp"],
+                &[ENV_SEG, (var, bad)],
+            );
+            let text = output_text(&out);
+            assert!(!out.status.success(), "{text}");
+            assert!(text.contains(&format!("{var}={bad}")), "{text}");
+        }
         return;
     }
-    // Only reached with a bad SOFTNIC_UDP_AUTH: init must refuse it.
-    let e = Gasnet::init(vec![])
-        .err()
-        .expect("SOFTNIC_UDP_AUTH=maybe refused");
+    // Only reached with a bad setting: init must refuse it.
+    let e = Gasnet::init(vec![]).err().expect("a bad setting refused");
     panic!("{e}");
 }
 
