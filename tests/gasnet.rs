@@ -557,20 +557,23 @@ fn portals_conduit_over_ssh_on_namespace_hosts() {
 }
 
 /// The local default runs over the packet transport as root; the portals conduit's suites
-/// over the UDP transport, with the same faults, keep that path tested too.
+/// over the UDP transport, with the same faults, keep that path tested too — in loopback's
+/// 65,000-byte datagrams and in a LAN's 1472 (batched, cut by GSO, joined by GRO).
 #[test]
 fn portals_conduit_over_the_udp_transport_under_datagram_loss() {
     assert!(!in_job(), "this test only launches the others by name");
     let faults = portals_with_faults("12");
-    let env = [ENV_SEG, ("SOFTNIC_TRANSPORT", "udp")];
-    launch_ok_env("put_get_sizes_offsets_and_handles", 2, 2, &faults, &env);
-    launch_ok_env(
-        "long_payloads_up_to_the_maximum_both_ways",
-        2,
-        2,
-        &faults,
-        &env,
-    );
+    for mtu in ["65000", "1472"] {
+        let env = [ENV_SEG, ("SOFTNIC_TRANSPORT", "udp"), ("SOFTNIC_MTU", mtu)];
+        launch_ok_env("put_get_sizes_offsets_and_handles", 2, 2, &faults, &env);
+        launch_ok_env(
+            "long_payloads_up_to_the_maximum_both_ways",
+            2,
+            2,
+            &faults,
+            &env,
+        );
+    }
 }
 
 #[test]
