@@ -107,7 +107,7 @@ fn an_allowed_group_attaches_and_reaches_only_its_own_job() {
     if !root() {
         return;
     }
-    let port = 20_000 + rand::random::<u16>() % 40_000;
+    let port = 10_000 + rand::random::<u16>() % 10_000;
     let dir = std::env::temp_dir().join(format!(
         "softnic-access-{}-{:08x}",
         std::process::id(),

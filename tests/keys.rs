@@ -35,7 +35,7 @@ fn keygen(path: &Path) -> String {
 
 /// A three-host loopback config with per-host keys (host i's key in `dir/hi.key`).
 fn keyed_config(dir: &Path) -> (Config, Vec<PathBuf>) {
-    let port = 20_000 + rand::random::<u16>() % 40_000;
+    let port = 10_000 + rand::random::<u16>() % 10_000;
     let mut cfg = Config::local_default(3, port, dir.join("run"));
     cfg.cluster.secret = None;
     let mut files = Vec::new();

@@ -25,7 +25,7 @@ impl Slurm {
             std::fs::create_dir_all(dir.join(d)).unwrap();
         }
         let host = hostname();
-        let port = 20_000 + rand::random::<u16>() % 40_000;
+        let port = 10_000 + rand::random::<u16>() % 10_000;
         let d = dir.display();
         let conf = dir.join("slurm.conf");
         std::fs::write(
@@ -127,7 +127,7 @@ fn ring_ok(c: &mut Command) {
 
 /// A one-host config whose host is named as the Slurm node.
 fn node_config(dir: &Path) -> softnic::config::Config {
-    let port = 20_000 + rand::random::<u16>() % 40_000;
+    let port = 10_000 + rand::random::<u16>() % 10_000;
     let mut cfg = softnic::config::Config::local_default(1, port, dir.to_path_buf());
     cfg.hosts[0].name = hostname();
     cfg.cluster.nic_cpu = None;

@@ -219,7 +219,9 @@ fn start_local_default(
     for _ in 0..20 {
         let tag: u32 = rand::random();
         let dir = std::env::temp_dir().join(format!("softnic-{}-{tag:08x}", std::process::id()));
-        let port = 20_000 + (rand::random::<u16>() % 40_000);
+        // Below the ranks' baseline ports (`JobInfo::rank_addrs`: 20000–31999) and the
+        // kernel's ephemeral range (32768–60999), so neither can hold it already.
+        let port = 10_000 + (rand::random::<u16>() % 10_000);
         let mut cfg = Config::local_default(hosts, port, dir.clone());
         cfg.cluster.transport = transport.unwrap_or_else(TransportKind::best_local);
         cfg.fault = fault.clone();

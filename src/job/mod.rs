@@ -131,6 +131,10 @@ where
     })
 }
 
+/// Where [`JobInfo::rank_addrs`]'s ports start, and how many there are.
+const RANK_PORT_BASE: u16 = 20_000;
+const RANK_PORTS: u64 = 12_000;
+
 impl JobInfo {
     /// Whether this process runs inside a job (started by `softnic run` or by a PMI-1
     /// process manager).
@@ -200,7 +204,10 @@ impl JobInfo {
     /// the NIC: the udp conduit, netbench's raw-UDP floor): its host's address in the config
     /// and a port made of the job id, `salt` (one per user of this scheme) and the rank, so no
     /// exchange is needed and ranks sharing a host differ. Without a config: loopback
-    /// addresses 127.1.x.y.
+    /// addresses 127.1.x.y. The ports (20000–31999) stay below Linux's default ephemeral range
+    /// (32768–60999): a port there may already be taken by any socket the kernel numbered itself
+    /// on that address (a daemon's sending socket: CI once saw the udp conduit's bind fail
+    /// with `Address already in use`).
     pub fn rank_addrs(&self, salt: u16) -> Result<Vec<std::net::SocketAddr>, JobError> {
         let ips: Vec<std::net::IpAddr> = match &self.config {
             Some(p) => {
@@ -228,7 +235,7 @@ impl JobInfo {
             .into_iter()
             .enumerate()
             .map(|(r, ip)| {
-                let port = 20_000 + ((base + r as u64) % 40_000) as u16;
+                let port = RANK_PORT_BASE + ((base + r as u64) % RANK_PORTS) as u16;
                 std::net::SocketAddr::new(ip, port)
             })
             .collect())

@@ -137,7 +137,7 @@ impl Daemons {
             std::process::id(),
             rand::random::<u32>()
         ));
-        let port = 20_000 + rand::random::<u16>() % 40_000;
+        let port = 10_000 + rand::random::<u16>() % 10_000;
         let mut cfg = softnic::config::Config::local_default(hosts, port, dir.clone());
         cfg.cluster.transport = transport;
         Self::start_config(cfg, &[])
