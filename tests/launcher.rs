@@ -75,6 +75,49 @@ fn killed_rank_ends_the_job_naming_it() {
     assert!(leftovers(pid).is_empty());
 }
 
+/// `--timeout`: a job that would run for ever (here a rank that never joins the barrier) ends
+/// after the limit with exit code 124, first leaving what its daemons count, and nothing stays.
+#[test]
+fn a_job_past_its_timeout_ends_with_its_daemons_counters() {
+    if in_job() {
+        let mut nic = init();
+        if nic.rank() == 1 {
+            std::thread::sleep(Duration::from_secs(120));
+        }
+        nic.barrier().unwrap();
+        return;
+    }
+    let t = Instant::now();
+    let test = "a_job_past_its_timeout_ends_with_its_daemons_counters";
+    let out = Command::new(env!("CARGO_BIN_EXE_softnic"))
+        .args(["run", "-n", "2", "--timeout", "1.5", "--"])
+        .arg(std::env::current_exe().unwrap())
+        .args(["--exact", test, "--nocapture"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(124), "{err}");
+    assert!(
+        err.contains("the job ran past its time limit of 1.5 s"),
+        "{err}"
+    );
+    assert!(
+        err.contains("host h0 at the time limit") && err.contains("packets_sent"),
+        "{err}"
+    );
+    assert!(t.elapsed() < Duration::from_secs(20), "{:?}", t.elapsed());
+    let bad = Command::new(env!("CARGO_BIN_EXE_softnic"))
+        .args(["run", "-n", "1", "--timeout=0", "--", "true"])
+        .output()
+        .unwrap();
+    assert!(!bad.status.success());
+    assert!(
+        String::from_utf8_lossy(&bad.stderr).contains("--timeout 0: a positive number"),
+        "{}",
+        String::from_utf8_lossy(&bad.stderr)
+    );
+}
+
 #[test]
 fn interrupt_stops_every_rank_and_cleans_up() {
     if in_job() {

@@ -51,6 +51,10 @@ enum Cmd {
         /// Prefix each output line of a rank with `[rank] ` (ssh spawner).
         #[arg(long)]
         label: bool,
+        /// End the job after SECONDS (as mpiexec's -timeout): its ranks are stopped, the local
+        /// spawner prints what the job's daemons count, and the exit code is 124.
+        #[arg(long, value_name = "SECONDS")]
+        timeout: Option<f64>,
         /// A cluster config; its daemons are started here unless --attach.
         #[arg(long)]
         config: Option<PathBuf>,
@@ -146,6 +150,7 @@ fn main() -> anyhow::Result<()> {
             map,
             forward,
             label,
+            timeout,
             config,
             attach,
             iface,
@@ -154,6 +159,15 @@ fn main() -> anyhow::Result<()> {
             faults,
             program,
         } => {
+            let timeout = match timeout {
+                None => None,
+                Some(t) => Some(
+                    Duration::try_from_secs_f64(t)
+                        .ok()
+                        .filter(|d| !d.is_zero())
+                        .with_context(|| format!("--timeout {t}: a positive number of seconds"))?,
+                ),
+            };
             if let Some(i) = iface {
                 // Before any thread: every config load of this launcher, of the daemons it
                 // starts and of the ranks (SOFTNIC_* go everywhere) selects the same network.
@@ -189,6 +203,7 @@ fn main() -> anyhow::Result<()> {
                 ppn,
                 map,
                 label,
+                timeout,
             };
             let code = match Spawner::choose(spawner, cfg.as_ref())? {
                 Spawner::Local => local::run(&l)?,

@@ -82,6 +82,38 @@ pub struct Launch {
     pub map: Map,
     /// Prefix every output line with its rank (`--label`).
     pub label: bool,
+    /// End the job after this long (`--timeout`, as mpiexec's `-timeout`): the ranks are
+    /// stopped and the launcher exits with 124, after printing what the job's daemons count.
+    pub timeout: Option<Duration>,
+}
+
+/// The exit code of a job that ran past its `--timeout` (as coreutils' `timeout`).
+pub const TIMED_OUT: i32 = 124;
+/// The id `supervise` hears a timeout under (no rank or host has it).
+const TIMEOUT_ID: u32 = u32::MAX;
+
+/// A deadline for `supervise`'s news: past it, once, `on_timeout` runs and the job ends.
+pub(super) fn deadline_news(
+    timeout: Option<Duration>,
+    on_timeout: impl Fn(),
+) -> impl FnMut() -> Option<(u32, i32, String)> {
+    let deadline = timeout.map(|t| (Instant::now() + t, t));
+    move || {
+        let (at, t) = deadline?;
+        (Instant::now() >= at).then(|| {
+            on_timeout();
+            let what = format!(
+                "ran past its time limit of {} s (--timeout)",
+                t.as_secs_f64()
+            );
+            (TIMEOUT_ID, TIMED_OUT, what)
+        })
+    }
+}
+
+/// How `supervise` tells a timeout (`None` for anything else).
+pub(super) fn timeout_report(id: u32, what: &str) -> Option<String> {
+    (id == TIMEOUT_ID).then(|| format!("the job {what}"))
 }
 
 impl Launch {
@@ -332,10 +364,29 @@ pub fn run(l: &Launch) -> Result<i32, LaunchError> {
             }
         }
     }
+    // A job past its time limit leaves, first, what its daemons count (a hang's evidence).
+    let job_hosts = l.host_indices(&cfg)?;
+    let mut timed_out = deadline_news(l.timeout, || {
+        for &h in &job_hosts {
+            match daemon_stat(&cfg.socket_path(h)) {
+                Ok(t) => eprintln!(
+                    "softnic: host {} at the time limit:\n{t}",
+                    cfg.hosts[h as usize].name
+                ),
+                Err(e) => eprintln!(
+                    "softnic: host {}: no counters ({e})",
+                    cfg.hosts[h as usize].name
+                ),
+            }
+        }
+    });
     let code = supervise(
         &mut children,
-        |r, _, what| Some(format!("rank {r} {what}")),
+        |r, _, what| timeout_report(r, what).or_else(|| Some(format!("rank {r} {what}"))),
         || {
+            if let Some(t) = timed_out() {
+                return Some(t);
+            }
             let mut failed = None;
             for e in pmi.events() {
                 match e {
@@ -357,6 +408,18 @@ pub fn run(l: &Launch) -> Result<i32, LaunchError> {
     drop(pmi);
     drop(daemons);
     Ok(code)
+}
+
+/// A daemon's counters (`softnic stat`), asked over its socket.
+fn daemon_stat(sock: &Path) -> Result<String, String> {
+    let s = attach::connect(sock).map_err(|e| e.to_string())?;
+    match attach::call(&s, &Request::Stat, &[])
+        .map_err(|e| e.to_string())?
+        .0
+    {
+        Response::Stat(t) => Ok(t),
+        other => Err(format!("unexpected answer: {other:?}")),
+    }
 }
 
 /// The PMI-1 server of a job on a thread of its own, stopped when dropped.

@@ -123,9 +123,13 @@ pub fn run(l: &Launch) -> Result<i32, LaunchError> {
         .iter()
         .map(|h| (h.name.clone(), h.ssh_target()))
         .collect();
+    let mut timed_out = super::local::deadline_news(l.timeout, || {});
     Ok(supervise(
         &mut children,
         |h, code, what| {
+            if let Some(m) = super::local::timeout_report(h, what) {
+                return Some(m);
+            }
             let (name, target) = &names[h as usize];
             // 255 is ssh's own failure; any other code the host's agent has told already.
             (code == 255).then(|| {
@@ -136,7 +140,7 @@ pub fn run(l: &Launch) -> Result<i32, LaunchError> {
                 )
             })
         },
-        || None,
+        &mut timed_out,
     ))
 }
 

@@ -57,6 +57,8 @@ pub fn launch_env(
     let out = Command::new(env!("CARGO_BIN_EXE_softnic"))
         .envs(env.iter().copied())
         .args(["run", "-n", &n.to_string(), "--hosts", &hosts.to_string()])
+        // Ends a hung job before the test runner's limit (180 s), with the daemons' counters.
+        .args(["--timeout", "150"])
         .args(extra)
         .arg("--")
         .arg(exe)
