@@ -410,9 +410,16 @@ pub fn run(l: &Launch) -> Result<i32, LaunchError> {
     Ok(code)
 }
 
-/// A daemon's counters (`softnic stat`), asked over its socket.
+/// A daemon's counters (`softnic stat`), asked over its socket; a daemon that does not answer
+/// within 2 s (it may be what hangs) is an error, not a wait.
 fn daemon_stat(sock: &Path) -> Result<String, String> {
     let s = attach::connect(sock).map_err(|e| e.to_string())?;
+    rustix::net::sockopt::set_socket_timeout(
+        &s,
+        rustix::net::sockopt::Timeout::Recv,
+        Some(Duration::from_secs(2)),
+    )
+    .map_err(|e| e.to_string())?;
     match attach::call(&s, &Request::Stat, &[])
         .map_err(|e| e.to_string())?
         .0
