@@ -316,11 +316,8 @@ fn main() -> anyhow::Result<()> {
                         p.display()
                     );
                 }
-                let s = attach::connect(&p)?;
-                match attach::call(&s, &Request::Stat, &[])?.0 {
-                    Response::Stat(t) => println!("{t}"),
-                    other => bail!("unexpected answer: {other:?}"),
-                }
+                let t = local::daemon_stat(&p, None).map_err(|e| anyhow::anyhow!(e))?;
+                println!("{t}");
             }
             Ok(())
         }

@@ -18,7 +18,9 @@ use std::time::{Duration, Instant};
 use super::daemon_process::{self, DaemonProcess};
 use super::placement::{place, Map};
 use super::pmi::{PmiEvent, PmiServer};
-use super::supervise::{install_signal_handler, kill_all, supervise};
+use super::supervise::{
+    deadline_news, install_signal_handler, kill_all, supervise, timeout_report,
+};
 use crate::config::{Config, ConfigError, Fault, TransportKind};
 use crate::daemon::Daemon;
 use crate::shm::attach::{self, Request, Response};
@@ -85,35 +87,6 @@ pub struct Launch {
     /// End the job after this long (`--timeout`, as mpiexec's `-timeout`): the ranks are
     /// stopped and the launcher exits with 124, after printing what the job's daemons count.
     pub timeout: Option<Duration>,
-}
-
-/// The exit code of a job that ran past its `--timeout` (as coreutils' `timeout`).
-pub const TIMED_OUT: i32 = 124;
-/// The id `supervise` hears a timeout under (no rank or host has it).
-const TIMEOUT_ID: u32 = u32::MAX;
-
-/// A deadline for `supervise`'s news: past it, once, `on_timeout` runs and the job ends.
-pub(super) fn deadline_news(
-    timeout: Option<Duration>,
-    on_timeout: impl Fn(),
-) -> impl FnMut() -> Option<(u32, i32, String)> {
-    let deadline = timeout.map(|t| (Instant::now() + t, t));
-    move || {
-        let (at, t) = deadline?;
-        (Instant::now() >= at).then(|| {
-            on_timeout();
-            let what = format!(
-                "ran past its time limit of {} s (--timeout)",
-                t.as_secs_f64()
-            );
-            (TIMEOUT_ID, TIMED_OUT, what)
-        })
-    }
-}
-
-/// How `supervise` tells a timeout (`None` for anything else).
-pub(super) fn timeout_report(id: u32, what: &str) -> Option<String> {
-    (id == TIMEOUT_ID).then(|| format!("the job {what}"))
 }
 
 impl Launch {
@@ -368,7 +341,7 @@ pub fn run(l: &Launch) -> Result<i32, LaunchError> {
     let job_hosts = l.host_indices(&cfg)?;
     let mut timed_out = deadline_news(l.timeout, || {
         for &h in &job_hosts {
-            match daemon_stat(&cfg.socket_path(h)) {
+            match daemon_stat(&cfg.socket_path(h), Some(Duration::from_secs(2))) {
                 Ok(t) => eprintln!(
                     "softnic: host {} at the time limit:\n{t}",
                     cfg.hosts[h as usize].name
@@ -410,16 +383,12 @@ pub fn run(l: &Launch) -> Result<i32, LaunchError> {
     Ok(code)
 }
 
-/// A daemon's counters (`softnic stat`), asked over its socket; a daemon that does not answer
-/// within 2 s (it may be what hangs) is an error, not a wait.
-fn daemon_stat(sock: &Path) -> Result<String, String> {
+/// A daemon's counters (`softnic stat`), asked over its socket; with `within`, a daemon that
+/// does not answer in time (it may be what hangs) is an error, not a wait.
+pub fn daemon_stat(sock: &Path, within: Option<Duration>) -> Result<String, String> {
     let s = attach::connect(sock).map_err(|e| e.to_string())?;
-    rustix::net::sockopt::set_socket_timeout(
-        &s,
-        rustix::net::sockopt::Timeout::Recv,
-        Some(Duration::from_secs(2)),
-    )
-    .map_err(|e| e.to_string())?;
+    rustix::net::sockopt::set_socket_timeout(&s, rustix::net::sockopt::Timeout::Recv, within)
+        .map_err(|e| e.to_string())?;
     match attach::call(&s, &Request::Stat, &[])
         .map_err(|e| e.to_string())?
         .0

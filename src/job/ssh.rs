@@ -123,11 +123,11 @@ pub fn run(l: &Launch) -> Result<i32, LaunchError> {
         .iter()
         .map(|h| (h.name.clone(), h.ssh_target()))
         .collect();
-    let mut timed_out = super::local::deadline_news(l.timeout, || {});
+    let mut timed_out = super::supervise::deadline_news(l.timeout, || {});
     Ok(supervise(
         &mut children,
         |h, code, what| {
-            if let Some(m) = super::local::timeout_report(h, what) {
+            if let Some(m) = super::supervise::timeout_report(h, what) {
                 return Some(m);
             }
             let (name, target) = &names[h as usize];

@@ -22,6 +22,35 @@ pub fn interrupted() -> bool {
     INTERRUPTED.load(Ordering::SeqCst)
 }
 
+/// The exit code of a job that ran past its `--timeout` (as coreutils' `timeout`).
+pub const TIMED_OUT: i32 = 124;
+/// The id `supervise` hears a timeout under (no rank or host has it).
+const TIMEOUT_ID: u32 = u32::MAX;
+
+/// A deadline for `supervise`'s news: past it, once, `on_timeout` runs and the job ends.
+pub fn deadline_news(
+    timeout: Option<Duration>,
+    on_timeout: impl Fn(),
+) -> impl FnMut() -> Option<(u32, i32, String)> {
+    let deadline = timeout.map(|t| (Instant::now() + t, t));
+    move || {
+        let (at, t) = deadline?;
+        (Instant::now() >= at).then(|| {
+            on_timeout();
+            let what = format!(
+                "ran past its time limit of {} s (--timeout)",
+                t.as_secs_f64()
+            );
+            (TIMEOUT_ID, TIMED_OUT, what)
+        })
+    }
+}
+
+/// How `supervise` tells a timeout (`None` for anything else).
+pub fn timeout_report(id: u32, what: &str) -> Option<String> {
+    (id == TIMEOUT_ID).then(|| format!("the job {what}"))
+}
+
 /// Waits for `children` (each with its id: a rank, or a host index) until all have ended; the
 /// first failure, a failure `news` reports `(id, code, what)`, or an interruption stops the
 /// others. A failure is told as `report(id, code, what)` says (nothing when it returns `None`:

@@ -160,6 +160,28 @@ pub fn receive_control(msg: &mut libc::msghdr, ctl: &mut Control) {
     msg.msg_controllen = std::mem::size_of::<Control>();
 }
 
+/// One `recvmsg` into `buf` on a socket with `UDP_GRO`: the bytes received and the size the
+/// datagrams among them were joined at (see [`joined_at`]).
+pub fn recv_joined(fd: RawFd, buf: &mut [u8]) -> io::Result<(usize, usize)> {
+    let mut ctl = control();
+    let mut iov = libc::iovec {
+        iov_base: buf.as_mut_ptr().cast(),
+        iov_len: buf.len(),
+    };
+    // SAFETY: an all-zero msghdr is a valid empty header.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    receive_control(&mut msg, &mut ctl);
+    // SAFETY: `msg` points at `buf` and `ctl`, both alive for the call.
+    let got = unsafe { libc::recvmsg(fd, &mut msg, libc::MSG_DONTWAIT) };
+    if got < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let n = got as usize;
+    Ok((n, joined_at(&msg, n)))
+}
+
 /// The size the datagrams of a received buffer of `len` bytes were joined at (`UDP_GRO`'s
 /// control message), or `len` when it holds one datagram. Never 0 for a non-empty buffer.
 pub fn joined_at(msg: &libc::msghdr, len: usize) -> usize {

@@ -391,44 +391,23 @@ impl UdpDriver {
     /// One receive into the first slot, as a batch of one: `recvmsg` when datagrams may
     /// arrive joined (the control message says where to cut), else a plain `recv`.
     fn recv_one(&mut self) -> bool {
-        let mut ctl = super::segment::control();
         for _ in 0..64 {
             self.stats.recv_syscalls += 1;
-            let mut iov = libc::iovec {
-                iov_base: self.rx.as_mut_ptr() as *mut _,
-                iov_len: RX_SLOT,
+            let slot = &mut self.rx[..RX_SLOT];
+            let got = match self.gro {
+                true => super::segment::recv_joined(self.sock.as_raw_fd(), slot),
+                false => self.sock.recv(slot).map(|n| (n, n)),
             };
-            // SAFETY: an all-zero msghdr is a valid empty header.
-            let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-            msg.msg_iov = &mut iov;
-            msg.msg_iovlen = 1;
-            super::segment::receive_control(&mut msg, &mut ctl);
-            let fd = self.sock.as_raw_fd();
-            // SAFETY: the buffers are the first RX_SLOT bytes of `self.rx` and `ctl`, alive
-            // for the call.
-            let got = unsafe {
-                if self.gro {
-                    libc::recvmsg(fd, &mut msg, libc::MSG_DONTWAIT)
-                } else {
-                    libc::recv(fd, iov.iov_base, RX_SLOT, libc::MSG_DONTWAIT)
+            match got {
+                Ok((n, seg)) => {
+                    self.streak += 1;
+                    (self.rx_lens[0], self.rx_segs[0]) = (n, seg);
+                    (self.rx_count, self.rx_next, self.rx_off) = (1, 0, 0);
+                    return true;
                 }
-            };
-            if got >= 0 {
-                let n = got as usize;
-                self.streak += 1;
-                self.rx_lens[0] = n;
-                self.rx_segs[0] = match self.gro {
-                    true => super::segment::joined_at(&msg, n),
-                    false => n,
-                };
-                (self.rx_count, self.rx_next, self.rx_off) = (1, 0, 0);
-                return true;
-            }
-            let e = io::Error::last_os_error();
-            match e.kind() {
-                io::ErrorKind::WouldBlock => return false,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return false,
                 // Interrupted, or an ICMP error queued on the socket: try again.
-                _ => tracing::trace!("recv: {e}"),
+                Err(e) => tracing::trace!("recv: {e}"),
             }
         }
         false
