@@ -201,7 +201,11 @@ impl UdpDriver {
         mtu: usize,
     ) -> io::Result<UdpDriver> {
         let s = Socket::new(Domain::for_address(addr), Type::DGRAM, Some(Protocol::UDP))?;
-        s.set_reuse_address(true)?;
+        // No SO_REUSEADDR: on a UDP socket it lets a second socket bind the same address, which
+        // then takes every datagram sent there. Two jobs or local clusters that chose the same
+        // port would both start, and one would hear nothing; a bind must fail instead (the
+        // local default then picks another port). A UDP port is free again the moment its
+        // socket closes, so a restarted daemon needs no reuse either.
         super::iface::pin(&s, device)?;
         // Room for a full window of datagrams in flight; the kernel caps it at rmem_max.
         size_buffers(&s);
@@ -526,6 +530,18 @@ mod tests {
         let (tx, rx) = sends_and_receives(8972, &[8972; 10]);
         assert_eq!((tx.gso_sends, tx.send_syscalls), (2, 1), "{tx:?}");
         assert_eq!(rx.gro_joined, 6 + 2, "{rx:?}");
+    }
+
+    #[test]
+    fn an_address_in_use_is_refused_not_shared() {
+        let (mut a, _b) = pair(1472);
+        let addr = a.socket().local_addr().unwrap();
+        let again = UdpDriver::bind(addr, None, vec![addr], None, 1472);
+        assert_eq!(
+            again.err().map(|e| e.kind()),
+            Some(io::ErrorKind::AddrInUse),
+            "a second driver on a bound address would take the first one's datagrams"
+        );
     }
 
     #[test]
