@@ -4,7 +4,7 @@
 //! [cluster]
 //! secret = "<64 hex digits>"      # or secret_file = "/etc/softnic/key"
 //! transport = "udp"               # or "tcp", or "packet" (raw Ethernet, needs CAP_NET_RAW)
-//! mtu = 1472
+//! mtu = 1472                      # datagram size over udp and packet (tcp: 65,000 frames)
 //! peer_timeout_ms = 10000
 //! runtime_dir = "/tmp/softnic"    # attach sockets live here as <host>.sock
 //!

@@ -19,7 +19,7 @@ use crate::shm::attach::{self, Request, Response};
 use crate::shm::process_memory::ProcessMemory;
 use crate::shm::{Command, Mapping};
 use crate::transport::packet::PacketDriver;
-use crate::transport::tcp::TcpDriver;
+use crate::transport::tcp::{self, TcpDriver};
 use crate::transport::udp::UdpDriver;
 use crate::transport::{Driver, TransportConfig};
 
@@ -63,6 +63,15 @@ fn udp_sizes(rcvbuf: usize, mtu: usize, window: usize) -> (usize, usize) {
 /// peers share it), never below `MIN_WINDOW`.
 fn window_within(fits: usize, window: usize) -> usize {
     fits.clamp(MIN_WINDOW.min(window), window)
+}
+
+/// Datagram size and window over TCP: frames of [`tcp::FRAME`] whatever the MTU, and no more
+/// in flight than half of what the driver buffers for a peer (the rest is for resends).
+fn tcp_sizes(window: usize) -> (usize, usize) {
+    (
+        tcp::FRAME,
+        window_within(tcp::MAX_BUFFERED / (2 * tcp::FRAME), window),
+    )
 }
 
 /// Datagram size and window for a packet driver: what a ring slot holds, and never more in
@@ -200,7 +209,7 @@ impl HostNic {
         let (mtu, window) = match &driver {
             Driver::Udp(d) => udp_sizes(d.recv_buffer(), cfg.cluster.mtu, cfg.cluster.window),
             Driver::Packet(d) => packet_sizes(d, cfg.cluster.mtu, cfg.cluster.window),
-            Driver::Tcp(_) => (cfg.cluster.mtu, cfg.cluster.window),
+            Driver::Tcp(_) => tcp_sizes(cfg.cluster.window),
         };
         let tcfg = TransportConfig {
             mtu,
