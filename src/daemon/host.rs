@@ -799,6 +799,7 @@ impl HostNic {
             ("gso_sends", d.gso_sends.to_string()),
             ("gro_joined", d.gro_joined.to_string()),
             ("rx_bad_frames", d.rx_bad_frames.to_string()),
+            ("refused_connections", d.refused_connections.to_string()),
             ("bad_commands", self.counters.bad_commands.to_string()),
             ("client_wakes", self.counters.client_wakes.to_string()),
             ("bulk_helper_lends", self.counters.bulk_lends.to_string()),

@@ -56,7 +56,8 @@ impl Outgoing {
 }
 
 /// One accepted connection's receive buffer: `buf[start..end]` holds bytes read and not yet
-/// handed out. Allocated (and zeroed) once; frames are handed out where they lie.
+/// handed out. Allocated (and zeroed) once, when the first bytes come (a connection that
+/// sends nothing holds none); frames are handed out where they lie.
 struct Incoming {
     stream: TcpStream,
     buf: Vec<u8>,
@@ -264,6 +265,12 @@ impl TcpDriver {
         loop {
             match self.listener.accept() {
                 Ok((mut s, _)) => {
+                    // Each peer needs one, two across its restart; more are someone else's
+                    // (and would each hold a receive buffer): closed at once.
+                    if self.inc.len() >= 2 * self.out.len() + 8 {
+                        self.stats.refused_connections += 1;
+                        continue;
+                    }
                     let _ = s.set_nodelay(true);
                     if self
                         .registry
@@ -272,7 +279,7 @@ impl TcpDriver {
                     {
                         self.inc.push(Incoming {
                             stream: s,
-                            buf: vec![0; RECV_BUF],
+                            buf: Vec::new(),
                             start: 0,
                             end: 0,
                             closed: false,
@@ -342,23 +349,37 @@ impl TcpDriver {
                 Ok(None) => {}
                 Err(()) => {
                     tracing::warn!("closing a TCP connection that sent an oversized frame");
-                    self.stats.send_errors += 1;
+                    self.stats.rx_bad_frames += 1;
                     let _ = self.registry.deregister(&mut c.stream);
                     c.closed = true;
                     return None;
                 }
             }
-            // Need more bytes: make room for a whole frame behind what is there, then read.
-            if c.buf.len() - c.end < MAX_FRAME + 4 {
+            // Need more bytes: make room for a whole frame behind what is there, then read. A
+            // connection that sent nothing yet is read with a small buffer first, so one that
+            // never sends holds no large one.
+            let mut first = [0u8; 4096];
+            let fresh = c.buf.is_empty();
+            if !fresh && c.buf.len() - c.end < MAX_FRAME + 4 {
                 c.buf.copy_within(c.start..c.end, 0);
                 (c.start, c.end) = (0, c.end - c.start);
             }
+            let into: &mut [u8] = if fresh {
+                &mut first
+            } else {
+                &mut c.buf[c.end..]
+            };
             self.stats.recv_syscalls += 1;
-            match c.stream.read(&mut c.buf[c.end..]) {
+            match c.stream.read(into) {
                 Ok(0) => {
                     let _ = self.registry.deregister(&mut c.stream);
                     c.closed = true;
                     return None;
+                }
+                Ok(n) if fresh => {
+                    c.buf = vec![0; RECV_BUF];
+                    c.buf[..n].copy_from_slice(&first[..n]);
+                    c.end = n;
                 }
                 Ok(n) => c.end += n,
                 Err(e) => {
@@ -462,11 +483,34 @@ mod tests {
         let mut s = std::net::TcpStream::connect(b.local).unwrap();
         s.write_all(&(MAX_FRAME as u32 + 1).to_le_bytes()).unwrap();
         let t = Instant::now();
-        while b.stats.send_errors == 0 && t.elapsed() < Duration::from_secs(5) {
+        while b.stats.rx_bad_frames == 0 && t.elapsed() < Duration::from_secs(5) {
             assert!(!b.recv_with(&mut |_| panic!("no frame")));
             std::thread::sleep(ACCEPT_EVERY);
         }
-        assert_eq!(b.stats.send_errors, 1);
+        assert_eq!(b.stats.rx_bad_frames, 1);
         assert!(b.inc.is_empty(), "the connection is gone");
+    }
+
+    /// Connections beyond what the peers could need are closed as accepted; the ones kept
+    /// hold no receive buffer until they send something.
+    #[test]
+    fn idle_connections_cost_nothing_and_extra_ones_are_refused() {
+        let poll = mio::Poll::new().unwrap();
+        let (_a, mut b) = pair(&poll);
+        let cap = 2 * b.out.len() + 8;
+        let conns: Vec<_> = (0..cap + 5)
+            .map(|_| std::net::TcpStream::connect(b.local).unwrap())
+            .collect();
+        let t = Instant::now();
+        while b.stats.refused_connections < 5 && t.elapsed() < Duration::from_secs(5) {
+            assert!(!b.recv_with(&mut |_| panic!("no frame")));
+            std::thread::sleep(ACCEPT_EVERY);
+        }
+        assert_eq!((b.inc.len(), b.stats.refused_connections), (cap, 5));
+        assert!(
+            b.inc.iter().all(|c| c.buf.is_empty()),
+            "no buffer before data"
+        );
+        drop(conns);
     }
 }

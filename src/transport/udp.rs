@@ -38,8 +38,11 @@ pub struct DriverStats {
     pub gso_sends: u64,
     /// Datagrams that arrived joined to the one before them (UDP GRO).
     pub gro_joined: u64,
-    /// Received frames skipped as malformed or too long (packet driver).
+    /// Received frames skipped as malformed or too long (packet driver; TCP: a frame longer
+    /// than any datagram, which closes its connection).
     pub rx_bad_frames: u64,
+    /// TCP connections closed as soon as accepted: more were open than peers could need.
+    pub refused_connections: u64,
 }
 
 /// Datagrams waiting to be sent to one peer in one `sendmmsg`.
