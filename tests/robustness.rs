@@ -188,30 +188,38 @@ fn garbage_in_a_command_ring_disconnects_only_that_client() {
 }
 
 #[test]
-fn hostile_tcp_frames_close_only_that_connection() {
+fn hostile_tcp_connections_are_closed_and_the_pair_survives_restarts() {
     use std::io::Write;
     let d = Daemons::start_with(2, softnic::config::TransportKind::Tcp);
-    let target = d.cfg.hosts[0].addr;
-    // A frame claiming 1 GB, garbage of the right length, and a half-sent frame then close.
+    let target = d.cfg.hosts[1].addr;
+    // A frame claiming 1 GB, garbage of a hello's length, and a half-sent hello then close:
+    // none is a genuine hello from host 0's address, so none is taken as host 0's connection.
     let mut a = std::net::TcpStream::connect(target).unwrap();
     a.write_all(&(1u32 << 30).to_le_bytes()).unwrap();
+    a.write_all(&[0; 52]).unwrap();
     let mut b = std::net::TcpStream::connect(target).unwrap();
-    b.write_all(&100u32.to_le_bytes()).unwrap();
     b.write_all(&[0x42; 100]).unwrap();
     let mut c = std::net::TcpStream::connect(target).unwrap();
-    c.write_all(&50u32.to_le_bytes()).unwrap();
     c.write_all(&[1; 10]).unwrap();
     drop(c);
     let deadline = Instant::now() + Duration::from_secs(5);
-    while d.counter("malformed_datagrams") < 1 {
+    while d.counter("rx_bad_frames") < 2 {
         assert!(
             Instant::now() < deadline,
-            "garbage frame not counted:\n{}",
+            "false hellos not counted:\n{}",
             d.stat()
         );
         std::thread::sleep(Duration::from_millis(20));
     }
     d.run_job_ok("small_job_body", 2);
+    // The dialling host (0) crashes and comes back: its new hello replaces the connection;
+    // then the accepting one (1): host 0 dials it again.
+    let mut d = d;
+    for host in [0, 1] {
+        d.kill(host);
+        d.restart(host);
+        d.run_job_ok("small_job_body", 2);
+    }
 }
 
 #[test]

@@ -201,9 +201,10 @@ impl HostNic {
                 Driver::Packet(d)
             }
             TransportKind::Tcp => Driver::Tcp(
-                TcpDriver::bind(addr, pin, peers, fault, registry.try_clone()?, token).map_err(
-                    |e| io::Error::new(e.kind(), format!("cannot listen on TCP {addr}: {e}")),
-                )?,
+                TcpDriver::bind(addr, pin, peers, &key, fault, registry.try_clone()?, token)
+                    .map_err(|e| {
+                        io::Error::new(e.kind(), format!("cannot listen on TCP {addr}: {e}"))
+                    })?,
             ),
         };
         let (mtu, window) = match &driver {
