@@ -126,7 +126,8 @@ pub fn pingpong(ctx: &Ctx, c: &mut Conn, size: usize) -> anyhow::Result<Option<R
 
 /// The stream: rank 0 writes as many `size`-byte messages as the gni stream puts, back to
 /// back; rank 1 reads them all and answers with one byte; MB/s over rank 0's time until then.
-/// Run twice, with whole messages and in [`PIECE`]-byte pieces; the faster is the floor.
+/// Run twice, in whole messages (up to [`READ_MAX`]) and in [`PIECE`]-byte pieces; the faster
+/// is the floor.
 pub fn bw(ctx: &Ctx, c: &mut Conn, size: usize) -> anyhow::Result<Option<Row>> {
     let _pin = Pinned::apart(ctx.job.rank);
     let count = crate::gni_bench::bw_iters(ctx.iters, size);

@@ -283,8 +283,13 @@ impl TcpDriver {
             .into_iter()
             .enumerate()
             .map(|(i, p)| {
-                let key = keys.for_peer(i as u16)?;
-                (i != me as usize).then(|| Peer {
+                if i == me as usize {
+                    return Ok(None);
+                }
+                let key = keys.for_peer(i as u16).ok_or_else(|| {
+                    io::Error::new(io::ErrorKind::InvalidInput, format!("no key for host {i}"))
+                })?;
+                Ok(Some(Peer {
                     addr: p,
                     dials: (me as usize) < i,
                     hello_key: hello_key(&key.0),
@@ -292,9 +297,9 @@ impl TcpDriver {
                     out: Vec::new(),
                     sent: 0,
                     last_attempt: None,
-                })
+                }))
             })
-            .collect();
+            .collect::<io::Result<_>>()?;
         let fault = FaultInjector::new(fault, addr.port() as u64 ^ 0x7cb);
         Ok(TcpDriver {
             local: addr,

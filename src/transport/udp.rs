@@ -39,7 +39,7 @@ pub struct DriverStats {
     /// Datagrams that arrived joined to the one before them (UDP GRO).
     pub gro_joined: u64,
     /// Received frames skipped as malformed or too long (packet driver; TCP: a frame longer
-    /// than any datagram, which closes its connection).
+    /// than any datagram, or a connection's hello that is not a peer's; either closes it).
     pub rx_bad_frames: u64,
     /// TCP connections closed as soon as accepted: more were open than peers could need.
     pub refused_connections: u64,
