@@ -124,6 +124,18 @@ impl Velo {
         self.credits.get(rank as usize).copied().unwrap_or(0)
     }
 
+    /// Whether `need` credits towards `rank` are there, taking the acknowledgements that came
+    /// back only when those already counted fall short (a look at the completion queue costs a
+    /// cache line the NIC writes).
+    pub fn has_credits(&mut self, rank: u32, need: u32) -> bool {
+        let have = |v: &Velo| v.credits.get(rank as usize).is_some_and(|&c| c >= need);
+        if have(self) {
+            return true;
+        }
+        self.collect();
+        have(self)
+    }
+
     /// Whether messages sent are not yet known to be in their mailboxes (as of the last
     /// acknowledgements taken).
     pub fn unacknowledged(&self) -> bool {

@@ -188,7 +188,7 @@ impl ExtollConduit {
         }
         let max = self.velo.max_message();
         let need = messages(wire.len(), max) as u32;
-        while self.velo.credits(dest) < need {
+        while !self.velo.has_credits(dest, need) {
             if !wait {
                 self.wire = wire;
                 return Ok(false);
@@ -274,12 +274,13 @@ impl ExtollConduit {
     fn send_messages(&mut self, dest: u32, wire: &[u8], head: usize) -> Result<(), GasnetError> {
         let conn = self.conns[dest as usize];
         let max = self.velo.max_message();
-        let mut first = Vec::with_capacity(max);
-        first.extend_from_slice(&(wire.len() as u16).to_le_bytes());
+        // The first message: the AM's length, then its first bytes (no allocation per AM).
+        let mut first = [0u8; 128];
         let k = wire.len().min(max - 2);
-        first.extend_from_slice(&wire[..k]);
+        first[..2].copy_from_slice(&(wire.len() as u16).to_le_bytes());
+        first[2..2 + k].copy_from_slice(&wire[..k]);
         self.velo
-            .try_send(conn, &first, TAG_HEADER)
+            .try_send(conn, &first[..2 + k], TAG_HEADER)
             .map_err(velo_err)?;
         let mut at = k;
         while at < wire.len() {
