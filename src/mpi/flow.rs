@@ -208,13 +208,18 @@ fn pump(st: &mut State) -> Result<(), MpiError> {
     Ok(())
 }
 
-/// A send's ACK came back (any outcome but a refusal).
-pub fn acked(st: &mut State, req: u32) {
-    if let Some((_, m)) = st.flow.inflight.remove(&req) {
-        if let Some(p) = st.flow.peers.get_mut(&m.dest) {
-            p.inflight -= 1;
-        }
+/// A send's ACK came back (any outcome but a refusal). It may be the last one in flight to
+/// a peer that asked STOP meanwhile: ACKs and notices arrive in different event queues, so a
+/// STOP can be handled before the ACK of a message its sender's portal still accepted, and
+/// the READY it is owed goes now (without it the peer's recovery never ends).
+pub fn acked(st: &mut State, req: u32) -> Result<(), MpiError> {
+    let Some((_, m)) = st.flow.inflight.remove(&req) else {
+        return Ok(());
+    };
+    if let Some(p) = st.flow.peers.get_mut(&m.dest) {
+        p.inflight -= 1;
     }
+    owe_ready(st, m.dest)
 }
 
 /// The target's portal was disabled: the message goes again after its recovery, in order.

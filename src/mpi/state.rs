@@ -1058,7 +1058,7 @@ impl State {
         if e.ni_fail == NiFail::PtDisabled {
             return super::flow::refused(self, i);
         }
-        super::flow::acked(self, i);
+        super::flow::acked(self, i)?;
         let Some(r) = self.req(i) else { return Ok(()) };
         if e.ni_fail != NiFail::Ok {
             let fail = MpiError::from_fail(e.ni_fail, "a send");

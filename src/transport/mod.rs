@@ -46,14 +46,6 @@ impl Driver {
         }
     }
 
-    pub fn recv(&mut self, buf: &mut [u8]) -> Option<usize> {
-        match self {
-            Driver::Udp(d) => d.recv(buf),
-            Driver::Tcp(d) => d.recv(buf),
-            Driver::Packet(d) => d.recv(buf),
-        }
-    }
-
     /// Hands the next received datagram to `f` where the driver holds it (UDP batch, packet
     /// ring): `f` decrypts it in place, no copy on the way; `false` when none is waiting.
     pub fn recv_with(&mut self, f: &mut dyn FnMut(&mut [u8])) -> bool {

@@ -563,18 +563,6 @@ impl TcpDriver {
             !s.conn.closed
         });
     }
-
-    /// The next received datagram copied into `out` (truncated to it), if one is complete;
-    /// `None` once everything is drained.
-    pub fn recv(&mut self, out: &mut [u8]) -> Option<usize> {
-        let mut got = None;
-        self.recv_with(&mut |d| {
-            let n = d.len().min(out.len());
-            out[..n].copy_from_slice(&d[..n]);
-            got = Some(n);
-        });
-        got
-    }
 }
 
 /// Where the next complete frame of `c` lies, reading more if needed; `None` when none is

@@ -352,17 +352,6 @@ impl UdpDriver {
         self.streak = 0;
     }
 
-    /// The next received datagram, copied into `out`; `None` when nothing is waiting.
-    pub fn recv(&mut self, out: &mut [u8]) -> Option<usize> {
-        let mut got = None;
-        self.recv_with(&mut |d| {
-            let n = d.len().min(out.len());
-            out[..n].copy_from_slice(&d[..n]);
-            got = Some(n);
-        });
-        got
-    }
-
     /// Hands the next received datagram to `f` in the driver's own buffer (no copy; `f` may
     /// decrypt it in place); `false` when nothing is waiting. Datagrams that arrived joined
     /// (GRO) are handed over one by one, cut at the size the kernel reported.
