@@ -197,6 +197,8 @@ pub struct PortalsConduit {
     protocol_errors: u64,
     /// AMs ready for delivery: (source, reply_to, AM).
     arrived: VecDeque<(u32, u64, Vec<u8>)>,
+    /// Buffers of delivered AMs, back from the Core for the next arrivals.
+    pool: Vec<Vec<u8>>,
     next_lid: u64,
     /// Long payload bytes landed per (source, Lid) whose header has not come yet.
     landed: HashMap<(u32, u64), u64>,
@@ -364,6 +366,7 @@ impl PortalsConduit {
             resent: 0,
             protocol_errors: 0,
             arrived: VecDeque::new(),
+            pool: Vec::new(),
             next_lid: 0,
             landed: HashMap::default(),
             landed_from: vec![0; n as usize],
@@ -421,6 +424,12 @@ impl PortalsConduit {
 impl Conduit for PortalsConduit {
     fn node(&self) -> u32 {
         self.me
+    }
+
+    fn recycle(&mut self, b: Vec<u8>) {
+        if self.pool.len() < 256 && b.capacity() <= 1 << 16 {
+            self.pool.push(b);
+        }
     }
 
     fn outgoing(&self) -> bool {
