@@ -137,9 +137,9 @@ pub fn bw(ctx: &Ctx, c: &mut Conn, size: usize) -> anyhow::Result<Option<Row>> {
     if PIECE < size {
         pieces.push(PIECE);
     }
+    let msg = vec![0xa5u8; if ctx.job.rank == 0 { size } else { 0 }];
     for piece in pieces {
         if ctx.job.rank == 0 {
-            let msg = vec![0xa5u8; size];
             let t = Instant::now();
             for _ in 0..count {
                 for p in msg.chunks(piece) {

@@ -213,13 +213,10 @@ fn pump(st: &mut State) -> Result<(), MpiError> {
 /// STOP can be handled before the ACK of a message its sender's portal still accepted, and
 /// the READY it is owed goes now (without it the peer's recovery never ends).
 pub fn acked(st: &mut State, req: u32) -> Result<(), MpiError> {
-    let Some((_, m)) = st.flow.inflight.remove(&req) else {
-        return Ok(());
-    };
-    if let Some(p) = st.flow.peers.get_mut(&m.dest) {
-        p.inflight -= 1;
+    match st.flow.inflight.remove(&req) {
+        Some((_, m)) => landed(st, m.dest),
+        None => Ok(()),
     }
-    owe_ready(st, m.dest)
 }
 
 /// The target's portal was disabled: the message goes again after its recovery, in order.
@@ -232,14 +229,22 @@ pub fn refused(st: &mut State, req: u32) -> Result<(), MpiError> {
         c.give_back(m.dest);
     }
     let p = st.flow.peers.entry(m.dest).or_default();
-    p.inflight -= 1;
     p.stalled = true;
     let at = p.queue.partition_point(|(s, _)| *s < seq);
     p.queue.insert(at, (seq, m));
     st.flow.queued += 1;
-    owe_ready(st, m.dest)
+    landed(st, m.dest)
 }
 
+/// One message to `dest` is in flight no more (acknowledged or refused).
+fn landed(st: &mut State, dest: u32) -> Result<(), MpiError> {
+    if let Some(p) = st.flow.peers.get_mut(&dest) {
+        p.inflight -= 1;
+    }
+    owe_ready(st, dest)
+}
+
+/// Sends the READY `dest` asked for once nothing of ours is in flight to it.
 fn owe_ready(st: &mut State, dest: u32) -> Result<(), MpiError> {
     let Some(p) = st.flow.peers.get_mut(&dest) else {
         return Ok(());

@@ -132,28 +132,26 @@ impl Conn {
     /// that sent nothing yet is read with a small buffer first, so one that never sends holds
     /// no large one.
     fn fill(&mut self, stats: &mut DriverStats) -> bool {
-        let mut first = [0u8; 4096];
-        let fresh = self.buf.is_empty();
-        if !fresh && self.buf.len() - self.end < MAX_FRAME + 4 {
-            self.buf.copy_within(self.start..self.end, 0);
-            (self.start, self.end) = (0, self.end - self.start);
-        }
-        let into: &mut [u8] = if fresh {
-            &mut first
-        } else {
-            &mut self.buf[self.end..]
-        };
         stats.recv_syscalls += 1;
-        match self.stream.read(into) {
+        let got = if self.buf.is_empty() {
+            let mut first = [0u8; 4096];
+            let got = self.stream.read(&mut first);
+            if let Ok(n @ 1..) = got {
+                self.buf = vec![0; RECV_BUF];
+                self.buf[..n].copy_from_slice(&first[..n]);
+            }
+            got
+        } else {
+            if self.buf.len() - self.end < MAX_FRAME + 4 {
+                self.buf.copy_within(self.start..self.end, 0);
+                (self.start, self.end) = (0, self.end - self.start);
+            }
+            self.stream.read(&mut self.buf[self.end..])
+        };
+        match got {
             Ok(0) => {
                 self.closed = true;
                 false
-            }
-            Ok(n) if fresh => {
-                self.buf = vec![0; RECV_BUF];
-                self.buf[..n].copy_from_slice(&first[..n]);
-                self.end = n;
-                true
             }
             Ok(n) => {
                 self.end += n;

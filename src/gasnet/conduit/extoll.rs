@@ -85,7 +85,7 @@ pub struct ExtollConduit {
     landed: Vec<u32>,
     /// Wire form of the AM being sent.
     wire: Vec<u8>,
-    pool: Vec<Vec<u8>>,
+    pool: super::BufPool,
 }
 
 fn err(e: impl std::fmt::Display) -> GasnetError {
@@ -142,7 +142,7 @@ impl ExtollConduit {
             queued: (0..n).map(|_| VecDeque::new()).collect(),
             landed: vec![0; n as usize],
             wire: Vec::new(),
-            pool: Vec::new(),
+            pool: Default::default(),
         })
     }
 
@@ -350,8 +350,7 @@ impl ExtollConduit {
                 return;
             }
             p.total = u16::from_le_bytes([data[0], data[1]]) as usize;
-            p.buf = self.pool.pop().unwrap_or_default();
-            p.buf.clear();
+            p.buf = self.pool.take();
             p.buf.extend_from_slice(&data[2..]);
         } else {
             p.buf.extend_from_slice(data);
@@ -443,9 +442,7 @@ impl Conduit for ExtollConduit {
     }
 
     fn recycle(&mut self, b: Vec<u8>) {
-        if self.pool.len() < 256 && b.capacity() <= 1 << 16 {
-            self.pool.push(b);
-        }
+        self.pool.give(b);
     }
 
     fn poll(

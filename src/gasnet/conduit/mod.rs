@@ -8,6 +8,27 @@ pub mod udp;
 
 use super::{AdOp, GasnetError};
 
+/// Buffers of delivered AMs, back from the Core ([`Conduit::recycle`]) for the next arrivals,
+/// so a conduit allocates no buffer per AM.
+#[derive(Default)]
+pub(crate) struct BufPool(Vec<Vec<u8>>);
+
+impl BufPool {
+    /// An empty buffer: one given back, if any.
+    pub fn take(&mut self) -> Vec<u8> {
+        let mut b = self.0.pop().unwrap_or_default();
+        b.clear();
+        b
+    }
+
+    /// Keeps `b` for reuse (at most 256 buffers, none over 64 KiB).
+    pub fn give(&mut self, b: Vec<u8>) {
+        if self.0.len() < 256 && b.capacity() <= 1 << 16 {
+            self.0.push(b);
+        }
+    }
+}
+
 /// Where the data of a direct get goes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum GetDest {

@@ -37,7 +37,7 @@ pub struct UdpConduit {
     clock: Instant,
     segment: Vec<u8>,
     /// Buffers of delivered AMs, back from the Core for reuse.
-    pool: Vec<Vec<u8>>,
+    pool: super::BufPool,
     /// AMs to deliver before the network's: those a node sends itself, and those that arrived
     /// while a send waited for credit. (source, AM)
     local: VecDeque<(u32, Vec<u8>)>,
@@ -112,7 +112,7 @@ impl UdpConduit {
             d,
             clock: Instant::now(),
             segment: vec![0; segment_len],
-            pool: Vec::new(),
+            pool: Default::default(),
             local: VecDeque::new(),
         })
     }
@@ -248,9 +248,7 @@ impl Conduit for UdpConduit {
     }
 
     fn recycle(&mut self, b: Vec<u8>) {
-        if self.pool.len() < 256 && b.capacity() <= 1 << 16 {
-            self.pool.push(b);
-        }
+        self.pool.give(b);
     }
 
     fn reply(
@@ -294,7 +292,7 @@ impl Conduit for UdpConduit {
         let mut handle = |body: &[u8], deliver: &mut dyn FnMut(u32, u64, Vec<u8>)| {
             for op in OpIter::new(body).flatten() {
                 if let OpRef::Am { h, data } = op {
-                    let mut b = pool.pop().unwrap_or_default();
+                    let mut b = pool.take();
                     place_long(data, segment, &mut b);
                     deliver(h.src_rank, 0, b);
                 }

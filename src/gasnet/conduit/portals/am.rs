@@ -347,7 +347,8 @@ impl PortalsConduit {
         }
         if e.mlength > 0 {
             let at = e.start as usize;
-            let data = self.copy_out(true, at, e.mlength as usize);
+            let mut data = self.pool.take();
+            data.extend_from_slice(&self.sb.bytes()[at..at + e.mlength as usize]);
             self.arrive(rank, 0, data);
         }
         let s = self.req[slot].as_mut().expect("checked");
@@ -401,18 +402,10 @@ impl PortalsConduit {
         if self.credits_on {
             self.credits.repaid(rank, e.hdr_data >> 32);
         }
-        let data = self.copy_out(false, at, len);
+        let mut data = self.pool.take();
+        data.extend_from_slice(&self.rb.bytes()[at..at + len]);
         let reply_to = OWED | slot | (e.hdr_data & 1 << 16) | (len as u64) << 32;
         self.arrive(rank, reply_to, data);
-    }
-
-    /// An AM's bytes copied out of the send (reply) or receive buffer, into a pooled buffer.
-    fn copy_out(&mut self, from_send: bool, at: usize, len: usize) -> Vec<u8> {
-        let mut b = self.pool.pop().unwrap_or_default();
-        b.clear();
-        let src = if from_send { &self.sb } else { &self.rb };
-        b.extend_from_slice(&src.bytes()[at..at + len]);
-        b
     }
 
     /// An AM ready for delivery, or — a Long header whose payload is still on its way — parked

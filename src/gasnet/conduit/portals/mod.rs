@@ -198,7 +198,7 @@ pub struct PortalsConduit {
     /// AMs ready for delivery: (source, reply_to, AM).
     arrived: VecDeque<(u32, u64, Vec<u8>)>,
     /// Buffers of delivered AMs, back from the Core for the next arrivals.
-    pool: Vec<Vec<u8>>,
+    pool: super::BufPool,
     next_lid: u64,
     /// Long payload bytes landed per (source, Lid) whose header has not come yet.
     landed: HashMap<(u32, u64), u64>,
@@ -366,7 +366,7 @@ impl PortalsConduit {
             resent: 0,
             protocol_errors: 0,
             arrived: VecDeque::new(),
-            pool: Vec::new(),
+            pool: Default::default(),
             next_lid: 0,
             landed: HashMap::default(),
             landed_from: vec![0; n as usize],
@@ -427,9 +427,7 @@ impl Conduit for PortalsConduit {
     }
 
     fn recycle(&mut self, b: Vec<u8>) {
-        if self.pool.len() < 256 && b.capacity() <= 1 << 16 {
-            self.pool.push(b);
-        }
+        self.pool.give(b);
     }
 
     fn outgoing(&self) -> bool {
