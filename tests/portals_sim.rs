@@ -668,3 +668,67 @@ fn conduit_am_portal_packing_catch_basin_and_flow_control_under_loss() {
         );
     }
 }
+
+/// A Portals put names its target to the daemon (which tells that process to keep its core
+/// for it, `Waiter::keep_core`); a get does not.
+#[test]
+fn a_portals_put_names_its_target_a_get_does_not() {
+    let mut c = lossy_pair(5);
+    let (mut i, _t) = matching_pair(&mut c);
+    let src = region(64);
+    let handle = i.register(&mut c, &src);
+    let md = i.call(
+        &mut c,
+        PtlCall::MdBind {
+            ni: 0,
+            region: handle,
+            segments: vec![(0, 64)],
+            options: 0,
+            eq: None,
+            ct: None,
+        },
+    ) as u32;
+    let tag = c.host(0).unwrap().session_job(i.session).unwrap();
+    c.host_mut(0).unwrap().take_addressed();
+    let put = OpSpec {
+        kind: ReqKind::Put,
+        ack_req: AckReq::NoAck,
+        md,
+        offset: 0,
+        length: 8,
+        get_md: None,
+        get_offset: 0,
+        target: ProcessId::Physical { nid: 1, pid: 1 },
+        pt_index: 0,
+        match_bits: 1,
+        remote_offset: 0,
+        user_ptr: 0,
+        hdr_data: 0,
+        operand: Vec::new(),
+    };
+    let get = OpSpec {
+        kind: ReqKind::Get,
+        get_md: Some(md),
+        ..put.clone()
+    };
+    i.submit(
+        &mut c,
+        &PtlCall::Op {
+            ni: 0,
+            op: put,
+            trigger: None,
+        },
+        true,
+    );
+    assert_eq!(c.host_mut(0).unwrap().take_addressed(), Some((1, tag, 1)));
+    i.submit(
+        &mut c,
+        &PtlCall::Op {
+            ni: 0,
+            op: get,
+            trigger: None,
+        },
+        true,
+    );
+    assert_eq!(c.host_mut(0).unwrap().take_addressed(), None);
+}

@@ -872,3 +872,33 @@ fn velo_and_rma_engines_under_loss() {
         "nothing raised at the target"
     );
 }
+
+/// The NIC names whom a command sends a message to — the daemon tells that process, which
+/// keeps its core for it (`Waiter::keep_core`) — puts and VELO messages, not gets or AMOs,
+/// which the target does not wait for.
+#[test]
+fn the_nic_names_the_addressee_of_puts_not_of_gets_or_atomics() {
+    let mut c = SimCluster::new(NHOSTS, cfg(), SimConfig::default());
+    let _regions = attach_job(&mut c, JOB);
+    let tag = c.host(0).unwrap().session_job(session(0)).unwrap();
+    let take = |c: &mut SimCluster| c.host_mut(0).unwrap().take_addressed();
+    let mut put = cmd(CommandKind::PutInline, 1, 2);
+    put.remote_off = SLOTS_AT;
+    put.len = 8;
+    c.submit(HOST_OF[0], session(0), put, &[1u8; 8]);
+    assert_eq!(take(&mut c), Some((HOST_OF[2], tag, 2)), "a put to rank 2");
+    assert_eq!(take(&mut c), None, "told once");
+    let mut get = cmd(CommandKind::Get, 2, 3);
+    get.local_off = GET_AT;
+    get.remote_off = SRC;
+    get.len = 8;
+    c.submit(HOST_OF[0], session(0), get, &[]);
+    assert_eq!(take(&mut c), None, "a get");
+    let mut amo = cmd(CommandKind::Amo, 3, 3);
+    amo.remote_off = 0;
+    amo.len = 8;
+    c.submit(HOST_OF[0], session(0), amo, &[]);
+    assert_eq!(take(&mut c), None, "an AMO");
+    c.run_until(1_000_000_000, |c| c.completions(session(0)).len() == 3)
+        .expect("all three complete");
+}

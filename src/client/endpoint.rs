@@ -525,7 +525,7 @@ pub fn wait_until(
         if spins.is_multiple_of(16) {
             between();
         }
-        if spins < u64::from(SPIN_BEFORE_YIELD) {
+        if spins < u64::from(SPIN_BEFORE_YIELD) || waiter.keep_core() {
             std::hint::spin_loop();
         } else if since.get_or_insert_with(std::time::Instant::now).elapsed() < YIELD_FOR {
             waiter.yield_now();

@@ -222,6 +222,12 @@ impl Client {
         self.waiter.yield_now();
     }
 
+    /// For a wait past its first polls: whether to keep spinning instead of yielding (see
+    /// [`crate::shm::control::Waiter::keep_core`]).
+    pub fn keep_core(&self) -> bool {
+        self.waiter.keep_core()
+    }
+
     /// A handle that yields like [`Client::yield_now`] without borrowing the client.
     pub fn waiter(&self) -> Waiter {
         self.control.waiter()

@@ -83,6 +83,10 @@ fn packet_sizes(d: &PacketDriver, mtu: usize, window: usize) -> (usize, usize) {
     )
 }
 
+/// Every attached client of a daemon process: (host index, job, rank), session id.
+pub(super) type Ears =
+    Arc<std::sync::Mutex<Vec<(((u16, u32, u32), u64), crate::shm::control::Ear)>>>;
+
 pub struct HostNic {
     /// The NIC itself: transport, engines, sessions' memory.
     pub core: HostCore,
@@ -118,6 +122,12 @@ pub struct HostNic {
     link_line: String,
     /// The time of the last turn, and when it was: `now` between turns.
     last_now: (u64, std::time::Instant),
+    /// The attached clients of every host this process serves (shared by its hosts), each
+    /// told when a message for it is taken from another's commands, and when another got
+    /// news (`Waiter::keep_core`).
+    pub(super) ears: Ears,
+    /// The sessions that got news this turn (kept to spare an allocation per turn).
+    news: Vec<u64>,
 }
 
 impl HostNic {
@@ -275,6 +285,8 @@ impl HostNic {
             first_session: 0,
             link_line,
             last_now: (0, std::time::Instant::now()),
+            ears: Default::default(),
+            news: Vec::new(),
         })
     }
 
@@ -400,18 +412,48 @@ impl HostNic {
                 }
             }
         }
+        let mut news = std::mem::take(&mut self.news);
+        while let Some(session) = self.core.poll_news() {
+            news.push(session);
+        }
         for s in self.sessions.iter_mut().flatten() {
             if let Some(a) = s.attached.as_mut() {
+                if a.rung {
+                    news.push(s.id);
+                }
                 if a.wake_if_sleeping() {
                     self.counters.client_wakes += 1;
                 }
             }
         }
+        if !news.is_empty() {
+            // A client keeping its core for a message (`Waiter::keep_core`) gives it up when
+            // news comes for another instead, which may be the one it holds the core from.
+            let ears = self.ears.lock().unwrap_or_else(|e| e.into_inner());
+            let index = self.core.index;
+            for ((at, id), ear) in ears.iter() {
+                let n = news.iter().filter(|&m| (at.0, *id) != (index, *m)).count() as u64;
+                if n > 0 {
+                    ear.news_for_others(n);
+                }
+            }
+            news.clear();
+        }
+        self.news = news;
         for slot in broken {
             tracing::warn!(host = %self.core.name, "client let its completion queue overflow: disconnecting it");
             self.detach(slot);
         }
         any
+    }
+
+    /// Tells the process `to` (host, job, rank) that a message for it is on its way, if
+    /// this daemon process serves it (`Waiter::keep_core`).
+    fn tell(&self, to: (u16, u32, u32)) {
+        let ears = self.ears.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((_, ear)) = ears.iter().find(|(k, _)| k.0 == to) {
+            ear.spoken_to();
+        }
     }
 
     /// Hands a session's published commands to the core, in order, until the ring is empty,
@@ -455,7 +497,13 @@ impl HostNic {
                 }
             };
             let flow = match Command::decode(&buf) {
-                Ok((cmd, inline)) => self.core.handle_command(now, id, &cmd, inline),
+                Ok((cmd, inline)) => {
+                    let flow = self.core.handle_command(now, id, &cmd, inline);
+                    if let Some(to) = self.core.take_addressed() {
+                        self.tell(to);
+                    }
+                    flow
+                }
                 Err(e) => {
                     self.counters.bad_commands += 1;
                     tracing::warn!(host = %self.core.name, rank, "bad command ({e}): disconnecting client");
@@ -613,6 +661,11 @@ impl HostNic {
                 ];
                 *bell = Some(a.daemon_bell.as_raw_fd());
                 let s = self.sessions[slot].as_mut().expect("live session");
+                let tag = self.core.session_job(s.id).unwrap_or(job);
+                self.ears
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .push((((self.core.index, tag, rank), s.id), a.control.ear()));
                 s.attached = Some(a);
                 self.clients_changed = true;
                 match fds.into_iter().collect::<io::Result<Vec<_>>>() {
@@ -719,6 +772,11 @@ impl HostNic {
             return;
         };
         self.clients_changed |= s.attached.is_some();
+        let index = self.core.index;
+        self.ears
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .retain(|((at, id), _)| (at.0, *id) != (index, s.id));
         self.core.detach(s.id);
     }
 

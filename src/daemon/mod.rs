@@ -107,8 +107,10 @@ impl Daemon {
             hosts.push(h);
         }
         let all_here = (0..cfg.hosts.len() as u16).all(|i| indices.contains(&i));
+        let ears = host::Ears::default();
         for h in &mut hosts {
             h.rx_watch.every_turn = !all_here;
+            h.ears = ears.clone();
         }
         Ok(Daemon {
             poll,

@@ -63,7 +63,10 @@ impl Backoff {
     /// Nothing happened in the last poll.
     pub(crate) fn idle(&mut self, conduit: &mut dyn Conduit) -> Result<(), GasnetError> {
         self.idle = self.idle.saturating_add(1);
-        if self.idle <= SPIN_POLLS || (self.op_spinning && !self.idle.is_multiple_of(CLOCK_EVERY)) {
+        if self.idle <= SPIN_POLLS
+            || (self.op_spinning && !self.idle.is_multiple_of(CLOCK_EVERY))
+            || conduit.keep_core()
+        {
             std::hint::spin_loop();
             return Ok(());
         }

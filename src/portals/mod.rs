@@ -438,7 +438,7 @@ impl Portals {
     ) -> Result<(), PortalsError> {
         *spins += 1;
         self.ep.progress();
-        if *spins < crate::client::SPIN_BEFORE_YIELD {
+        if *spins < crate::client::SPIN_BEFORE_YIELD || self.ep.client().keep_core() {
             std::hint::spin_loop();
         } else if start.elapsed() < Duration::from_micros(500) {
             self.ep.client().yield_now();

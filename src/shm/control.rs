@@ -28,6 +28,10 @@ const CLIENT_SLEEPING: usize = 384;
 const NIC_CPU: usize = 448;
 const WAITER_CPU: usize = 512;
 const CLIENTS: usize = 576;
+/// Messages for this client that the daemon's process took from another's commands, and
+/// news it gave the others (see [`Waiter::keep_core`]).
+const SPOKEN_TO: usize = 640;
+const OTHERS_NEWS: usize = 704;
 const REC_CMD: u32 = 1;
 const REC_PAD: u32 = 2;
 /// Bytes of a command descriptor (after the 8-byte record header).
@@ -632,6 +636,11 @@ impl Control {
         decode_cpu(self.flag(WAITER_CPU))
     }
 
+    /// The daemon's handle for telling this client of messages on their way (see [`Ear`]).
+    pub fn ear(&self) -> Ear {
+        Ear(self.map.clone())
+    }
+
     /// A handle that yields the client's core the announced way, borrowing nothing.
     pub fn waiter(&self) -> Waiter {
         Waiter {
@@ -663,7 +672,121 @@ pub struct Waiter {
     map: std::sync::Arc<Mapping>,
 }
 
+/// Where the daemon tells a client, as it takes another's commands, that a message for it is
+/// on its way, and that another client got news (what [`Waiter::keep_core`] goes by).
+#[derive(Clone)]
+pub struct Ear(std::sync::Arc<Mapping>);
+
+impl Ear {
+    /// Another client sent this one a message.
+    pub fn spoken_to(&self) {
+        self.word(SPOKEN_TO).fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Other clients got `n` pieces of news (completions, events, messages).
+    pub fn news_for_others(&self, n: u64) {
+        self.word(OTHERS_NEWS).fetch_add(n, Ordering::Relaxed);
+    }
+
+    fn word(&self, at: usize) -> &AtomicU64 {
+        // SAFETY: fixed, 8-aligned offsets inside the header of a live mapping.
+        unsafe { &*(self.0.as_ptr().add(at) as *const AtomicU64) }
+    }
+}
+
+/// What [`Waiter::keep_core`] remembers of this thread's waits.
+#[derive(Default)]
+struct Keep {
+    /// The control block it was about (another client's counts mean nothing here).
+    block: usize,
+    /// This client's command tail at the last look, and the messages for it counted then.
+    tail: u64,
+    heard_at_send: u64,
+    /// The count the last long spin was granted for.
+    granted: u64,
+    /// The long spin running: until when, for which tail, and the others' news then.
+    until: Option<(std::time::Instant, u64, u64)>,
+    looks: u32,
+}
+
+thread_local! {
+    static KEEP: std::cell::RefCell<Keep> = std::cell::RefCell::new(Keep::default());
+}
+
+/// The longest a waiter keeps its core (see [`Waiter::keep_core`]): well above a one-way
+/// trip through the NIC (~3 µs here).
+pub const KEEP_CORE_FOR: std::time::Duration = std::time::Duration::from_micros(20);
+
 impl Waiter {
+    /// For a wait past its first polls: whether to keep spinning instead of yielding.
+    /// Ranks that share a core and wait on each other otherwise hand it back and forth, a
+    /// context switch (~1 µs on these machines) each time, and a message for the one
+    /// switched out waits for the other's next yield. The daemon counts, in the addressee's
+    /// control block, every message (put, VELO or RMA message) it takes from another client
+    /// of its process: one for which that count moved since it last spoke itself has a
+    /// message on its way, and keeps the core — once per count, for [`KEEP_CORE_FOR`] at
+    /// most, and only until another client gets news (which may be what that one waits for
+    /// on this core). The sender yields and is not switched back in before its answer can be
+    /// there. Nobody else keeps the core: not a waiter on the NIC's own core (it would hold up
+    /// the daemon), not where clients outnumber the other cores two to one (a spin would hold
+    /// up several).
+    pub fn keep_core(&self) -> bool {
+        let Some(nic) = decode_cpu(flag(&self.map, NIC_CPU)) else {
+            return false;
+        };
+        let tail = self.atomic(CMD_TAIL).load(Ordering::Relaxed);
+        let heard = self.atomic(SPOKEN_TO).load(Ordering::Relaxed);
+        let block = self.map.as_ptr() as usize;
+        KEEP.with_borrow_mut(|k| {
+            if k.block != block {
+                *k = Keep {
+                    block,
+                    tail,
+                    heard_at_send: heard,
+                    granted: heard,
+                    ..Keep::default()
+                };
+            }
+            if k.tail != tail {
+                // Spoke since the last look: messages counted so far came before.
+                k.tail = tail;
+                k.heard_at_send = heard;
+                k.until = None;
+            }
+            if let Some((until, t, news)) = k.until {
+                k.looks = k.looks.wrapping_add(1);
+                // The clock and the news every 8th look: a read costs about as much as a poll.
+                if t == tail
+                    && (!k.looks.is_multiple_of(8)
+                        || (std::time::Instant::now() < until
+                            && self.atomic(OTHERS_NEWS).load(Ordering::Relaxed) == news))
+                {
+                    return true;
+                }
+                k.until = None;
+                return false;
+            }
+            if heard == k.heard_at_send || heard == k.granted {
+                return false;
+            }
+            let sharing = flag(&self.map, CLIENTS).load(Ordering::Relaxed) as usize;
+            if sharing > 2 * super::cores::other_cpus(nic)
+                || super::cores::current_cpu() == Some(nic)
+            {
+                return false;
+            }
+            k.granted = heard;
+            let news = self.atomic(OTHERS_NEWS).load(Ordering::Relaxed);
+            k.until = Some((std::time::Instant::now() + KEEP_CORE_FOR, tail, news));
+            true
+        })
+    }
+
+    fn atomic(&self, at: usize) -> &AtomicU64 {
+        // SAFETY: fixed, 8-aligned offsets inside the header of a live mapping.
+        unsafe { &*(self.map.as_ptr().add(at) as *const AtomicU64) }
+    }
+
     pub fn yield_now(&self) {
         let nic = decode_cpu(flag(&self.map, NIC_CPU));
         if let Some(n) = nic {
@@ -724,6 +847,48 @@ mod tests {
             Some(u32::MAX - 1),
             "saturates, never wraps to unknown"
         );
+    }
+
+    #[test]
+    fn a_waiter_keeps_its_core_once_per_message_on_its_way_until_it_speaks() {
+        // In a thread of its own: what `keep_core` remembers is the thread's.
+        std::thread::spawn(|| {
+            let (d, c) = pair();
+            let w = c.waiter();
+            let ear = d.ear();
+            assert!(!w.keep_core(), "unpinned NIC: never");
+            // A CPU this thread never runs on; two clients, which the other CPUs hold.
+            d.set_nic_cpu(Some(1000));
+            d.set_clients(2);
+            assert!(!w.keep_core(), "nothing on its way");
+            ear.spoken_to();
+            assert!(w.keep_core(), "a message on its way: keep the core");
+            assert!(w.keep_core(), "for a while");
+            // It speaks (a command): the next move is the other's.
+            assert!(c.cmd_push(&Command::default(), &[]));
+            assert!(!w.keep_core(), "the last speaker yields");
+            ear.spoken_to();
+            assert!(w.keep_core(), "answered: keep it again");
+            // Another client got news: maybe what it waits for on this core.
+            ear.news_for_others(1);
+            assert!((0..8).any(|_| !w.keep_core()), "gives way within 8 looks");
+            assert!(!w.keep_core(), "once per message");
+            ear.spoken_to();
+            let start = std::time::Instant::now();
+            while w.keep_core() {
+                assert!(
+                    start.elapsed() < std::time::Duration::from_secs(1),
+                    "a spin ends"
+                );
+            }
+            assert!(start.elapsed() >= KEEP_CORE_FOR, "after KEEP_CORE_FOR");
+            // More clients than twice the other CPUs: a spin would hold up several.
+            d.set_clients(2 * crate::shm::cores::other_cpus(1000) as u32 + 1);
+            ear.spoken_to();
+            assert!(!w.keep_core(), "crowded: never");
+        })
+        .join()
+        .unwrap();
     }
 
     #[test]

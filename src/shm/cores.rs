@@ -54,6 +54,15 @@ fn others(cpus: &[u32], cpu: u32) -> impl Iterator<Item = u32> + '_ {
     cpus.iter().copied().filter(move |&c| c != cpu)
 }
 
+/// How many CPUs the calling thread may use besides `nic` (asked once per thread: leaving
+/// the NIC's core, see [`keep_off`], does not change the count).
+pub fn other_cpus(nic: u32) -> usize {
+    thread_local! {
+        static OTHERS: std::cell::OnceCell<usize> = const { std::cell::OnceCell::new() };
+    }
+    OTHERS.with(|o| *o.get_or_init(|| allowed().map_or(0, |c| others(&c, nic).count())))
+}
+
 /// Restricts the calling thread, allowed `cpus`, to those other than `cpu`; `false` when there
 /// are none (or the kernel refuses), the thread then stays where it is.
 pub fn leave(cpus: &[u32], cpu: u32) -> bool {

@@ -516,4 +516,8 @@ impl Conduit for ExtollConduit {
     fn off_nic_core(&mut self) -> bool {
         self.ep.borrow().client().off_nic_core()
     }
+
+    fn keep_core(&mut self) -> bool {
+        self.ep.borrow().client().keep_core()
+    }
 }

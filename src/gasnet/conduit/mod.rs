@@ -139,6 +139,11 @@ pub trait Conduit {
     fn yield_now(&mut self) {
         std::thread::yield_now();
     }
+    /// For a wait past its first polls: whether to keep spinning rather than yield, because
+    /// the message due next is ours (see `shm::control::Waiter::keep_core`).
+    fn keep_core(&mut self) -> bool {
+        false
+    }
     /// For a wait that outlasts its first spin: whether we run on another core than a pinned
     /// NIC's (moving off it if we are on it), so that waiting costs the NIC nothing.
     fn off_nic_core(&mut self) -> bool {

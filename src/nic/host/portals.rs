@@ -197,6 +197,8 @@ pub struct MirrorScratch {
     woken: Vec<(u32, u32)>,
     /// One interface's changed counts.
     cts: Vec<(u32, CtEvent)>,
+    /// (job, rank) of processes whose counts changed without waking them.
+    news: Vec<(u32, u32)>,
 }
 
 /// Acknowledgements in full waiting to leave for one peer as one `PtlAcks` op: sent once the
@@ -571,13 +573,21 @@ impl HostCore {
                             r => r.map(|_| 0),
                         }
                     }
-                    None => match self.ptl_start(job, rank, ni, spec) {
-                        // Started: what it released is run where its counts change
-                        // (`ptl_start`, `ptl_complete`), so the scan below has nothing to
-                        // find. A start that failed may have counted the failure.
-                        Ok(()) => return Ok(0),
-                        Err(e) => Err(e),
-                    },
+                    None => {
+                        if let (ReqKind::Put, ProcessId::Physical { nid, pid }) =
+                            (spec.kind, spec.target)
+                        {
+                            // Whom this call sends a message to (not what it releases).
+                            self.addressed = Some((nid as u16, job, pid));
+                        }
+                        match self.ptl_start(job, rank, ni, spec) {
+                            // Started: what it released is run where its counts change
+                            // (`ptl_start`, `ptl_complete`), so the scan below has nothing to
+                            // find. A start that failed may have counted the failure.
+                            Ok(()) => return Ok(0),
+                            Err(e) => Err(e),
+                        }
+                    }
                 }
             }
         };
@@ -1036,9 +1046,14 @@ impl HostCore {
             return false;
         }
         let mut moved = false;
-        let MirrorScratch { mut woken, mut cts } = std::mem::take(&mut self.ptl_scratch);
+        let MirrorScratch {
+            mut woken,
+            mut cts,
+            mut news,
+        } = std::mem::take(&mut self.ptl_scratch);
         for (&(job, rank), p) in self.portals.iter_mut() {
             let mut any = false;
+            let mut counted = false;
             for s in p.nis.iter_mut().flatten() {
                 if s.ni.notices() == s.mirrored && !s.backlog {
                     continue;
@@ -1069,6 +1084,7 @@ impl HostCore {
                 for (ct, v) in &cts {
                     if let Some(slot) = s.ct_slots.get(ct) {
                         moved = true;
+                        counted = true;
                         any |= slot.store(*v);
                     }
                 }
@@ -1076,6 +1092,8 @@ impl HostCore {
             if any {
                 moved = true;
                 woken.push((job, rank));
+            } else if counted {
+                news.push((job, rank));
             }
         }
         for (job, rank) in woken.drain(..) {
@@ -1083,7 +1101,11 @@ impl HostCore {
                 self.wakes.push(ep.session);
             }
         }
-        self.ptl_scratch = MirrorScratch { woken, cts };
+        // A count that wakes nobody (below a sleeper's threshold) is still news.
+        for (job, rank) in news.drain(..) {
+            self.delivered(job, rank);
+        }
+        self.ptl_scratch = MirrorScratch { woken, cts, news };
         moved
     }
 }

@@ -495,6 +495,10 @@ impl Conduit for PortalsConduit {
         self.p.endpoint().client().off_nic_core()
     }
 
+    fn keep_core(&mut self) -> bool {
+        self.p.endpoint().client().keep_core()
+    }
+
     fn one_sided(&self) -> bool {
         // Put, get and atomics are Portals operations the target's NIC serves alone.
         true
