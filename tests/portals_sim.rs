@@ -4,6 +4,7 @@
 //! network loses, duplicates or reorders; fragmented messages arrive whole.
 
 use softnic::nic::memory::{HeapBacking, Perms, Region};
+use softnic::nic::portals::initiator::md;
 use softnic::nic::portals::types::{me, RANK_ANY};
 use softnic::nic::portals::{AckReq, OpSpec, ProcessId, ReqKind};
 use softnic::nic::portals::{EventKind, NiFail};
@@ -689,7 +690,7 @@ fn a_portals_put_names_its_target_a_get_does_not() {
         },
     ) as u32;
     let tag = c.host(0).unwrap().session_job(i.session).unwrap();
-    c.host_mut(0).unwrap().take_addressed();
+    c.host_mut(0).unwrap().poll_addressed();
     let put = OpSpec {
         kind: ReqKind::Put,
         ack_req: AckReq::NoAck,
@@ -715,12 +716,12 @@ fn a_portals_put_names_its_target_a_get_does_not() {
         &mut c,
         &PtlCall::Op {
             ni: 0,
-            op: put,
+            op: put.clone(),
             trigger: None,
         },
         true,
     );
-    assert_eq!(c.host_mut(0).unwrap().take_addressed(), Some((1, tag, 1)));
+    assert_eq!(c.host_mut(0).unwrap().poll_addressed(), Some((1, tag, 1)));
     i.submit(
         &mut c,
         &PtlCall::Op {
@@ -730,5 +731,49 @@ fn a_portals_put_names_its_target_a_get_does_not() {
         },
         true,
     );
-    assert_eq!(c.host_mut(0).unwrap().take_addressed(), None);
+    assert_eq!(c.host_mut(0).unwrap().poll_addressed(), None);
+    // Armed, a triggered put names its target only when it fires.
+    let (ct, _slot) = i.ct(&mut c);
+    let armed = PtlCall::Op {
+        ni: 0,
+        op: put.clone(),
+        trigger: Some((ct, 1)),
+    };
+    i.submit(&mut c, &armed, true);
+    assert_eq!(c.host_mut(0).unwrap().poll_addressed(), None, "armed");
+    let inc = PtlCall::CtInc {
+        ni: 0,
+        ct,
+        success: 1,
+        failure: 0,
+    };
+    i.submit(&mut c, &inc, true);
+    assert_eq!(
+        c.host_mut(0).unwrap().poll_addressed(),
+        Some((1, tag, 1)),
+        "fired"
+    );
+    // An MD whose puts nobody waits for (softnic's QUIET option, MPI's windows).
+    let quiet = i.call(
+        &mut c,
+        PtlCall::MdBind {
+            ni: 0,
+            region: handle,
+            segments: vec![(0, 64)],
+            options: md::QUIET,
+            eq: None,
+            ct: None,
+        },
+    ) as u32;
+    let op = OpSpec { md: quiet, ..put };
+    i.submit(
+        &mut c,
+        &PtlCall::Op {
+            ni: 0,
+            op,
+            trigger: None,
+        },
+        true,
+    );
+    assert_eq!(c.host_mut(0).unwrap().poll_addressed(), None, "quiet");
 }

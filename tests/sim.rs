@@ -881,7 +881,7 @@ fn the_nic_names_the_addressee_of_puts_not_of_gets_or_atomics() {
     let mut c = SimCluster::new(NHOSTS, cfg(), SimConfig::default());
     let _regions = attach_job(&mut c, JOB);
     let tag = c.host(0).unwrap().session_job(session(0)).unwrap();
-    let take = |c: &mut SimCluster| c.host_mut(0).unwrap().take_addressed();
+    let take = |c: &mut SimCluster| c.host_mut(0).unwrap().poll_addressed();
     let mut put = cmd(CommandKind::PutInline, 1, 2);
     put.remote_off = SLOTS_AT;
     put.len = 8;

@@ -123,11 +123,8 @@ pub struct HostNic {
     /// The time of the last turn, and when it was: `now` between turns.
     last_now: (u64, std::time::Instant),
     /// The attached clients of every host this process serves (shared by its hosts), each
-    /// told when a message for it is taken from another's commands, and when another got
-    /// news (`Waiter::keep_core`).
+    /// told when a message for it leaves (`Waiter::keep_core`).
     pub(super) ears: Ears,
-    /// The sessions that got news this turn (kept to spare an allocation per turn).
-    news: Vec<u64>,
 }
 
 impl HostNic {
@@ -286,7 +283,6 @@ impl HostNic {
             link_line,
             last_now: (0, std::time::Instant::now()),
             ears: Default::default(),
-            news: Vec::new(),
         })
     }
 
@@ -412,34 +408,14 @@ impl HostNic {
                 }
             }
         }
-        let mut news = std::mem::take(&mut self.news);
-        while let Some(session) = self.core.poll_news() {
-            news.push(session);
-        }
         for s in self.sessions.iter_mut().flatten() {
             if let Some(a) = s.attached.as_mut() {
-                if a.rung {
-                    news.push(s.id);
-                }
                 if a.wake_if_sleeping() {
                     self.counters.client_wakes += 1;
                 }
             }
         }
-        if !news.is_empty() {
-            // A client keeping its core for a message (`Waiter::keep_core`) gives it up when
-            // news comes for another instead, which may be the one it holds the core from.
-            let ears = self.ears.lock().unwrap_or_else(|e| e.into_inner());
-            let index = self.core.index;
-            for ((at, id), ear) in ears.iter() {
-                let n = news.iter().filter(|&m| (at.0, *id) != (index, *m)).count() as u64;
-                if n > 0 {
-                    ear.news_for_others(n);
-                }
-            }
-            news.clear();
-        }
-        self.news = news;
+        self.tell_addressees();
         for slot in broken {
             tracing::warn!(host = %self.core.name, "client let its completion queue overflow: disconnecting it");
             self.detach(slot);
@@ -447,12 +423,19 @@ impl HostNic {
         any
     }
 
-    /// Tells the process `to` (host, job, rank) that a message for it is on its way, if
-    /// this daemon process serves it (`Waiter::keep_core`).
-    fn tell(&self, to: (u16, u32, u32)) {
+    /// Tells each process a message was just sent to that it is on its way, if this daemon
+    /// process serves it (`Waiter::keep_core`).
+    fn tell_addressees(&mut self) {
+        let Some(first) = self.core.poll_addressed() else {
+            return;
+        };
         let ears = self.ears.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some((_, ear)) = ears.iter().find(|(k, _)| k.0 == to) {
-            ear.spoken_to();
+        let mut to = Some(first);
+        while let Some(t) = to {
+            if let Some((_, ear)) = ears.iter().find(|(k, _)| k.0 == t) {
+                ear.spoken_to();
+            }
+            to = self.core.poll_addressed();
         }
     }
 
@@ -499,9 +482,7 @@ impl HostNic {
             let flow = match Command::decode(&buf) {
                 Ok((cmd, inline)) => {
                     let flow = self.core.handle_command(now, id, &cmd, inline);
-                    if let Some(to) = self.core.take_addressed() {
-                        self.tell(to);
-                    }
+                    self.tell_addressees();
                     flow
                 }
                 Err(e) => {

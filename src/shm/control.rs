@@ -28,10 +28,9 @@ const CLIENT_SLEEPING: usize = 384;
 const NIC_CPU: usize = 448;
 const WAITER_CPU: usize = 512;
 const CLIENTS: usize = 576;
-/// Messages for this client that the daemon's process took from another's commands, and
-/// news it gave the others (see [`Waiter::keep_core`]).
+/// Messages sent to this client by the others the daemon's process serves (see
+/// [`Waiter::keep_core`]).
 const SPOKEN_TO: usize = 640;
-const OTHERS_NEWS: usize = 704;
 const REC_CMD: u32 = 1;
 const REC_PAD: u32 = 2;
 /// Bytes of a command descriptor (after the 8-byte record header).
@@ -672,25 +671,18 @@ pub struct Waiter {
     map: std::sync::Arc<Mapping>,
 }
 
-/// Where the daemon tells a client, as it takes another's commands, that a message for it is
-/// on its way, and that another client got news (what [`Waiter::keep_core`] goes by).
+/// Where the daemon tells a client that a message for it is on its way, as it sends one
+/// another client of its process asked for or a triggered operation fired (what
+/// [`Waiter::keep_core`] goes by).
 #[derive(Clone)]
 pub struct Ear(std::sync::Arc<Mapping>);
 
 impl Ear {
-    /// Another client sent this one a message.
+    /// A message for this client left.
     pub fn spoken_to(&self) {
-        self.word(SPOKEN_TO).fetch_add(1, Ordering::Relaxed);
-    }
-
-    /// Other clients got `n` pieces of news (completions, events, messages).
-    pub fn news_for_others(&self, n: u64) {
-        self.word(OTHERS_NEWS).fetch_add(n, Ordering::Relaxed);
-    }
-
-    fn word(&self, at: usize) -> &AtomicU64 {
-        // SAFETY: fixed, 8-aligned offsets inside the header of a live mapping.
-        unsafe { &*(self.0.as_ptr().add(at) as *const AtomicU64) }
+        // SAFETY: a fixed, 8-aligned offset inside the header of a live mapping.
+        let w = unsafe { &*(self.0.as_ptr().add(SPOKEN_TO) as *const AtomicU64) };
+        w.fetch_add(1, Ordering::Relaxed);
     }
 }
 
@@ -704,8 +696,8 @@ struct Keep {
     heard_at_send: u64,
     /// The count the last long spin was granted for.
     granted: u64,
-    /// The long spin running: until when, for which tail, and the others' news then.
-    until: Option<(std::time::Instant, u64, u64)>,
+    /// The long spin running: until when, and for which tail.
+    until: Option<(std::time::Instant, u64)>,
     looks: u32,
 }
 
@@ -722,14 +714,13 @@ impl Waiter {
     /// Ranks that share a core and wait on each other otherwise hand it back and forth, a
     /// context switch (~1 µs on these machines) each time, and a message for the one
     /// switched out waits for the other's next yield. The daemon counts, in the addressee's
-    /// control block, every message (put, VELO or RMA message) it takes from another client
-    /// of its process: one for which that count moved since it last spoke itself has a
-    /// message on its way, and keeps the core — once per count, for [`KEEP_CORE_FOR`] at
-    /// most, and only until another client gets news (which may be what that one waits for
-    /// on this core). The sender yields and is not switched back in before its answer can be
-    /// there. Nobody else keeps the core: not a waiter on the NIC's own core (it would hold up
-    /// the daemon), not where clients outnumber the other cores two to one (a spin would hold
-    /// up several).
+    /// control block, every message (put, VELO or RMA message) that another client of its
+    /// process sends it, or a triggered put fires for it: a client for which that count moved
+    /// since it last spoke itself has a message on its way, and keeps the core — once per
+    /// count, for [`KEEP_CORE_FOR`] at most. The sender yields and is not switched back in
+    /// before its answer can be there. Nobody else keeps the core: not a waiter on the NIC's
+    /// own core (it would hold up the daemon), not where clients outnumber the other cores
+    /// two to one (a spin would hold up several).
     pub fn keep_core(&self) -> bool {
         let Some(nic) = decode_cpu(flag(&self.map, NIC_CPU)) else {
             return false;
@@ -753,14 +744,10 @@ impl Waiter {
                 k.heard_at_send = heard;
                 k.until = None;
             }
-            if let Some((until, t, news)) = k.until {
+            if let Some((until, t)) = k.until {
                 k.looks = k.looks.wrapping_add(1);
-                // The clock and the news every 8th look: a read costs about as much as a poll.
-                if t == tail
-                    && (!k.looks.is_multiple_of(8)
-                        || (std::time::Instant::now() < until
-                            && self.atomic(OTHERS_NEWS).load(Ordering::Relaxed) == news))
-                {
+                // The clock every 8th look: a read costs about as much as a poll.
+                if t == tail && (!k.looks.is_multiple_of(8) || std::time::Instant::now() < until) {
                     return true;
                 }
                 k.until = None;
@@ -776,8 +763,7 @@ impl Waiter {
                 return false;
             }
             k.granted = heard;
-            let news = self.atomic(OTHERS_NEWS).load(Ordering::Relaxed);
-            k.until = Some((std::time::Instant::now() + KEEP_CORE_FOR, tail, news));
+            k.until = Some((std::time::Instant::now() + KEEP_CORE_FOR, tail));
             true
         })
     }
@@ -869,11 +855,6 @@ mod tests {
             assert!(!w.keep_core(), "the last speaker yields");
             ear.spoken_to();
             assert!(w.keep_core(), "answered: keep it again");
-            // Another client got news: maybe what it waits for on this core.
-            ear.news_for_others(1);
-            assert!((0..8).any(|_| !w.keep_core()), "gives way within 8 looks");
-            assert!(!w.keep_core(), "once per message");
-            ear.spoken_to();
             let start = std::time::Instant::now();
             while w.keep_core() {
                 assert!(
@@ -882,6 +863,7 @@ mod tests {
                 );
             }
             assert!(start.elapsed() >= KEEP_CORE_FOR, "after KEEP_CORE_FOR");
+            assert!(!w.keep_core(), "once per message");
             // More clients than twice the other CPUs: a spin would hold up several.
             d.set_clients(2 * crate::shm::cores::other_cpus(1000) as u32 + 1);
             ear.spoken_to();

@@ -205,8 +205,12 @@ impl Win {
             let staging = st.p.endpoint().mem_register(STAGING, Perms(0))?;
             let ct = st.p.ct_alloc(ni)?;
             let eq = st.p.eq_alloc(ni, REQ_EQ_LEN)?;
-            let counted =
-                md_opt::EVENT_CT_ACK | md_opt::EVENT_CT_REPLY | md_opt::EVENT_SEND_DISABLE;
+            // QUIET: a window's target does not wait for the puts (it learns of them at the
+            // epoch's synchronisation), so its NIC does not keep its core for them.
+            let counted = md_opt::EVENT_CT_ACK
+                | md_opt::EVENT_CT_REPLY
+                | md_opt::EVENT_SEND_DISABLE
+                | md_opt::QUIET;
             let mut bind = |options, eq| {
                 st.p.md_bind(
                     ni,

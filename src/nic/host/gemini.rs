@@ -637,10 +637,6 @@ impl HostCore {
 
     /// Executes a command whose target is on this host, without the network.
     pub(super) fn local(&mut self, h: OpHeader, c: &Command, inline: &[u8]) -> (Status, u64) {
-        use CommandKind::*;
-        if matches!(c.kind, PutInline | PutFrom | PutV | Amo | AmoScatter) {
-            self.delivered(h.job, h.dst_rank);
-        }
         let own = |eps: &Endpoints| {
             eps.region(h.job, h.src_rank, c.local_region)
                 .and_then(|r| r.check_local(c.local_off, c.len).map(|_| r.clone()))
@@ -852,13 +848,6 @@ impl HostCore {
                     OpRef::Put { .. } | OpRef::PutV { .. } => self.stats.served_put += 1,
                     OpRef::Get { .. } | OpRef::GetV { .. } => self.stats.served_get += 1,
                     _ => self.stats.served_amo += 1,
-                }
-                if let OpRef::Put { h, .. }
-                | OpRef::PutV { h, .. }
-                | OpRef::Amo { h, .. }
-                | OpRef::AmoScatter { h, .. } = op
-                {
-                    self.delivered(h.job, h.dst_rank);
                 }
                 match serve(&self.endpoints, op) {
                     TargetAction::None => {}

@@ -104,10 +104,8 @@ pub struct HostCore {
     ready: VecDeque<(u64, CqEntry)>,
     /// Sessions whose event queues or counts changed (for `poll_wake`).
     wakes: Vec<u64>,
-    /// See [`HostCore::take_addressed`].
-    addressed: Option<(u16, u32, u32)>,
-    /// See [`HostCore::poll_news`].
-    news: Vec<u64>,
+    /// See [`HostCore::poll_addressed`].
+    addressed: Vec<(u16, u32, u32)>,
     /// Portals interfaces of the attached processes, by (job, rank).
     portals: HashMap<(u32, u32), portals::PortalsProc>,
     ptl_asm: crate::nic::portals::wire::Reassembly,
@@ -162,8 +160,7 @@ impl HostCore {
             raw_completions: Vec::new(),
             ready: VecDeque::new(),
             wakes: Vec::new(),
-            addressed: None,
-            news: Vec::new(),
+            addressed: Vec::new(),
             portals: HashMap::default(),
             ptl_asm: Default::default(),
             ptl_payload: Vec::new(),
@@ -198,16 +195,17 @@ impl HostCore {
             cmd.kind,
             PutInline | PutFrom | PutV | VeloSend | RmaPut | RmaImmediate
         ) {
-            self.addressed = Some((cmd.host, job, cmd.rank));
+            self.addressed.push((cmd.host, job, cmd.rank));
         }
         self.command(now, session, job, rank, cmd, inline)
     }
 
-    /// Whom the last command sent a message to (host, job, rank): puts and VELO or RMA
-    /// messages, not gets or atomics, which the target does not wait for. The daemon tells
-    /// that process if it serves it (`shm::control::Waiter::keep_core`).
-    pub fn take_addressed(&mut self) -> Option<(u16, u32, u32)> {
-        self.addressed.take()
+    /// A process (host, job, rank) a message was sent to since the last call: puts and VELO
+    /// or RMA messages a command sent, and the puts of triggered operations as they fire;
+    /// not gets or atomics, which the target does not wait for. The daemon tells that
+    /// process if it serves it (`shm::control::Waiter::keep_core`).
+    pub fn poll_addressed(&mut self) -> Option<(u16, u32, u32)> {
+        self.addressed.pop()
     }
 
     /// A datagram from the network (from whom is proven by its authentication tag, not by
@@ -304,23 +302,6 @@ impl HostCore {
     /// Whether completions wait to be polled.
     pub fn has_completions(&self) -> bool {
         !self.ready.is_empty() || !self.completions.is_empty() || !self.raw_completions.is_empty()
-    }
-
-    /// A session something was delivered to since the last call: memory a put or AMO wrote,
-    /// an event, a count, a message, a completion. A client keeping its core for a message of
-    /// its own gives way to another that got news (`shm::control::Waiter::keep_core`).
-    pub fn poll_news(&mut self) -> Option<u64> {
-        self.news.pop()
-    }
-
-    /// Notes news for the process `rank` of `job`, if attached here.
-    pub(super) fn delivered(&mut self, job: u32, rank: u32) {
-        if let Ok(ep) = self.endpoints.get(job, rank) {
-            let s = ep.session;
-            if self.news.last() != Some(&s) {
-                self.news.push(s);
-            }
-        }
     }
 
     /// A session whose event queues or counting events changed since the last call.

@@ -5,7 +5,7 @@
 use rustc_hash::FxHashMap as HashMap;
 
 use crate::nic::memory::Region;
-use crate::nic::portals::initiator::PayloadSource;
+use crate::nic::portals::initiator::{md as md_opt, PayloadSource};
 use crate::nic::portals::triggered::TriggeredAction;
 use crate::nic::portals::wire::{encode_kind, request_ops, response_ops, Whole};
 use crate::nic::portals::ReqKind;
@@ -197,8 +197,6 @@ pub struct MirrorScratch {
     woken: Vec<(u32, u32)>,
     /// One interface's changed counts.
     cts: Vec<(u32, CtEvent)>,
-    /// (job, rank) of processes whose counts changed without waking them.
-    news: Vec<(u32, u32)>,
 }
 
 /// Acknowledgements in full waiting to leave for one peer as one `PtlAcks` op: sent once the
@@ -578,7 +576,14 @@ impl HostCore {
                             (spec.kind, spec.target)
                         {
                             // Whom this call sends a message to (not what it releases).
-                            self.addressed = Some((nid as u16, job, pid));
+                            let quiet = self
+                                .ni_state(job, rank, ni)?
+                                .ni
+                                .md_options(spec.md)
+                                .is_some_and(|o| o & md_opt::QUIET != 0);
+                            if !quiet {
+                                self.addressed.push((nid as u16, job, pid));
+                            }
                         }
                         match self.ptl_start(job, rank, ni, spec) {
                             // Started: what it released is run where its counts change
@@ -830,6 +835,10 @@ impl HostCore {
             else {
                 return;
             };
+            if let (ReqKind::Put, ProcessId::Physical { nid, pid }) = (spec.kind, spec.target) {
+                // A collective's NIC sends this on its own: its target learns it is coming.
+                self.addressed.push((nid as u16, job, pid));
+            }
             if let Err(e) = self.ptl_start(job, rank, ni, spec) {
                 tracing::debug!(host = %self.name, "triggered operation could not start: {e}");
             }
@@ -1046,14 +1055,9 @@ impl HostCore {
             return false;
         }
         let mut moved = false;
-        let MirrorScratch {
-            mut woken,
-            mut cts,
-            mut news,
-        } = std::mem::take(&mut self.ptl_scratch);
+        let MirrorScratch { mut woken, mut cts } = std::mem::take(&mut self.ptl_scratch);
         for (&(job, rank), p) in self.portals.iter_mut() {
             let mut any = false;
-            let mut counted = false;
             for s in p.nis.iter_mut().flatten() {
                 if s.ni.notices() == s.mirrored && !s.backlog {
                     continue;
@@ -1084,7 +1088,6 @@ impl HostCore {
                 for (ct, v) in &cts {
                     if let Some(slot) = s.ct_slots.get(ct) {
                         moved = true;
-                        counted = true;
                         any |= slot.store(*v);
                     }
                 }
@@ -1092,8 +1095,6 @@ impl HostCore {
             if any {
                 moved = true;
                 woken.push((job, rank));
-            } else if counted {
-                news.push((job, rank));
             }
         }
         for (job, rank) in woken.drain(..) {
@@ -1101,11 +1102,7 @@ impl HostCore {
                 self.wakes.push(ep.session);
             }
         }
-        // A count that wakes nobody (below a sleeper's threshold) is still news.
-        for (job, rank) in news.drain(..) {
-            self.delivered(job, rank);
-        }
-        self.ptl_scratch = MirrorScratch { woken, cts, news };
+        self.ptl_scratch = MirrorScratch { woken, cts };
         moved
     }
 }

@@ -49,7 +49,7 @@ impl HostCore {
     /// Attaches `session` as rank `rank` of `job` (of `size` ranks). The first session of a
     /// job fixes its key; later ones must present the same.
     /// The job a session's process runs in, as the engines name it (the tag that
-    /// [`HostCore::take_addressed`] reports).
+    /// [`HostCore::poll_addressed`] reports).
     pub fn session_job(&self, session: u64) -> Option<u32> {
         self.sessions.get(&session).map(|s| s.job)
     }

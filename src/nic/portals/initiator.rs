@@ -26,7 +26,12 @@ pub mod md {
     pub const UNORDERED: u32 = 1 << 11;
     pub const VOLATILE: u32 = 1 << 12;
     pub const IOVEC: u32 = 1;
-    pub const ALL: u32 = EVENT_SUCCESS_DISABLE
+    /// softnic's own: the targets of this MD's puts do not wait for them (one-sided data, as
+    /// MPI's windows take it), so their NIC does not tell them a message is on its way
+    /// (`shm::control::Waiter::keep_core`), which would have them spin for it.
+    pub const QUIET: u32 = 1 << 16;
+    pub const ALL: u32 = QUIET
+        | EVENT_SUCCESS_DISABLE
         | EVENT_SEND_DISABLE
         | EVENT_CT_SEND
         | EVENT_CT_REPLY
@@ -185,6 +190,11 @@ pub struct Outgoing {
 
 impl PortalsNi {
     /// PtlMDBind: `segments` are (offset, length) pieces of `region` (one piece unless IOVEC).
+    /// The options of MD `h`, if it is bound.
+    pub fn md_options(&self, h: u32) -> Option<u32> {
+        self.mds.get(h).map(|m| m.options)
+    }
+
     pub fn md_bind(
         &mut self,
         region: Region,
