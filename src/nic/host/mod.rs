@@ -86,6 +86,9 @@ pub enum Flow {
     Backpressure,
 }
 
+/// Messages noted for [`HostCore::poll_addressed`] between two polls, at most.
+const ADDRESSED_MAX: usize = 1024;
+
 /// One host's soft NIC; see the module doc.
 pub struct HostCore {
     pub index: u16,
@@ -195,7 +198,7 @@ impl HostCore {
             cmd.kind,
             PutInline | PutFrom | PutV | VeloSend | RmaPut | RmaImmediate
         ) {
-            self.addressed.push((cmd.host, job, cmd.rank));
+            self.address((cmd.host, job, cmd.rank));
         }
         self.command(now, session, job, rank, cmd, inline)
     }
@@ -206,6 +209,14 @@ impl HostCore {
     /// process if it serves it (`shm::control::Waiter::keep_core`).
     pub fn poll_addressed(&mut self) -> Option<(u16, u32, u32)> {
         self.addressed.pop()
+    }
+
+    /// Notes a message to `to` for [`HostCore::poll_addressed`]; a driver that never asks
+    /// (the simulated network) keeps at most `ADDRESSED_MAX`: the news is a hint.
+    pub(super) fn address(&mut self, to: (u16, u32, u32)) {
+        if self.addressed.len() < ADDRESSED_MAX {
+            self.addressed.push(to);
+        }
     }
 
     /// A datagram from the network (from whom is proven by its authentication tag, not by

@@ -582,7 +582,7 @@ impl HostCore {
                                 .md_options(spec.md)
                                 .is_some_and(|o| o & md_opt::QUIET != 0);
                             if !quiet {
-                                self.addressed.push((nid as u16, job, pid));
+                                self.address((nid as u16, job, pid));
                             }
                         }
                         match self.ptl_start(job, rank, ni, spec) {
@@ -837,7 +837,7 @@ impl HostCore {
             };
             if let (ReqKind::Put, ProcessId::Physical { nid, pid }) = (spec.kind, spec.target) {
                 // A collective's NIC sends this on its own: its target learns it is coming.
-                self.addressed.push((nid as u16, job, pid));
+                self.address((nid as u16, job, pid));
             }
             if let Err(e) = self.ptl_start(job, rank, ni, spec) {
                 tracing::debug!(host = %self.name, "triggered operation could not start: {e}");
