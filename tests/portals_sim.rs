@@ -58,6 +58,11 @@ impl Proc {
         req
     }
 
+    /// A data movement (`trigger`: armed on a counting event), posted one-way.
+    fn start(&mut self, c: &mut SimCluster, op: OpSpec, trigger: Option<(u32, u64)>) {
+        self.submit(c, &PtlCall::Op { ni: 0, op, trigger }, true);
+    }
+
     /// A call that returns a handle, run to its completion.
     fn call(&mut self, c: &mut SimCluster, call: PtlCall) -> u64 {
         let req = self.submit(c, &call, false);
@@ -203,36 +208,12 @@ fn matching_order_and_exactly_once_under_loss_duplication_reordering() {
             operand: Vec::new(),
         };
         for k in 0..300u64 {
-            i.submit(
-                &mut c,
-                &PtlCall::Op {
-                    ni: 0,
-                    op: put(1, k * 8, 8),
-                    trigger: None,
-                },
-                true,
-            );
+            i.start(&mut c, put(1, k * 8, 8), None);
             if k < 50 {
-                i.submit(
-                    &mut c,
-                    &PtlCall::Op {
-                        ni: 0,
-                        op: put(2, k * 8, 8),
-                        trigger: None,
-                    },
-                    true,
-                );
+                i.start(&mut c, put(2, k * 8, 8), None);
             }
         }
-        i.submit(
-            &mut c,
-            &PtlCall::Op {
-                ni: 0,
-                op: put(4, 3200, 20_000),
-                trigger: None,
-            },
-            true,
-        );
+        i.start(&mut c, put(4, 3200, 20_000), None);
         for g in 0..10u64 {
             let get = OpSpec {
                 kind: ReqKind::Get,
@@ -241,15 +222,7 @@ fn matching_order_and_exactly_once_under_loss_duplication_reordering() {
                 remote_offset: g * 2000,
                 ..put(4, 0, 2000)
             };
-            i.submit(
-                &mut c,
-                &PtlCall::Op {
-                    ni: 0,
-                    op: get,
-                    trigger: None,
-                },
-                true,
-            );
+            i.start(&mut c, get, None);
         }
         let mut ievents = Vec::new();
         c.run_until(60_000_000_000, |c| {
@@ -712,34 +685,13 @@ fn a_portals_put_names_its_target_a_get_does_not() {
         get_md: Some(md),
         ..put.clone()
     };
-    i.submit(
-        &mut c,
-        &PtlCall::Op {
-            ni: 0,
-            op: put.clone(),
-            trigger: None,
-        },
-        true,
-    );
+    i.start(&mut c, put.clone(), None);
     assert_eq!(c.host_mut(0).unwrap().poll_addressed(), Some((1, tag, 1)));
-    i.submit(
-        &mut c,
-        &PtlCall::Op {
-            ni: 0,
-            op: get,
-            trigger: None,
-        },
-        true,
-    );
+    i.start(&mut c, get, None);
     assert_eq!(c.host_mut(0).unwrap().poll_addressed(), None);
     // Armed, a triggered put names its target only when it fires.
     let (ct, _slot) = i.ct(&mut c);
-    let armed = PtlCall::Op {
-        ni: 0,
-        op: put.clone(),
-        trigger: Some((ct, 1)),
-    };
-    i.submit(&mut c, &armed, true);
+    i.start(&mut c, put.clone(), Some((ct, 1)));
     assert_eq!(c.host_mut(0).unwrap().poll_addressed(), None, "armed");
     let inc = PtlCall::CtInc {
         ni: 0,
@@ -766,14 +718,6 @@ fn a_portals_put_names_its_target_a_get_does_not() {
         },
     ) as u32;
     let op = OpSpec { md: quiet, ..put };
-    i.submit(
-        &mut c,
-        &PtlCall::Op {
-            ni: 0,
-            op,
-            trigger: None,
-        },
-        true,
-    );
+    i.start(&mut c, op, None);
     assert_eq!(c.host_mut(0).unwrap().poll_addressed(), None, "quiet");
 }

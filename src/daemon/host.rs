@@ -83,9 +83,16 @@ fn packet_sizes(d: &PacketDriver, mtu: usize, window: usize) -> (usize, usize) {
     )
 }
 
-/// Every attached client of a daemon process: (host index, job, rank), session id.
-pub(super) type Ears =
-    Arc<std::sync::Mutex<Vec<(((u16, u32, u32), u64), crate::shm::control::Ear)>>>;
+/// An attached client, as a daemon process's hosts tell it of messages on their way.
+pub(super) struct Listener {
+    /// (host index, job as the engines name it, rank).
+    at: (u16, u32, u32),
+    session: u64,
+    ear: crate::shm::control::Ear,
+}
+
+/// Every attached client of a daemon process.
+pub(super) type Ears = Arc<std::sync::Mutex<Vec<Listener>>>;
 
 pub struct HostNic {
     /// The NIC itself: transport, engines, sessions' memory.
@@ -432,8 +439,8 @@ impl HostNic {
         let ears = self.ears.lock().unwrap_or_else(|e| e.into_inner());
         let mut to = Some(first);
         while let Some(t) = to {
-            if let Some((_, ear)) = ears.iter().find(|(k, _)| k.0 == t) {
-                ear.spoken_to();
+            if let Some(l) = ears.iter().find(|l| l.at == t) {
+                l.ear.spoken_to();
             }
             to = self.core.poll_addressed();
         }
@@ -646,7 +653,11 @@ impl HostNic {
                 self.ears
                     .lock()
                     .unwrap_or_else(|e| e.into_inner())
-                    .push((((self.core.index, tag, rank), s.id), a.control.ear()));
+                    .push(Listener {
+                        at: (self.core.index, tag, rank),
+                        session: s.id,
+                        ear: a.control.ear(),
+                    });
                 s.attached = Some(a);
                 self.clients_changed = true;
                 match fds.into_iter().collect::<io::Result<Vec<_>>>() {
@@ -757,7 +768,7 @@ impl HostNic {
         self.ears
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .retain(|((at, id), _)| (at.0, *id) != (index, s.id));
+            .retain(|l| (l.at.0, l.session) != (index, s.id));
         self.core.detach(s.id);
     }
 

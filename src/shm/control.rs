@@ -691,13 +691,13 @@ impl Ear {
 struct Keep {
     /// The control block it was about (another client's counts mean nothing here).
     block: usize,
-    /// This client's command tail at the last look, and the messages for it counted then.
+    /// This client's command tail at the last look.
     tail: u64,
-    heard_at_send: u64,
-    /// The count the last long spin was granted for.
-    granted: u64,
-    /// The long spin running: until when, and for which tail.
-    until: Option<(std::time::Instant, u64)>,
+    /// The message count already dealt with: the one at its last speech, or the one a long
+    /// spin was granted for (counts only grow, so the later of the two).
+    answered: u64,
+    /// Until when the long spin running may go on (a speech ends it).
+    until: Option<std::time::Instant>,
     looks: u32,
 }
 
@@ -733,27 +733,26 @@ impl Waiter {
                 *k = Keep {
                     block,
                     tail,
-                    heard_at_send: heard,
-                    granted: heard,
+                    answered: heard,
                     ..Keep::default()
                 };
             }
             if k.tail != tail {
                 // Spoke since the last look: messages counted so far came before.
                 k.tail = tail;
-                k.heard_at_send = heard;
+                k.answered = heard;
                 k.until = None;
             }
-            if let Some((until, t)) = k.until {
+            if let Some(until) = k.until {
                 k.looks = k.looks.wrapping_add(1);
                 // The clock every 8th look: a read costs about as much as a poll.
-                if t == tail && (!k.looks.is_multiple_of(8) || std::time::Instant::now() < until) {
+                if !k.looks.is_multiple_of(8) || std::time::Instant::now() < until {
                     return true;
                 }
                 k.until = None;
                 return false;
             }
-            if heard == k.heard_at_send || heard == k.granted {
+            if heard == k.answered {
                 return false;
             }
             let sharing = flag(&self.map, CLIENTS).load(Ordering::Relaxed) as usize;
@@ -762,8 +761,8 @@ impl Waiter {
             {
                 return false;
             }
-            k.granted = heard;
-            k.until = Some((std::time::Instant::now() + KEEP_CORE_FOR, tail));
+            k.answered = heard;
+            k.until = Some(std::time::Instant::now() + KEEP_CORE_FOR);
             true
         })
     }

@@ -572,19 +572,7 @@ impl HostCore {
                         }
                     }
                     None => {
-                        if let (ReqKind::Put, ProcessId::Physical { nid, pid }) =
-                            (spec.kind, spec.target)
-                        {
-                            // Whom this call sends a message to (not what it releases).
-                            let quiet = self
-                                .ni_state(job, rank, ni)?
-                                .ni
-                                .md_options(spec.md)
-                                .is_some_and(|o| o & md_opt::QUIET != 0);
-                            if !quiet {
-                                self.address((nid as u16, job, pid));
-                            }
-                        }
+                        self.ptl_address(job, rank, ni, &spec);
                         match self.ptl_start(job, rank, ni, spec) {
                             // Started: what it released is run where its counts change
                             // (`ptl_start`, `ptl_complete`), so the scan below has nothing to
@@ -825,6 +813,22 @@ impl HostCore {
         }
     }
 
+    /// Notes whom a put about to start sends a message to (`HostCore::poll_addressed`),
+    /// unless its MD says nobody waits for it (`md_opt::QUIET`).
+    fn ptl_address(&mut self, job: u32, rank: u32, ni: u8, spec: &OpSpec) {
+        let (ReqKind::Put, ProcessId::Physical { nid, pid }) = (spec.kind, spec.target) else {
+            return;
+        };
+        let quiet = self
+            .ni_state(job, rank, ni)
+            .ok()
+            .and_then(|s| s.ni.md_options(spec.md))
+            .is_some_and(|o| o & md_opt::QUIET != 0);
+        if !quiet {
+            self.address((nid as u16, job, pid));
+        }
+    }
+
     /// Starts the operations triggers released on (job, rank)'s interface `ni`.
     fn ptl_run_fired(&mut self, job: u32, rank: u32, ni: u8) {
         for _ in 0..1024 {
@@ -835,10 +839,8 @@ impl HostCore {
             else {
                 return;
             };
-            if let (ReqKind::Put, ProcessId::Physical { nid, pid }) = (spec.kind, spec.target) {
-                // A collective's NIC sends this on its own: its target learns it is coming.
-                self.address((nid as u16, job, pid));
-            }
+            // A collective's NIC sends this on its own: its target learns it is coming.
+            self.ptl_address(job, rank, ni, &spec);
             if let Err(e) = self.ptl_start(job, rank, ni, spec) {
                 tracing::debug!(host = %self.name, "triggered operation could not start: {e}");
             }
