@@ -721,3 +721,112 @@ fn a_portals_put_names_its_target_a_get_does_not() {
     i.start(&mut c, op, None);
     assert_eq!(c.host_mut(0).unwrap().poll_addressed(), None, "quiet");
 }
+
+/// Data datagrams host `h` has sent (pure acknowledgements not counted).
+fn data_datagrams(c: &SimCluster, h: u16) -> u64 {
+    let lines = c.host(h).unwrap().stat_lines();
+    let stat = |name: &str| -> u64 {
+        let v = lines.iter().find(|(n, _)| *n == name).unwrap();
+        v.1.parse().unwrap()
+    };
+    stat("packets_sent") - stat("acks_sent")
+}
+
+/// The acknowledgement of a silent delivery (no event at the target) waits a little for
+/// company: when the target answers at once (a process polling its memory, as SHMEM's
+/// `wait_until`), the answer's datagram carries it; when none comes, it leaves alone, soon.
+#[test]
+fn a_silent_deliverys_ack_rides_on_the_targets_answer() {
+    let mut c = SimCluster::new(
+        2,
+        TransportConfig::default(),
+        SimConfig {
+            seed: 9,
+            ..Default::default()
+        },
+    );
+    let (mut i, mut t) = matching_pair(&mut c);
+    let (ieq, mut iring) = i.eq(&mut c);
+    let (imem, tmem) = (region(64), region(64));
+    let (ih, th) = (i.register(&mut c, &imem), t.register(&mut c, &tmem));
+    for p in [&mut i, &mut t] {
+        p.call(
+            &mut c,
+            PtlCall::PtAlloc {
+                ni: 0,
+                options: 0,
+                eq: None,
+                index: Some(0),
+            },
+        );
+    }
+    // Each exposes bytes 32..64 with no event; each sends from bytes 0..8.
+    i.append(&mut c, (ih, 32, 32), me::EVENT_COMM_DISABLE, 1, 0);
+    t.append(&mut c, (th, 32, 32), me::EVENT_COMM_DISABLE, 1, 0);
+    let bind = |p: &mut Proc, c: &mut SimCluster, region, eq| {
+        p.call(
+            c,
+            PtlCall::MdBind {
+                ni: 0,
+                region,
+                segments: vec![(0, 64)],
+                options: 0,
+                eq,
+                ct: None,
+            },
+        ) as u32
+    };
+    let imd = bind(&mut i, &mut c, ih, Some(ieq));
+    let tmd = bind(&mut t, &mut c, th, None);
+    let put = |md, nid, ack_req| OpSpec {
+        kind: ReqKind::Put,
+        ack_req,
+        md,
+        offset: 0,
+        length: 8,
+        get_md: None,
+        get_offset: 0,
+        target: ProcessId::Physical { nid, pid: nid },
+        pt_index: 0,
+        match_bits: 1,
+        remote_offset: 0,
+        user_ptr: 0,
+        hdr_data: 0,
+        operand: Vec::new(),
+    };
+    let acked = |ring: &mut EventRing| {
+        std::iter::from_fn(|| ring.pop()).any(|(e, _)| e.kind == EventKind::Ack)
+    };
+    for round in 1..=3u64 {
+        imem.write(0, &round.to_le_bytes()).unwrap();
+        tmem.write(0, &round.to_le_bytes()).unwrap();
+        let before = data_datagrams(&c, 1);
+        i.start(&mut c, put(imd, 1, AckReq::Ack), None);
+        c.run_until(1_000_000_000, |_| tmem.to_vec(32, 8) == round.to_le_bytes())
+            .unwrap();
+        t.start(&mut c, put(tmd, 0, AckReq::NoAck), None);
+        let mut got_ack = false;
+        c.run_until(1_000_000_000, |_| {
+            got_ack |= acked(&mut iring);
+            got_ack && imem.to_vec(32, 8) == round.to_le_bytes()
+        })
+        .unwrap();
+        // Round 1 also opens the hosts' session (greetings).
+        if round > 1 {
+            assert_eq!(
+                data_datagrams(&c, 1) - before,
+                1,
+                "round {round}: one datagram back, the answer carrying the ACK"
+            );
+        }
+    }
+    // Unanswered, the ACK still comes, within the lazy wait and the network's delay.
+    let start = c.now;
+    i.start(&mut c, put(imd, 1, AckReq::Ack), None);
+    c.run_until(1_000_000_000, |_| acked(&mut iring)).unwrap();
+    let took = c.now - start;
+    assert!(
+        took < 2 * SimConfig::default().delay_ns + 10_000,
+        "{took} ns"
+    );
+}
