@@ -902,3 +902,78 @@ fn the_nic_names_the_addressee_of_puts_not_of_gets_or_atomics() {
     c.run_until(1_000_000_000, |c| c.completions(session(0)).len() == 3)
         .expect("all three complete");
 }
+
+/// Data datagrams host `h` has sent (pure acknowledgements not counted).
+fn data_datagrams(c: &SimCluster, h: u16) -> u64 {
+    let lines = c.host(h).unwrap().stat_lines();
+    let stat = |name: &str| -> u64 {
+        let v = lines.iter().find(|(n, _)| *n == name).unwrap();
+        v.1.parse().unwrap()
+    };
+    stat("packets_sent") - stat("acks_sent")
+}
+
+/// Nobody waits for an RMA put's acknowledgement (its notifications are raised without it),
+/// so it waits for company: when the target, told by its completer notification, answers with
+/// a put of its own, that answer's datagram carries it.
+#[test]
+fn an_rma_puts_acknowledgement_rides_on_the_targets_answer() {
+    use softnic::nic::rma;
+    let mut c = SimCluster::new(
+        NHOSTS,
+        cfg(),
+        SimConfig {
+            seed: 5,
+            ..Default::default()
+        },
+    );
+    let regions = attach_job(&mut c, JOB);
+    let queues: Vec<Region> = [0u32, 2]
+        .iter()
+        .map(|&r| {
+            let q = Region::new(HeapBacking::new(rma::queue_len(32) as usize), Perms(0));
+            let h = c
+                .register(HOST_OF[r as usize], session(r), q.clone())
+                .unwrap();
+            let mut o = cmd(CommandKind::RmaOpen, 1, r);
+            (o.local_region, o.operand) = (h, 32);
+            c.submit(HOST_OF[r as usize], session(r), o, &[]);
+            q
+        })
+        .collect();
+    c.run_until(1_000_000_000, |c| {
+        [0u32, 2]
+            .iter()
+            .all(|&r| !c.completions(session(r)).is_empty())
+    })
+    .expect("ports open");
+    let put = |c: &mut SimCluster, from: u32, to: u32, req: u64, v: u64| {
+        let mut p = cmd(CommandKind::RmaImmediate, req, to);
+        (p.remote_off, p.len) = (GET_AT, 8);
+        p.operand = rma::NOTIFY_COMPLETER as u64;
+        c.submit(HOST_OF[from as usize], session(from), p, &v.to_le_bytes());
+    };
+    let landed = |r: &Region, v: u64| r.to_vec(GET_AT, 8) == v.to_le_bytes();
+    for round in 1..=3u64 {
+        c.take_completions(session(0));
+        let before = data_datagrams(&c, HOST_OF[2]);
+        put(&mut c, 0, 2, 10 + round, round);
+        c.run_until(1_000_000_000, |_| landed(&regions[2], round))
+            .unwrap();
+        put(&mut c, 2, 0, 10 + round, round);
+        c.run_until(1_000_000_000, |c| {
+            landed(&regions[0], round) && !c.completions(session(0)).is_empty()
+        })
+        .unwrap();
+        assert_eq!(c.completions(session(0))[0].status, Status::Ok as u32);
+        // Round 1 also opens the hosts' session (greetings).
+        if round > 1 {
+            assert_eq!(
+                data_datagrams(&c, HOST_OF[2]) - before,
+                1,
+                "round {round}: one datagram back, the answer carrying the acknowledgement"
+            );
+        }
+    }
+    drop(queues);
+}
