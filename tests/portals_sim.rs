@@ -722,16 +722,6 @@ fn a_portals_put_names_its_target_a_get_does_not() {
     assert_eq!(c.host_mut(0).unwrap().poll_addressed(), None, "quiet");
 }
 
-/// Data datagrams host `h` has sent (pure acknowledgements not counted).
-fn data_datagrams(c: &SimCluster, h: u16) -> u64 {
-    let lines = c.host(h).unwrap().stat_lines();
-    let stat = |name: &str| -> u64 {
-        let v = lines.iter().find(|(n, _)| *n == name).unwrap();
-        v.1.parse().unwrap()
-    };
-    stat("packets_sent") - stat("acks_sent")
-}
-
 /// The acknowledgement of a silent delivery (no event at the target) waits a little for
 /// company: when the target answers at once (a process polling its memory, as SHMEM's
 /// `wait_until`), the answer's datagram carries it; when none comes, it leaves alone, soon.
@@ -800,7 +790,7 @@ fn a_silent_deliverys_ack_rides_on_the_targets_answer() {
     for round in 1..=3u64 {
         imem.write(0, &round.to_le_bytes()).unwrap();
         tmem.write(0, &round.to_le_bytes()).unwrap();
-        let before = data_datagrams(&c, 1);
+        let before = c.host(1).unwrap().op_datagrams_sent();
         i.start(&mut c, put(imd, 1, AckReq::Ack), None);
         c.run_until(1_000_000_000, |_| tmem.to_vec(32, 8) == round.to_le_bytes())
             .unwrap();
@@ -814,7 +804,7 @@ fn a_silent_deliverys_ack_rides_on_the_targets_answer() {
         // Round 1 also opens the hosts' session (greetings).
         if round > 1 {
             assert_eq!(
-                data_datagrams(&c, 1) - before,
+                c.host(1).unwrap().op_datagrams_sent() - before,
                 1,
                 "round {round}: one datagram back, the answer carrying the ACK"
             );

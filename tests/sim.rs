@@ -903,16 +903,6 @@ fn the_nic_names_the_addressee_of_puts_not_of_gets_or_atomics() {
         .expect("all three complete");
 }
 
-/// Data datagrams host `h` has sent (pure acknowledgements not counted).
-fn data_datagrams(c: &SimCluster, h: u16) -> u64 {
-    let lines = c.host(h).unwrap().stat_lines();
-    let stat = |name: &str| -> u64 {
-        let v = lines.iter().find(|(n, _)| *n == name).unwrap();
-        v.1.parse().unwrap()
-    };
-    stat("packets_sent") - stat("acks_sent")
-}
-
 /// Nobody waits for an RMA put's acknowledgement (its notifications are raised without it),
 /// so it waits for company: when the target, told by its completer notification, answers with
 /// a put of its own, that answer's datagram carries it.
@@ -928,7 +918,8 @@ fn an_rma_puts_acknowledgement_rides_on_the_targets_answer() {
         },
     );
     let regions = attach_job(&mut c, JOB);
-    let queues: Vec<Region> = [0u32, 2]
+    // Notification queues, kept alive while the NIC writes into them.
+    let _queues: Vec<Region> = [0u32, 2]
         .iter()
         .map(|&r| {
             let q = Region::new(HeapBacking::new(rma::queue_len(32) as usize), Perms(0));
@@ -956,7 +947,7 @@ fn an_rma_puts_acknowledgement_rides_on_the_targets_answer() {
     let landed = |r: &Region, v: u64| r.to_vec(GET_AT, 8) == v.to_le_bytes();
     for round in 1..=3u64 {
         c.take_completions(session(0));
-        let before = data_datagrams(&c, HOST_OF[2]);
+        let before = c.host(HOST_OF[2]).unwrap().op_datagrams_sent();
         put(&mut c, 0, 2, 10 + round, round);
         c.run_until(1_000_000_000, |_| landed(&regions[2], round))
             .unwrap();
@@ -969,11 +960,10 @@ fn an_rma_puts_acknowledgement_rides_on_the_targets_answer() {
         // Round 1 also opens the hosts' session (greetings).
         if round > 1 {
             assert_eq!(
-                data_datagrams(&c, HOST_OF[2]) - before,
+                c.host(HOST_OF[2]).unwrap().op_datagrams_sent() - before,
                 1,
                 "round {round}: one datagram back, the answer carrying the acknowledgement"
             );
         }
     }
-    drop(queues);
 }

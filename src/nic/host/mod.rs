@@ -349,6 +349,12 @@ impl HostCore {
         self.transport.stats.bytes_sent
     }
 
+    /// Datagrams this host sent that carried ops (pure acknowledgements not counted).
+    pub fn op_datagrams_sent(&self) -> u64 {
+        let t = &self.transport.stats;
+        t.datagrams_sent - t.acks_sent
+    }
+
     /// Operations this host started and that have not completed.
     pub fn outstanding(&self) -> usize {
         self.initiator.outstanding()
