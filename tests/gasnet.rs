@@ -203,6 +203,20 @@ fn put_get_sizes_offsets_and_handles() {
         assert!(g.am_sent() - before <= 2, "{} AMs", g.am_sent() - before);
     }
     g.barrier().unwrap();
+    // The same into a plain buffer: on extoll one Long reply into the conduit's landing area,
+    // copied out (no 8 KiB Medium pieces either); the area is no AM's to name.
+    let before = g.am_sent();
+    let mut back = vec![0u8; len];
+    g.get(&mut back, peer, at).unwrap();
+    assert!(back == last[..len]);
+    if g.conduit_name() == "extoll" {
+        assert!(g.am_sent() - before <= 2, "{} AMs", g.am_sent() - before);
+        assert!(matches!(
+            g.am_request_long(peer, 200, &[1; 8], 1 << 48, &[]),
+            Err(GasnetError::OutOfSegment(..))
+        ));
+    }
+    g.barrier().unwrap();
     // Explicit handles: several in flight, then wait all / some / try.
     let hs: Vec<Handle> = (0..8u64)
         .map(|k| {

@@ -30,6 +30,22 @@ pub struct Token<'a> {
     pub(crate) reply: Option<Encoded>,
     pub(crate) segment: &'a mut [u8],
     pub(crate) limits: Limits,
+    /// The conduit's landing area (see [`Conduit::landing`]), which only the Extended API's
+    /// get replies may address.
+    pub(crate) landing: Option<(u64, usize)>,
+}
+
+/// Whether `len` bytes at `offset` of an area of `area_len` bytes fit.
+fn fits_in(area_len: usize, offset: u64, len: u64) -> bool {
+    offset
+        .checked_add(len)
+        .is_some_and(|e| e <= area_len as u64)
+}
+
+/// Whether a Long of `len` bytes at `offset` reaches into the landing area (`landing`), which
+/// applications' AMs may not name.
+fn into_landing(landing: Option<(u64, usize)>, offset: u64, len: usize) -> bool {
+    landing.is_some_and(|(base, _)| offset.saturating_add(len as u64) > base)
 }
 
 /// How large an AM may be: the whole encoding (Short, Medium), a Long's payload.
@@ -72,6 +88,9 @@ impl Token<'_> {
         offset: u64,
     ) -> Result<(), GasnetError> {
         self.may_reply()?;
+        if category == Category::Long && into_landing(self.landing, offset, payload.len()) {
+            return Err(GasnetError::OutOfSegment(offset, payload.len() as u64));
+        }
         let bytes = encode(handler, category, true, args, payload, offset, self.limits)?;
         let long_payload =
             (category == Category::Long).then(|| LongPayload::Owned(payload.to_vec()));
@@ -123,8 +142,18 @@ impl Token<'_> {
         self.reply(handler, Category::Long, args, payload, dest_offset)
     }
 
+    /// Whether `len` bytes at `dest` fit the requester's segment or landing area (the same
+    /// size on every node): where a get reply may land.
+    pub(crate) fn reply_fits(&self, dest: u64, len: u64) -> bool {
+        fits_in(self.segment.len(), dest, len)
+            || self.landing.is_some_and(|(base, n)| {
+                dest.checked_sub(base).is_some_and(|at| fits_in(n, at, len))
+            })
+    }
+
     /// AMReplyLong whose payload is `len` bytes of this node's segment at `src_offset`, sent
-    /// from in place (the Extended API's get replies).
+    /// from in place (the Extended API's get replies), to the requester's segment or landing
+    /// area at `dest_offset`.
     pub(crate) fn reply_long_from_segment(
         &mut self,
         handler: u8,
@@ -286,6 +315,10 @@ impl Core {
         if handler == 0 {
             return Err(GasnetError::BadHandler(handler));
         }
+        if category == Category::Long && into_landing(self.conduit.landing(), offset, payload.len())
+        {
+            return Err(GasnetError::OutOfSegment(offset, payload.len() as u64));
+        }
         let bytes = encode(
             handler,
             category,
@@ -308,6 +341,20 @@ impl Core {
             }
         }
         Ok(())
+    }
+
+    /// Where a Long's `len` bytes at `offset` land here: the segment, or the conduit's
+    /// landing area; `None` outside both.
+    fn long_area(&mut self, offset: u64, len: usize) -> Option<&mut [u8]> {
+        if fits_in(self.conduit.segment().len(), offset, len as u64) {
+            return Some(&mut self.conduit.segment()[offset as usize..offset as usize + len]);
+        }
+        let (base, n) = self.conduit.landing()?;
+        let at = offset.checked_sub(base)?;
+        if !fits_in(n, at, len as u64) {
+            return None;
+        }
+        Some(&mut self.conduit.landing_bytes()[at as usize..at as usize + len])
     }
 
     /// How many polls found something so far.
@@ -372,19 +419,23 @@ impl Core {
             true => am::in_place_fields(payload).0 as usize,
             false => payload.len(),
         };
+        // The payload lands in the segment (or the landing area) before the handler runs; a
+        // handler that looks at it gets a copy, reused, since the token lends the handler the
+        // whole segment.
+        let mut scratch = std::mem::take(&mut self.long_scratch);
+        scratch.clear();
         if h.category == Category::Long {
-            match offset.checked_add(long_len as u64) {
-                Some(end) if end <= self.conduit.segment().len() as u64 => {
-                    // The payload lands in the segment before the handler runs.
-                    if !h.in_place {
-                        self.conduit.segment()[offset as usize..end as usize]
-                            .copy_from_slice(payload);
-                    }
-                }
-                _ => {
-                    self.dropped += 1;
-                    return None;
-                }
+            let viewed = !self.unviewed[h.handler as usize];
+            let Some(area) = self.long_area(offset, long_len) else {
+                self.long_scratch = scratch;
+                self.dropped += 1;
+                return None;
+            };
+            if !h.in_place {
+                area.copy_from_slice(&payload[..long_len]);
+            }
+            if viewed {
+                scratch.extend_from_slice(area);
             }
         }
         let limits = self.limits();
@@ -393,27 +444,22 @@ impl Core {
             .get_mut(h.handler as usize)
             .and_then(|x| x.take())
         else {
+            self.long_scratch = scratch;
             self.dropped += 1;
             return None;
         };
+        let landing = self.conduit.landing();
         let mut token = Token {
             src,
             request: !h.reply,
             reply: None,
             segment: self.conduit.segment(),
             limits,
+            landing,
         };
-        // A Long's handler sees its payload where it landed; a copy, reused, since the token
-        // lends the handler the whole segment.
-        let mut scratch = std::mem::take(&mut self.long_scratch);
-        let payload = if h.category == Category::Long && self.unviewed[h.handler as usize] {
-            &[]
-        } else if h.category == Category::Long {
-            scratch.clear();
-            scratch.extend_from_slice(&token.segment[offset as usize..offset as usize + long_len]);
-            &scratch[..]
-        } else {
-            payload
+        let payload = match h.category {
+            Category::Long => &scratch[..],
+            _ => payload,
         };
         handler(
             &mut token,

@@ -181,11 +181,12 @@ pub(super) fn register_handlers(
                 m.args[4] as u64,
                 join(m.args[5], m.args[6]),
             );
-            // Segments are symmetric: the requester's destination is checked against ours.
+            // Segments (and landing areas) are symmetric: the requester's destination is
+            // checked against ours.
             let seg_len = t.segment().len();
             let op = [m.args[0], m.args[1]];
             let sent = fits(seg_len, off, len)
-                && fits(seg_len, dest, len)
+                && t.reply_fits(dest, len)
                 && t.reply_long_from_segment(
                     H_PART_DONE,
                     off as usize,
@@ -369,6 +370,18 @@ impl Gasnet {
             return Ok(direct);
         }
         self.ext.borrow_mut().remaining.remove(&direct);
+        self.get_by_am(node, src_offset, len, into_segment)
+    }
+
+    /// A get over Active Messages; `into`: where its data lands here (a segment offset, or the
+    /// landing area's), else it waits in the operation's `get_data`.
+    fn get_by_am(
+        &mut self,
+        node: u32,
+        src_offset: u64,
+        len: usize,
+        into_segment: Option<u64>,
+    ) -> Result<u64, GasnetError> {
         // Into the segment and more than a Medium holds: Long replies land in place, AMMaxLong
         // at a time (the reference implementation); else Medium replies, copied out here.
         let medium = self.chunk();
@@ -448,6 +461,19 @@ impl Gasnet {
 
     /// gasnet_get into any local buffer (the network writes it in place where it can).
     pub fn get(&mut self, dst: &mut [u8], node: u32, src_offset: u64) -> Result<(), GasnetError> {
+        if let Some(r) = self.get_via_landing(dst, node, src_offset) {
+            return r;
+        }
+        self.get_private(dst, node, src_offset)
+    }
+
+    /// [`Gasnet::get`] as the conduit does it: straight into `dst`, or Medium replies copied in.
+    fn get_private(
+        &mut self,
+        dst: &mut [u8],
+        node: u32,
+        src_offset: u64,
+    ) -> Result<(), GasnetError> {
         let at = GetDest::Local(dst.as_mut_ptr() as u64);
         let op = self.get_op(node, src_offset, dst.len(), at)?;
         let st = self.ext.clone();
@@ -461,6 +487,40 @@ impl Gasnet {
             dst.copy_from_slice(&data);
         }
         Ok(())
+    }
+
+    /// A blocking get into private memory of more than a Medium holds, over a conduit with a
+    /// landing area (see [`crate::gasnet::conduit::Conduit::landing`]): Long replies land
+    /// there, a piece of the area's size at a time, each copied out once — instead of Medium
+    /// replies (over EXTOLL 147 VELO messages per 8 KiB: a 1 MiB get took 3.7 ms). `None`
+    /// where this does not apply.
+    fn get_via_landing(
+        &mut self,
+        dst: &mut [u8],
+        node: u32,
+        src_offset: u64,
+    ) -> Option<Result<(), GasnetError>> {
+        let (base, cap) = self.core.conduit.landing()?;
+        let medium = self.chunk();
+        let piece = cap.min(self.long_chunk());
+        if dst.len() <= medium || piece <= medium || node >= self.core.conduit.nodes() {
+            return None;
+        }
+        let r = (|| {
+            self.check_remote(src_offset, dst.len() as u64)?;
+            for (i, part) in dst.chunks_mut(piece).enumerate() {
+                let from = src_offset + (i * piece) as u64;
+                // A last piece a Medium holds comes as one.
+                if part.len() <= medium {
+                    return self.get_private(part, node, from);
+                }
+                let op = self.get_by_am(node, from, part.len(), Some(base))?;
+                self.wait_op(op, part.len())?;
+                part.copy_from_slice(&self.core.conduit.landing_bytes()[..part.len()]);
+            }
+            Ok(())
+        })();
+        Some(r)
     }
 
     /// gasnet_memset.

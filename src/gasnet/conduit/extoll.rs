@@ -44,6 +44,10 @@ pub const MAX_MEDIUM: usize = 8192;
 pub const MAX_LONG: usize = 8 << 20;
 /// VELO credits per destination: a largest Medium takes 130 messages of 64 bytes.
 const CREDITS: u32 = 512;
+/// Where the landing area (see [`Conduit::landing`]) starts, as AMs name it: past any segment.
+pub const LANDING_AT: u64 = 1 << 48;
+/// The landing area's size: a get of up to this much into private memory is one Long reply.
+const LANDING_LEN: usize = 4 << 20;
 /// Largest piece of a Long payload staged through the bounce ring.
 const PIECE_MAX: usize = 1 << 20;
 /// Messages handled per poll, so that one busy sender cannot keep a poll from returning.
@@ -72,6 +76,9 @@ pub struct ExtollConduit {
     /// The bounce area's allocator: a piece is given back once its put's requester
     /// notification says the NIC read it (in use: staged puts not read yet).
     ring: Ring,
+    /// Where Long get replies for the caller's private memory land (registered after the
+    /// segment and the bounce area, so at the same NLA on every node).
+    landing: RmaRegion,
     /// Long payload puts from the segment whose source was not read yet.
     unread: u32,
     partial: Vec<Partial>,
@@ -115,7 +122,8 @@ fn messages(len: usize, max: usize) -> usize {
 
 impl ExtollConduit {
     /// Attach: opens VELO and RMA on one endpoint, connects to every node, registers the
-    /// segment (the same NLA on every node: registered alike) and a bounce area.
+    /// segment (the same NLA on every node: registered alike), a bounce area and a landing
+    /// area.
     pub fn new(segment_len: usize) -> Result<ExtollConduit, GasnetError> {
         let ep = crate::client::Endpoint::init().map_err(err)?;
         let ep: Shared = std::rc::Rc::new(std::cell::RefCell::new(ep));
@@ -123,6 +131,7 @@ impl ExtollConduit {
         let mut rma = Rma::open_on(ep.clone()).map_err(err)?;
         let seg = rma.register(segment_len.max(8)).map_err(err)?;
         let bounce = rma.register(MAX_LONG).map_err(err)?;
+        let landing = rma.register(LANDING_LEN).map_err(err)?;
         let (me, n) = (velo.rank(), velo.size());
         let conns = (0..n)
             .map(|r| velo.connect(r).map_err(err))
@@ -138,6 +147,7 @@ impl ExtollConduit {
             seg,
             seg_len: segment_len,
             bounce,
+            landing,
             ring: Ring::new(MAX_LONG),
             unread: 0,
             partial: (0..n).map(|_| Partial::default()).collect(),
@@ -168,8 +178,7 @@ impl ExtollConduit {
         wire.extend_from_slice(am_bytes);
         if let Some(payload) = long {
             let (h, _) = am::decode(am_bytes).ok_or(GasnetError::HandlerRule("malformed AM"))?;
-            let end = h.offset.checked_add(payload.len() as u64);
-            if end.is_none_or(|e| e > self.seg_len as u64) {
+            if self.nla_of(h.offset, payload.len()).is_none() {
                 self.wire = wire;
                 return Err(GasnetError::OutOfSegment(h.offset, payload.len() as u64));
             }
@@ -215,6 +224,17 @@ impl ExtollConduit {
         r.map(|()| true)
     }
 
+    /// The NLA a Long's `len` bytes at `offset` land at on every node: in the segment, or
+    /// in the landing area; `None` outside both.
+    fn nla_of(&self, offset: u64, len: usize) -> Option<u64> {
+        let end = offset.checked_add(len as u64)?;
+        if end <= self.seg_len as u64 {
+            return Some(self.seg.nla_at(offset));
+        }
+        let at = offset.checked_sub(LANDING_AT)?;
+        (at + len as u64 <= LANDING_LEN as u64).then(|| self.landing.nla_at(at))
+    }
+
     /// Whether `payload` lies in this node's segment (the NIC can read it in place).
     fn in_segment(&self, payload: &[u8]) -> bool {
         let base = self.seg.mem.as_ptr() as usize;
@@ -233,6 +253,9 @@ impl ExtollConduit {
         let (h, _) = am::decode(wire).ok_or(GasnetError::HandlerRule("malformed AM"))?;
         let conn = self.conns[dest as usize];
         let notify = NOTIFY_REQUESTER | NOTIFY_COMPLETER;
+        let base = self
+            .nla_of(h.offset, payload.len())
+            .ok_or(GasnetError::OutOfSegment(h.offset, payload.len() as u64))?;
         if !self.in_segment(payload) {
             for (off, n) in staged(payload.len()) {
                 let part = &payload[off..off + n];
@@ -244,7 +267,7 @@ impl ExtollConduit {
                 };
                 let n = part.len() as u64;
                 self.bounce.mem.bytes()[at as usize..(at + n) as usize].copy_from_slice(part);
-                let dst = self.seg.nla_at(h.offset + off as u64);
+                let dst = base + off as u64;
                 if let Err(e) = self.rma.post_put(conn, &self.bounce, at, dst, n, notify) {
                     self.ring.free(at);
                     return Err(err(e));
@@ -253,9 +276,8 @@ impl ExtollConduit {
             return Ok(());
         }
         let at = payload.as_ptr() as u64 - self.seg.mem.as_ptr() as u64;
-        let dst = self.seg.nla_at(h.offset);
         self.rma
-            .post_put(conn, &self.seg, at, dst, payload.len() as u64, notify)
+            .post_put(conn, &self.seg, at, base, payload.len() as u64, notify)
             .map_err(err)?;
         self.unread += 1;
         while self.unread > 0 {
@@ -419,6 +441,14 @@ impl Conduit for ExtollConduit {
 
     fn segment(&mut self) -> &mut [u8] {
         &mut self.seg.mem.bytes()[..self.seg_len]
+    }
+
+    fn landing(&self) -> Option<(u64, usize)> {
+        Some((LANDING_AT, LANDING_LEN))
+    }
+
+    fn landing_bytes(&mut self) -> &mut [u8] {
+        self.landing.mem.bytes()
     }
 
     fn name(&self) -> &'static str {

@@ -85,6 +85,17 @@ pub trait Conduit {
     fn max_am(&self) -> usize;
     /// This node's segment (memory the network can reach, where the conduit needs that).
     fn segment(&mut self) -> &mut [u8];
+    /// A registered area beside the segment that the Extended API's Long get replies may
+    /// land in when the caller's buffer is not in the segment (one copy out, instead of
+    /// Medium replies): the offset from which AMs name it, on every node alike, and its
+    /// length. Only the Extended API addresses it; `None`: no such area.
+    fn landing(&self) -> Option<(u64, usize)> {
+        None
+    }
+    /// The landing area's bytes (empty without one).
+    fn landing_bytes(&mut self) -> &mut [u8] {
+        &mut []
+    }
     /// Sends a request to `dest` (itself included): the encoded AM and, for a Long, its
     /// payload for `dest`'s segment (packed behind the header, or put in place first where the
     /// network can). `Ok(false)`: no room for it now (credit, send buffers) and nothing was
