@@ -36,7 +36,7 @@ pub struct Token<'a> {
 }
 
 /// Whether `len` bytes at `offset` of an area of `area_len` bytes fit.
-fn fits_in(area_len: usize, offset: u64, len: u64) -> bool {
+pub(crate) fn fits(area_len: usize, offset: u64, len: u64) -> bool {
     offset
         .checked_add(len)
         .is_some_and(|e| e <= area_len as u64)
@@ -145,10 +145,10 @@ impl Token<'_> {
     /// Whether `len` bytes at `dest` fit the requester's segment or landing area (the same
     /// size on every node): where a get reply may land.
     pub(crate) fn reply_fits(&self, dest: u64, len: u64) -> bool {
-        fits_in(self.segment.len(), dest, len)
-            || self.landing.is_some_and(|(base, n)| {
-                dest.checked_sub(base).is_some_and(|at| fits_in(n, at, len))
-            })
+        fits(self.segment.len(), dest, len)
+            || self
+                .landing
+                .is_some_and(|(base, n)| dest.checked_sub(base).is_some_and(|at| fits(n, at, len)))
     }
 
     /// AMReplyLong whose payload is `len` bytes of this node's segment at `src_offset`, sent
@@ -346,12 +346,12 @@ impl Core {
     /// Where a Long's `len` bytes at `offset` land here: the segment, or the conduit's
     /// landing area; `None` outside both.
     fn long_area(&mut self, offset: u64, len: usize) -> Option<&mut [u8]> {
-        if fits_in(self.conduit.segment().len(), offset, len as u64) {
+        if fits(self.conduit.segment().len(), offset, len as u64) {
             return Some(&mut self.conduit.segment()[offset as usize..offset as usize + len]);
         }
         let (base, n) = self.conduit.landing()?;
         let at = offset.checked_sub(base)?;
-        if !fits_in(n, at, len as u64) {
+        if !fits(n, at, len as u64) {
             return None;
         }
         Some(&mut self.conduit.landing_bytes()[at as usize..at as usize + len])

@@ -10,7 +10,7 @@ use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 use std::rc::Rc;
 
 use super::conduit::GetDest;
-use super::core::{Core, Handler, Msg, Token};
+use super::core::{fits, Core, Handler, Msg, Token};
 use super::{Gasnet, GasnetError};
 
 const H_PUT: u8 = 1;
@@ -114,11 +114,6 @@ impl ExtState {
 
 pub(super) fn split(op: u64) -> [u32; 2] {
     [op as u32, (op >> 32) as u32]
-}
-
-/// Whether `len` bytes at `off` lie inside a segment of `seg_len` bytes.
-fn fits(seg_len: usize, off: u64, len: u64) -> bool {
-    off.checked_add(len).is_some_and(|e| e <= seg_len as u64)
 }
 
 pub(super) fn join(lo: u32, hi: u32) -> u64 {
@@ -373,8 +368,8 @@ impl Gasnet {
         self.get_by_am(node, src_offset, len, into_segment)
     }
 
-    /// A get over Active Messages; `into`: where its data lands here (a segment offset, or the
-    /// landing area's), else it waits in the operation's `get_data`.
+    /// A get over Active Messages; `into_segment`: where its data lands here (a segment
+    /// offset, or the landing area's), else it waits in the operation's `get_data`.
     fn get_by_am(
         &mut self,
         node: u32,
