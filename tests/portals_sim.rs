@@ -643,6 +643,27 @@ fn conduit_am_portal_packing_catch_basin_and_flow_control_under_loss() {
     }
 }
 
+/// An 8-byte put from offset 0 of `md` to portal 0, match bits 1, of rank `nid` (on host
+/// `nid`).
+fn put8(md: u32, nid: u32, ack_req: AckReq) -> OpSpec {
+    OpSpec {
+        kind: ReqKind::Put,
+        ack_req,
+        md,
+        offset: 0,
+        length: 8,
+        get_md: None,
+        get_offset: 0,
+        target: ProcessId::Physical { nid, pid: nid },
+        pt_index: 0,
+        match_bits: 1,
+        remote_offset: 0,
+        user_ptr: 0,
+        hdr_data: 0,
+        operand: Vec::new(),
+    }
+}
+
 /// A Portals put names its target to the daemon (which tells that process to keep its core
 /// for it, `Waiter::keep_core`); a get does not.
 #[test]
@@ -664,22 +685,7 @@ fn a_portals_put_names_its_target_a_get_does_not() {
     ) as u32;
     let tag = c.host(0).unwrap().session_job(i.session).unwrap();
     c.host_mut(0).unwrap().poll_addressed();
-    let put = OpSpec {
-        kind: ReqKind::Put,
-        ack_req: AckReq::NoAck,
-        md,
-        offset: 0,
-        length: 8,
-        get_md: None,
-        get_offset: 0,
-        target: ProcessId::Physical { nid: 1, pid: 1 },
-        pt_index: 0,
-        match_bits: 1,
-        remote_offset: 0,
-        user_ptr: 0,
-        hdr_data: 0,
-        operand: Vec::new(),
-    };
+    let put = put8(md, 1, AckReq::NoAck);
     let get = OpSpec {
         kind: ReqKind::Get,
         get_md: Some(md),
@@ -768,22 +774,6 @@ fn a_silent_deliverys_ack_rides_on_the_targets_answer() {
     };
     let imd = bind(&mut i, &mut c, ih, Some(ieq));
     let tmd = bind(&mut t, &mut c, th, None);
-    let put = |md, nid, ack_req| OpSpec {
-        kind: ReqKind::Put,
-        ack_req,
-        md,
-        offset: 0,
-        length: 8,
-        get_md: None,
-        get_offset: 0,
-        target: ProcessId::Physical { nid, pid: nid },
-        pt_index: 0,
-        match_bits: 1,
-        remote_offset: 0,
-        user_ptr: 0,
-        hdr_data: 0,
-        operand: Vec::new(),
-    };
     let acked = |ring: &mut EventRing| {
         std::iter::from_fn(|| ring.pop()).any(|(e, _)| e.kind == EventKind::Ack)
     };
@@ -791,10 +781,10 @@ fn a_silent_deliverys_ack_rides_on_the_targets_answer() {
         imem.write(0, &round.to_le_bytes()).unwrap();
         tmem.write(0, &round.to_le_bytes()).unwrap();
         let before = c.host(1).unwrap().op_datagrams_sent();
-        i.start(&mut c, put(imd, 1, AckReq::Ack), None);
+        i.start(&mut c, put8(imd, 1, AckReq::Ack), None);
         c.run_until(1_000_000_000, |_| tmem.to_vec(32, 8) == round.to_le_bytes())
             .unwrap();
-        t.start(&mut c, put(tmd, 0, AckReq::NoAck), None);
+        t.start(&mut c, put8(tmd, 0, AckReq::NoAck), None);
         let mut got_ack = false;
         c.run_until(1_000_000_000, |_| {
             got_ack |= acked(&mut iring);
@@ -812,7 +802,7 @@ fn a_silent_deliverys_ack_rides_on_the_targets_answer() {
     }
     // Unanswered, the ACK still comes, within the lazy wait and the network's delay.
     let start = c.now;
-    i.start(&mut c, put(imd, 1, AckReq::Ack), None);
+    i.start(&mut c, put8(imd, 1, AckReq::Ack), None);
     c.run_until(1_000_000_000, |_| acked(&mut iring)).unwrap();
     let took = c.now - start;
     assert!(
