@@ -352,7 +352,7 @@ impl HostCore {
     /// Datagrams this host sent that carried ops (pure acknowledgements not counted).
     pub fn op_datagrams_sent(&self) -> u64 {
         let t = &self.transport.stats;
-        t.datagrams_sent - t.acks_sent
+        t.datagrams_sent.saturating_sub(t.acks_sent)
     }
 
     /// Operations this host started and that have not completed.
