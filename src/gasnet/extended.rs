@@ -456,10 +456,10 @@ impl Gasnet {
 
     /// gasnet_get into any local buffer (the network writes it in place where it can).
     pub fn get(&mut self, dst: &mut [u8], node: u32, src_offset: u64) -> Result<(), GasnetError> {
-        if let Some(r) = self.get_via_landing(dst, node, src_offset) {
-            return r;
+        match self.landing_for(dst.len(), node) {
+            Some((base, piece)) => self.get_via_landing(dst, node, src_offset, base, piece),
+            None => self.get_private(dst, node, src_offset),
         }
-        self.get_private(dst, node, src_offset)
     }
 
     /// [`Gasnet::get`] as the conduit does it: straight into `dst`, or Medium replies copied in.
@@ -484,38 +484,40 @@ impl Gasnet {
         Ok(())
     }
 
-    /// A blocking get into private memory of more than a Medium holds, over a conduit with a
-    /// landing area (see [`crate::gasnet::conduit::Conduit::landing`]): Long replies land
-    /// there, a piece of the area's size at a time, each copied out once — instead of Medium
-    /// replies (over EXTOLL 147 VELO messages per 8 KiB: a 1 MiB get took 3.7 ms). `None`
-    /// where this does not apply.
+    /// Where a blocking get of `len` bytes into private memory lands, a piece at a time, when
+    /// the conduit has a landing area (see [`crate::gasnet::conduit::Conduit::landing`]) and
+    /// the get is more than a Medium holds: (the area's offset, the piece's size).
+    fn landing_for(&self, len: usize, node: u32) -> Option<(u64, usize)> {
+        let (base, cap) = self.core.conduit.landing()?;
+        let medium = self.chunk();
+        let piece = cap.min(self.long_chunk());
+        (len > medium && piece > medium && node < self.core.conduit.nodes())
+            .then_some((base, piece))
+    }
+
+    /// A blocking get by Long replies into the landing area at `base`, `piece` bytes at a time,
+    /// each copied out once — instead of Medium replies (over EXTOLL 147 VELO messages per
+    /// 8 KiB: a 1 MiB get took 3.7 ms).
     fn get_via_landing(
         &mut self,
         dst: &mut [u8],
         node: u32,
         src_offset: u64,
-    ) -> Option<Result<(), GasnetError>> {
-        let (base, cap) = self.core.conduit.landing()?;
-        let medium = self.chunk();
-        let piece = cap.min(self.long_chunk());
-        if dst.len() <= medium || piece <= medium || node >= self.core.conduit.nodes() {
-            return None;
-        }
-        let r = (|| {
-            self.check_remote(src_offset, dst.len() as u64)?;
-            for (i, part) in dst.chunks_mut(piece).enumerate() {
-                let from = src_offset + (i * piece) as u64;
-                // A last piece a Medium holds comes as one.
-                if part.len() <= medium {
-                    return self.get_private(part, node, from);
-                }
-                let op = self.get_by_am(node, from, part.len(), Some(base))?;
-                self.wait_op(op, part.len())?;
-                part.copy_from_slice(&self.core.conduit.landing_bytes()[..part.len()]);
+        base: u64,
+        piece: usize,
+    ) -> Result<(), GasnetError> {
+        self.check_remote(src_offset, dst.len() as u64)?;
+        for (i, part) in dst.chunks_mut(piece).enumerate() {
+            let from = src_offset + (i * piece) as u64;
+            // A last piece a Medium holds comes as one.
+            if part.len() <= self.chunk() {
+                return self.get_private(part, node, from);
             }
-            Ok(())
-        })();
-        Some(r)
+            let op = self.get_by_am(node, from, part.len(), Some(base))?;
+            self.wait_op(op, part.len())?;
+            part.copy_from_slice(&self.core.conduit.landing_bytes()[..part.len()]);
+        }
+        Ok(())
     }
 
     /// gasnet_memset.

@@ -390,8 +390,7 @@ impl Control {
     }
 
     fn atomic(&self, at: usize) -> &AtomicU64 {
-        // SAFETY: fixed, 8-aligned offsets inside the header of a live mapping.
-        unsafe { &*(self.map.as_ptr().add(at) as *const AtomicU64) }
+        word(&self.map, at)
     }
 
     fn flag(&self, at: usize) -> &AtomicU32 {
@@ -648,6 +647,11 @@ impl Control {
     }
 }
 
+fn word(map: &Mapping, at: usize) -> &AtomicU64 {
+    // SAFETY: fixed, 8-aligned offsets inside the header of a live mapping.
+    unsafe { &*(map.as_ptr().add(at) as *const AtomicU64) }
+}
+
 fn flag(map: &Mapping, at: usize) -> &AtomicU32 {
     // SAFETY: fixed, 4-aligned offsets inside the header of a live mapping.
     unsafe { &*(map.as_ptr().add(at) as *const AtomicU32) }
@@ -680,9 +684,7 @@ pub struct Ear(std::sync::Arc<Mapping>);
 impl Ear {
     /// A message for this client left.
     pub fn spoken_to(&self) {
-        // SAFETY: a fixed, 8-aligned offset inside the header of a live mapping.
-        let w = unsafe { &*(self.0.as_ptr().add(SPOKEN_TO) as *const AtomicU64) };
-        w.fetch_add(1, Ordering::Relaxed);
+        word(&self.0, SPOKEN_TO).fetch_add(1, Ordering::Relaxed);
     }
 }
 
@@ -768,8 +770,7 @@ impl Waiter {
     }
 
     fn atomic(&self, at: usize) -> &AtomicU64 {
-        // SAFETY: fixed, 8-aligned offsets inside the header of a live mapping.
-        unsafe { &*(self.map.as_ptr().add(at) as *const AtomicU64) }
+        word(&self.map, at)
     }
 
     pub fn yield_now(&self) {

@@ -578,16 +578,13 @@ impl HostCore {
                             r => r.map(|_| 0),
                         }
                     }
-                    None => {
-                        self.ptl_address(job, rank, ni, &spec);
-                        match self.ptl_start(job, rank, ni, spec) {
-                            // Started: what it released is run where its counts change
-                            // (`ptl_start`, `ptl_complete`), so the scan below has nothing to
-                            // find. A start that failed may have counted the failure.
-                            Ok(()) => return Ok(0),
-                            Err(e) => Err(e),
-                        }
-                    }
+                    None => match self.ptl_start(job, rank, ni, spec) {
+                        // Started: what it released is run where its counts change
+                        // (`ptl_start`, `ptl_complete`), so the scan below has nothing to
+                        // find. A start that failed may have counted the failure.
+                        Ok(()) => return Ok(0),
+                        Err(e) => Err(e),
+                    },
                 }
             }
         };
@@ -621,6 +618,9 @@ impl HostCore {
         if host >= self.nhosts as u32 {
             return Err(PtlError::ArgInvalid);
         }
+        // Its target learns it is coming, whether a call started it or a trigger fired (a
+        // collective's NIC sends on its own).
+        self.ptl_address(job, rank, ni, &spec);
         let host = host as u16;
         let (kind, aop, dt) = encode_kind(spec.kind);
         let m = PtlHeader {
@@ -846,8 +846,6 @@ impl HostCore {
             else {
                 return;
             };
-            // A collective's NIC sends this on its own: its target learns it is coming.
-            self.ptl_address(job, rank, ni, &spec);
             if let Err(e) = self.ptl_start(job, rank, ni, spec) {
                 tracing::debug!(host = %self.name, "triggered operation could not start: {e}");
             }

@@ -46,14 +46,14 @@ pub enum AttachError {
 }
 
 impl HostCore {
-    /// Attaches `session` as rank `rank` of `job` (of `size` ranks). The first session of a
-    /// job fixes its key; later ones must present the same.
     /// The job a session's process runs in, as the engines name it (the tag that
     /// [`HostCore::poll_addressed`] reports).
     pub fn session_job(&self, session: u64) -> Option<u32> {
         self.sessions.get(&session).map(|s| s.job)
     }
 
+    /// Attaches `session` as rank `rank` of `job` (of `size` ranks). The first session of a
+    /// job fixes its key; later ones must present the same.
     pub fn attach(
         &mut self,
         session: u64,

@@ -189,12 +189,12 @@ pub struct Outgoing {
 }
 
 impl PortalsNi {
-    /// PtlMDBind: `segments` are (offset, length) pieces of `region` (one piece unless IOVEC).
     /// The options of MD `h`, if it is bound.
     pub fn md_options(&self, h: u32) -> Option<u32> {
         self.mds.get(h).map(|m| m.options)
     }
 
+    /// PtlMDBind: `segments` are (offset, length) pieces of `region` (one piece unless IOVEC).
     pub fn md_bind(
         &mut self,
         region: Region,
