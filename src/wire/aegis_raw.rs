@@ -1,18 +1,18 @@
-//! AEGIS-256X4 incremental encryption through the C library the `aegis` crate bundles
+//! AEGIS-128X2 incremental encryption through the C library the `aegis` crate bundles
 //! (libaegis), for the one place its safe interface costs a pass: encrypting from registered
 //! memory into a datagram's spare capacity. The crate's `Encryptor::update` takes the output
-//! as `&mut [u8]`, so those bytes had to be zeroed first (measured, 65,000 B: 31 GB/s with the
-//! zeroing, 38 without). libaegis's `aegis256x4_state_encrypt_update` writes every output byte
+//! as `&mut [u8]`, so those bytes had to be zeroed first (measured with AEGIS-256X4, 65,000 B:
+//! 31 GB/s with the zeroing, 38 without). libaegis's `aegis128x2_state_encrypt_update` writes every output byte
 //! and never reads one, so its output may be memory not yet initialised.
 //!
 //! The cipher is the crate's (the same library and build; see the test against it below);
 //! only the calls are made here, by the signatures of libaegis's public header
-//! (`aegis256x4.h`).
+//! (`aegis128x2.h`).
 
 use std::ffi::c_int;
 use std::mem::MaybeUninit;
 
-/// libaegis's `aegis256x4_state` is 576 bytes aligned to 64 (the `aegis` crate checks the same
+/// libaegis's `aegis128x2_state` is 448 bytes aligned to 64 (the `aegis` crate checks the same
 /// size against its copy of the header); this one has room to spare, so a future build with
 /// a larger state still writes only into it.
 #[repr(C, align(64))]
@@ -20,23 +20,23 @@ struct State([u8; 1024]);
 
 extern "C" {
     fn aegis_init() -> c_int;
-    fn aegis256x4_state_init(
+    fn aegis128x2_state_init(
         st: *mut State,
         ad: *const u8,
         adlen: usize,
         npub: *const u8,
         k: *const u8,
     );
-    fn aegis256x4_state_encrypt_update(
+    fn aegis128x2_state_encrypt_update(
         st: *mut State,
         c: *mut u8,
         m: *const u8,
         mlen: usize,
     ) -> c_int;
-    fn aegis256x4_state_encrypt_final(st: *mut State, mac: *mut u8, maclen: usize) -> c_int;
+    fn aegis128x2_state_encrypt_final(st: *mut State, mac: *mut u8, maclen: usize) -> c_int;
 }
 
-/// One message being encrypted (AEGIS-256X4, 16-byte tag); its state is wiped on drop.
+/// One message being encrypted (AEGIS-128X2, 16-byte tag); its state is wiped on drop.
 /// The state stays `MaybeUninit`: libaegis writes what it uses of it, and Rust never reads it
 /// (no 1 KiB clear per datagram).
 pub(super) struct Encryptor {
@@ -45,7 +45,7 @@ pub(super) struct Encryptor {
 
 impl Encryptor {
     /// Starts a message under `key` and `nonce` with associated data `ad`.
-    pub fn new(key: &[u8; 32], nonce: &[u8; 32], ad: &[u8]) -> Encryptor {
+    pub fn new(key: &[u8; 16], nonce: &[u8; 16], ad: &[u8]) -> Encryptor {
         static INIT: std::sync::Once = std::sync::Once::new();
         // SAFETY: feature detection, idempotent (the crate calls it too).
         INIT.call_once(|| assert_eq!(unsafe { aegis_init() }, 0, "libaegis init"));
@@ -55,7 +55,7 @@ impl Encryptor {
         // SAFETY: the pointers are valid for the lengths given; the state has room (and,
         // aligned to 64, libaegis finds its place at its start wherever the value moves).
         unsafe {
-            aegis256x4_state_init(
+            aegis128x2_state_init(
                 e.st.as_mut_ptr(),
                 ad.as_ptr(),
                 ad.len(),
@@ -89,7 +89,7 @@ impl Encryptor {
         let mut tag = [0u8; 16];
         // SAFETY: `tag` has room for the 16 bytes asked for.
         let rc =
-            unsafe { aegis256x4_state_encrypt_final(self.st.as_mut_ptr(), tag.as_mut_ptr(), 16) };
+            unsafe { aegis128x2_state_encrypt_final(self.st.as_mut_ptr(), tag.as_mut_ptr(), 16) };
         assert_eq!(rc, 0, "libaegis refused a 16-byte tag");
         tag
     }
@@ -98,7 +98,7 @@ impl Encryptor {
     /// `m..m + len` readable, `c..c + len` writable.
     unsafe fn raw(&mut self, c: *mut u8, m: *const u8, len: usize) {
         // SAFETY: the caller's promise.
-        let rc = unsafe { aegis256x4_state_encrypt_update(self.st.as_mut_ptr(), c, m, len) };
+        let rc = unsafe { aegis128x2_state_encrypt_update(self.st.as_mut_ptr(), c, m, len) };
         // Only a message beyond 2^61 bytes fails.
         assert_eq!(rc, 0, "libaegis refused an update");
     }
@@ -115,15 +115,15 @@ impl Drop for Encryptor {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use aegis::aegis256x4::Aegis256X4;
+    use aegis::aegis128x2::Aegis128X2;
 
     /// The same ciphertext and tag as the crate's one-shot encryption, whatever the pieces.
     #[test]
     fn matches_the_crate() {
-        let (key, nonce) = ([7u8; 32], [9u8; 32]);
+        let (key, nonce) = ([7u8; 16], [9u8; 16]);
         let ad = b"header bytes";
         let msg: Vec<u8> = (0..5000u32).map(|i| (i * 31 % 251) as u8).collect();
-        let (want, want_tag) = Aegis256X4::<16>::new(&key, &nonce).encrypt(&msg, ad);
+        let (want, want_tag) = Aegis128X2::<16>::new(&key, &nonce).encrypt(&msg, ad);
         for cut in [0, 1, 63, 64, 100, 4096, 5000] {
             let mut e = Encryptor::new(&key, &nonce, ad);
             let mut head = msg[..cut].to_vec();

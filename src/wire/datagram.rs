@@ -9,13 +9,15 @@
 //! receiver and what it believes the receiver's is (0: not yet known); see
 //! [`crate::transport::reliable`].
 //!
-//! Sealing is AEGIS-256X4 (the AEGIS family of the IRTF CFRG draft, through the `aegis`
+//! Sealing is AEGIS-128X2 (the AEGIS family of the IRTF CFRG draft, through the `aegis`
 //! crate, whose libaegis picks AES-NI, VAES or AVX-512 code at run time): the body is encrypted
 //! in place, the header is associated data, the 16-byte tag covers both. Chosen by measurement
-//! on this project's CPU (AMD EPYC, AES-NI, VAES, AVX-512; seal in place, one core) against
-//! AES-256-GCM in aws-lc's AVX-512 code, the fastest GCM at hand: 65,000 B 41 against 23 GB/s,
-//! 1,472 B 18 against 9.4, 64 B 48 against 69 ns; opening 65,000 B 2.2 against 3.3 µs. A
-//! 256-bit key either way (AEGIS-128X4 is twice as fast again at 65,000 B, with half the key).
+//! (in place, one core, 65,000 B): on an EPYC with AVX2 and VAES, 2.4–2.9 µs against 4.2–5.2
+//! for AEGIS-256X4, 3.9–4.9 for AEGIS-256X2 and 4.3–5.8 for AEGIS-128X4 (whose AVX2 code runs
+//! out of registers); on one with AVX-512, AEGIS-256X4 took 1.60 against AES-256-GCM's 2.8 in
+//! aws-lc. A bulk stream pays it twice per datagram (seal and open) on the threads that bound
+//! it. The 128-bit key matches the keys it is derived from (X25519 agreement, ~128-bit
+//! security); the tag is 128 bits either way.
 //! Each sending host seals with its own key derived from the shared secret (cluster or pair)
 //! and its index; the nonce is the sender's epoch and `nonce`, a per-process counter that
 //! starts at a random value, so no two datagrams under one key share a nonce.
@@ -23,15 +25,15 @@
 //! One exception, for the udp conduit's baseline only ([`Key::tagging`]): the body in clear
 //! and a job tag where the AEAD tag goes, as GASNet's udp-conduit protects its messages.
 
-use aegis::aegis256x4::Aegis256X4;
+use aegis::aegis128x2::Aegis128X2;
 
 use super::{aegis_raw, get_u16, get_u32, get_u64, WireError};
 
 pub const MAGIC: u16 = 0x4e53; // "SN"
-pub const VERSION: u8 = 6;
+pub const VERSION: u8 = 7;
 pub const HEADER_LEN: usize = 48;
 pub const TAG_LEN: usize = 16;
-/// AEGIS-256X4's rate: the encryptor takes whole blocks of this many bytes in one pass.
+/// AEGIS-128X2's rate: the encryptor takes whole blocks of this many bytes in one pass.
 const CIPHER_BLOCK: usize = 64;
 
 /// Header flag: the sender has the receiver's epoch (`dst_epoch`) as its session peer. An
@@ -52,7 +54,10 @@ pub struct Key(pub [u8; 32]);
 impl Key {
     /// The key host `sender`'s datagrams under this secret are sealed with.
     pub fn sealing(&self, sender: u16) -> SealKey {
-        SealKey::Aead(self.derive("softnic 2026-11 datagram sealing key (AEGIS-256X4)", sender))
+        let k = self.derive("softnic 2026-11 datagram sealing key (AEGIS-128X2)", sender);
+        let mut key = [0u8; 16];
+        key.copy_from_slice(&k[..16]);
+        SealKey::Aead(key)
     }
 
     /// Host `sender`'s datagrams under this secret carry a tag in clear instead of being
@@ -77,8 +82,8 @@ impl Key {
 
 /// How one sending host's datagrams are protected (see [`Key::sealing`], [`Key::tagging`]).
 pub enum SealKey {
-    /// AEGIS-256X4 under this key.
-    Aead([u8; 32]),
+    /// AEGIS-128X2 under this key.
+    Aead([u8; 16]),
     /// The body in clear and this tag after it.
     Tag([u8; TAG_LEN]),
 }
@@ -91,13 +96,13 @@ impl std::fmt::Debug for SealKey {
 
 /// The AEAD of a datagram whose header is `header`, under `key`: its nonce is the sender's
 /// epoch and counter.
-fn cipher(key: &[u8; 32], header: &[u8]) -> Aegis256X4<TAG_LEN> {
-    Aegis256X4::new(key, &nonce(header))
+fn cipher(key: &[u8; 16], header: &[u8]) -> Aegis128X2<TAG_LEN> {
+    Aegis128X2::new(key, &nonce(header))
 }
 
 /// A datagram's nonce: the sender's epoch and its per-datagram counter, from the header.
-fn nonce(header: &[u8]) -> [u8; 32] {
-    let mut n = [0u8; 32];
+fn nonce(header: &[u8]) -> [u8; 16] {
+    let mut n = [0u8; 16];
     n[..4].copy_from_slice(&header[8..12]);
     n[4..12].copy_from_slice(&header[40..48]);
     n
@@ -198,10 +203,9 @@ impl DatagramHeader {
     /// `tail_len` more body bytes read from `tail`; `buf` grows to the returned length. The
     /// tail's whole cipher blocks are encrypted from where they lie straight into `buf`, one
     /// pass (the bytes that complete the body's last partial block, and the tail's own last
-    /// partial block, are copied in and encrypted in place). Measured here, 65,000 B from a
-    /// 1 MiB source: 38 GB/s, against 27.5 for copying the whole tail in and then sealing in
-    /// place (31 when the destination had to be zeroed first for the cipher crate's safe
-    /// interface: see `wire::aegis_raw`). The cipher loads each source block once and absorbs
+    /// partial block, are copied in and encrypted in place). Measured, 65,000 B from a
+    /// 1 MiB source: 23–27 GB/s, against 13–15 for copying the whole tail in and then sealing
+    /// in place (AEGIS-128X2, AVX2 and VAES; AEGIS-256X4 with AVX-512: 38 against 27.5). The cipher loads each source block once and absorbs
     /// what it loaded, so what is sealed is what was read, even if the owner writes these
     /// bytes meanwhile, as under DMA.
     ///
@@ -403,7 +407,7 @@ mod tests {
         );
     }
 
-    /// Sealing is AEGIS-256X4 with the nonce made of the sender's epoch and counter (checked
+    /// Sealing is AEGIS-128X2 with the nonce made of the sender's epoch and counter (checked
     /// against the crate's one-shot encryption with that nonce built by hand), and sealing
     /// with a tail read from elsewhere gives the same bytes wherever the tail starts; a body
     /// with a flipped bit is refused.
@@ -432,9 +436,9 @@ mod tests {
             let n = DatagramHeader::seal(&k, &mut buf, HEADER_LEN + body_len);
             assert_eq!(n, buf.len());
             let (header, rest) = plain.split_at(HEADER_LEN);
-            let mut nonce = [0u8; 32];
+            let mut nonce = [0u8; 16];
             nonce[..12].copy_from_slice(&[4, 3, 2, 1, 0x0c, 0x0b, 0x0a, 9, 8, 7, 6, 5]);
-            let (c, t) = Aegis256X4::<TAG_LEN>::new(raw, &nonce).encrypt(&rest[..body_len], header);
+            let (c, t) = Aegis128X2::<TAG_LEN>::new(raw, &nonce).encrypt(&rest[..body_len], header);
             assert_eq!(
                 &buf[HEADER_LEN..HEADER_LEN + body_len],
                 &c[..],
