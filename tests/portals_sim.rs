@@ -810,3 +810,63 @@ fn a_silent_deliverys_ack_rides_on_the_targets_answer() {
         "{took} ns"
     );
 }
+
+/// An event queue counts the events its process has not yet consumed against its capacity;
+/// once the process has consumed them, the queue takes as many again, without a drop, however
+/// long the daemon idled in between (it learns of the room before it next posts an event,
+/// not by looking on every turn).
+#[test]
+fn an_event_queue_its_process_emptied_takes_a_full_queue_again() {
+    const CAP: usize = 4;
+    let mut c = SimCluster::new(
+        2,
+        TransportConfig::default(),
+        SimConfig {
+            seed: 3,
+            ..Default::default()
+        },
+    );
+    let (mut i, mut t) = matching_pair(&mut c);
+    let (teq, mut tring) = t.eq_of(&mut c, CAP);
+    let (imem, tmem) = (region(64), region(64));
+    let (ih, th) = (i.register(&mut c, &imem), t.register(&mut c, &tmem));
+    t.call(
+        &mut c,
+        PtlCall::PtAlloc {
+            ni: 0,
+            options: 0,
+            eq: Some(teq),
+            index: Some(0),
+        },
+    );
+    t.append(&mut c, (th, 0, 64), me::EVENT_LINK_DISABLE, 1, 0);
+    let imd = i.call(
+        &mut c,
+        PtlCall::MdBind {
+            ni: 0,
+            region: ih,
+            segments: vec![(0, 64)],
+            options: 0,
+            eq: None,
+            ct: None,
+        },
+    ) as u32;
+    for round in 0..3 {
+        for _ in 0..CAP {
+            i.start(&mut c, put8(imd, 1, AckReq::NoAck), None);
+        }
+        // All land while the process looks away: its ring holds a full queue.
+        let until = c.now + 50_000_000;
+        c.run_until(1_000_000_000, |c| c.now >= until).unwrap();
+        let got: Vec<_> = std::iter::from_fn(|| tring.pop()).collect();
+        assert_eq!(got.len(), CAP, "round {round}: {got:?}");
+        assert!(
+            got.iter()
+                .all(|(e, dropped)| e.kind == EventKind::Put && !dropped),
+            "round {round}: {got:?}"
+        );
+        // Consumed; the daemon idles a while without news before the next ones come.
+        let until = c.now + 50_000_000;
+        c.run_until(1_000_000_000, |c| c.now >= until).unwrap();
+    }
+}

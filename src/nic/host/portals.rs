@@ -240,9 +240,28 @@ pub struct NiState {
     ct_slots: HashMap<u32, CtSlot>,
     /// The engine's notice count when its events and counts were last mirrored, and whether
     /// a ring then still held events (whose consumption frees room the engine must learn
-    /// of): with neither changed, a turn has nothing to move for this interface.
+    /// of, before it next posts one: see [`NiState::refresh_room`]).
     mirrored: u64,
     backlog: bool,
+}
+
+impl NiState {
+    /// Tells the engine how many events its process still holds unconsumed in each ring that
+    /// held some at the last look (an EQ counts them against its capacity). Asked before the
+    /// engine may post events, not every turn: the consumer's index is a cache line the
+    /// process writes, and re-reading it on every idle turn of a spinning daemon cost a
+    /// cross-core miss each time.
+    fn refresh_room(&mut self) {
+        for (&eq, ring) in self.eq_rings.iter_mut() {
+            if ring.seen_backlog() == 0 {
+                continue;
+            }
+            let used = ring.backlog().unwrap_or(ring.capacity() as u64);
+            if let Some(q) = self.ni.eq_mut(eq) {
+                q.set_external(used as usize);
+            }
+        }
+    }
 }
 
 #[derive(Default)]
@@ -262,7 +281,11 @@ impl HostCore {
     /// pass looks at it.
     fn ni_state(&mut self, job: u32, rank: u32, ni: u8) -> Result<&mut NiState, PtlError> {
         self.ptl_dirty = true;
-        self.ni_lookup(job, rank, ni)
+        let s = self.ni_lookup(job, rank, ni)?;
+        if s.backlog {
+            s.refresh_room();
+        }
+        Ok(s)
     }
 
     /// (job, rank)'s interface `ni`, for what changes no event or count.
@@ -1052,6 +1075,9 @@ impl HostCore {
         self.ptl_dirty = true;
         for p in self.portals.values_mut() {
             for s in p.nis.iter_mut().flatten() {
+                if s.backlog {
+                    s.refresh_room();
+                }
                 s.ni.fail_outgoing(|spec| matches!(spec.target, ProcessId::Physical { nid, .. } if nid == host as u32), NiFail::Undeliverable);
             }
         }
@@ -1068,6 +1094,9 @@ impl HostCore {
         for (&(job, rank), p) in self.portals.iter_mut() {
             let mut any = false;
             for s in p.nis.iter_mut().flatten() {
+                // Events wait for ring room: look again next turn (the process frees it
+                // without a word).
+                let mut waiting = false;
                 if s.ni.notices() == s.mirrored && !s.backlog {
                     continue;
                 }
@@ -1090,8 +1119,9 @@ impl HostCore {
                     }
                     q.set_external(used as usize);
                     s.backlog |= used > 0 || !q.is_empty();
+                    waiting |= !q.is_empty();
                 }
-                self.ptl_dirty |= s.backlog;
+                self.ptl_dirty |= waiting;
                 cts.clear();
                 s.ni.take_dirty_cts(&mut cts);
                 for (ct, v) in &cts {
