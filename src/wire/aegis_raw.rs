@@ -2,8 +2,8 @@
 //! (libaegis), for the one place its safe interface costs a pass: encrypting from registered
 //! memory into a datagram's spare capacity. The crate's `Encryptor::update` takes the output
 //! as `&mut [u8]`, so those bytes had to be zeroed first (measured with AEGIS-256X4, 65,000 B:
-//! 31 GB/s with the zeroing, 38 without). libaegis's `aegis128x2_state_encrypt_update` writes every output byte
-//! and never reads one, so its output may be memory not yet initialised.
+//! 31 GB/s with the zeroing, 38 without). libaegis's `aegis128x2_state_encrypt_update` writes
+//! every output byte and never reads one, so its output may be memory not yet initialised.
 //!
 //! The cipher is the crate's (the same library and build; see the test against it below);
 //! only the calls are made here, by the signatures of libaegis's public header

@@ -1094,12 +1094,12 @@ impl HostCore {
         for (&(job, rank), p) in self.portals.iter_mut() {
             let mut any = false;
             for s in p.nis.iter_mut().flatten() {
-                // Events wait for ring room: look again next turn (the process frees it
-                // without a word).
-                let mut waiting = false;
                 if s.ni.notices() == s.mirrored && !s.backlog {
                     continue;
                 }
+                // Events wait for ring room: look again next turn (the process frees it
+                // without a word).
+                let mut waiting = false;
                 s.mirrored = s.ni.notices();
                 s.backlog = false;
                 for (&eq, ring) in s.eq_rings.iter_mut() {
