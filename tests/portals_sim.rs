@@ -313,6 +313,18 @@ fn lossy_pair(seed: u64) -> SimCluster {
     )
 }
 
+/// Two hosts on a network that loses nothing.
+fn clean_pair(seed: u64) -> SimCluster {
+    SimCluster::new(
+        2,
+        TransportConfig::default(),
+        SimConfig {
+            seed,
+            ..Default::default()
+        },
+    )
+}
+
 /// Rank 0 on host 0 (the initiator) and rank 1 on host 1 (the target), each with a matching
 /// interface 0.
 fn matching_pair(c: &mut SimCluster) -> (Proc, Proc) {
@@ -733,14 +745,7 @@ fn a_portals_put_names_its_target_a_get_does_not() {
 /// `wait_until`), the answer's datagram carries it; when none comes, it leaves alone, soon.
 #[test]
 fn a_silent_deliverys_ack_rides_on_the_targets_answer() {
-    let mut c = SimCluster::new(
-        2,
-        TransportConfig::default(),
-        SimConfig {
-            seed: 9,
-            ..Default::default()
-        },
-    );
+    let mut c = clean_pair(9);
     let (mut i, mut t) = matching_pair(&mut c);
     let (ieq, mut iring) = i.eq(&mut c);
     let (imem, tmem) = (region(64), region(64));
@@ -818,14 +823,7 @@ fn a_silent_deliverys_ack_rides_on_the_targets_answer() {
 #[test]
 fn an_event_queue_its_process_emptied_takes_a_full_queue_again() {
     const CAP: usize = 4;
-    let mut c = SimCluster::new(
-        2,
-        TransportConfig::default(),
-        SimConfig {
-            seed: 3,
-            ..Default::default()
-        },
-    );
+    let mut c = clean_pair(3);
     let (mut i, mut t) = matching_pair(&mut c);
     let (teq, mut tring) = t.eq_of(&mut c, CAP);
     let (imem, tmem) = (region(64), region(64));
