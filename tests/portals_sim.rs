@@ -143,15 +143,7 @@ fn matching_order_and_exactly_once_under_loss_duplication_reordering() {
         let mut c = lossy_pair(seed);
         let (mut i, mut t) = matching_pair(&mut c);
         let (teq, mut teq_ring) = t.eq(&mut c);
-        t.call(
-            &mut c,
-            PtlCall::PtAlloc {
-                ni: 0,
-                options: 0,
-                eq: Some(teq),
-                index: Some(0),
-            },
-        );
+        t.pt_alloc(&mut c, 0, 0, Some(teq));
         // Bits 1: a packing buffer (locally managed): arrival order is visible in memory.
         let packed = region(8 * 400);
         let h = t.register(&mut c, &packed);
@@ -176,17 +168,7 @@ fn matching_order_and_exactly_once_under_loss_duplication_reordering() {
         src.write(3200, &pattern).unwrap();
         let md_bind = |i: &mut Proc, c: &mut SimCluster, r: &Region| {
             let region = i.register(c, r);
-            i.call(
-                c,
-                PtlCall::MdBind {
-                    ni: 0,
-                    region,
-                    segments: vec![(0, r.len() as u64)],
-                    options: 0,
-                    eq: Some(ieq),
-                    ct: None,
-                },
-            ) as u32
+            i.md_bind(c, region, r.len() as u64, 0, Some(ieq))
         };
         let md = md_bind(&mut i, &mut c, &src);
         let back = region(20_000);
@@ -343,6 +325,41 @@ fn matching_pair(c: &mut SimCluster) -> (Proc, Proc) {
 }
 
 impl Proc {
+    /// PtlPTAlloc of portal `index` with `options`, its events to `eq`.
+    fn pt_alloc(&mut self, c: &mut SimCluster, index: u32, options: u32, eq: Option<u32>) {
+        self.call(
+            c,
+            PtlCall::PtAlloc {
+                ni: 0,
+                options,
+                eq,
+                index: Some(index),
+            },
+        );
+    }
+
+    /// PtlMDBind over the first `len` bytes of registered `region`.
+    fn md_bind(
+        &mut self,
+        c: &mut SimCluster,
+        region: u32,
+        len: u64,
+        options: u32,
+        eq: Option<u32>,
+    ) -> u32 {
+        self.call(
+            c,
+            PtlCall::MdBind {
+                ni: 0,
+                region,
+                segments: vec![(0, len)],
+                options,
+                eq,
+                ct: None,
+            },
+        ) as u32
+    }
+
     /// A counting event in this process's memory.
     fn ct(&mut self, c: &mut SimCluster) -> (u32, CtSlot) {
         let mem = region(CT_SLOT_LEN as usize);
@@ -467,28 +484,17 @@ fn conduit_am_portal_packing_catch_basin_and_flow_control_under_loss() {
             src.write(k * LEN, &[k as u8; LEN as usize]).unwrap();
         }
         let src_h = i.register(&mut c, &src);
-        let md = i.call(
-            &mut c,
-            PtlCall::MdBind {
-                ni: 0,
-                region: src_h,
-                segments: vec![(0, N * LEN)],
-                options: 0,
-                eq: Some(ieq),
-                ct: None,
-            },
-        ) as u32;
+        let md = i.md_bind(&mut c, src_h, N * LEN, 0, Some(ieq));
 
         // Portal 0: the AM portal with two ReqRBs of 1024 bytes, min_free 256 (8 requests
         // each), and the catch-basin behind them.
         let (teq, mut teq_ring) = t.eq_of(&mut c, 64);
-        let pt0 = PtlCall::PtAlloc {
-            ni: 0,
-            options: softnic::nic::portals::types::pt::FLOWCTRL,
-            eq: Some(teq),
-            index: Some(0),
-        };
-        t.call(&mut c, pt0);
+        t.pt_alloc(
+            &mut c,
+            0,
+            softnic::nic::portals::types::pt::FLOWCTRL,
+            Some(teq),
+        );
         let rb = region(2048);
         let rb_h = t.register(&mut c, &rb);
         for b in 0..2u64 {
@@ -554,13 +560,12 @@ fn conduit_am_portal_packing_catch_basin_and_flow_control_under_loss() {
         // Portal 1: flow-controlled, an event queue of 16 and one roomy buffer; the queue
         // fills, the entry is disabled, the rest fail; enabled again, the failed ones land.
         let (feq, mut feq_ring) = t.eq_of(&mut c, 16);
-        let pt1 = PtlCall::PtAlloc {
-            ni: 0,
-            options: softnic::nic::portals::types::pt::FLOWCTRL,
-            eq: Some(feq),
-            index: Some(1),
-        };
-        t.call(&mut c, pt1);
+        t.pt_alloc(
+            &mut c,
+            1,
+            softnic::nic::portals::types::pt::FLOWCTRL,
+            Some(feq),
+        );
         let big = region((N * LEN) as usize);
         let big_h = t.register(&mut c, &big);
         let e = am_entry(
@@ -684,17 +689,7 @@ fn a_portals_put_names_its_target_a_get_does_not() {
     let (mut i, _t) = matching_pair(&mut c);
     let src = region(64);
     let handle = i.register(&mut c, &src);
-    let md = i.call(
-        &mut c,
-        PtlCall::MdBind {
-            ni: 0,
-            region: handle,
-            segments: vec![(0, 64)],
-            options: 0,
-            eq: None,
-            ct: None,
-        },
-    ) as u32;
+    let md = i.md_bind(&mut c, handle, 64, 0, None);
     let tag = c.host(0).unwrap().session_job(i.session).unwrap();
     c.host_mut(0).unwrap().poll_addressed();
     let put = put8(md, 1, AckReq::NoAck);
@@ -724,17 +719,7 @@ fn a_portals_put_names_its_target_a_get_does_not() {
         "fired"
     );
     // An MD whose puts nobody waits for (softnic's QUIET option, MPI's windows).
-    let quiet = i.call(
-        &mut c,
-        PtlCall::MdBind {
-            ni: 0,
-            region: handle,
-            segments: vec![(0, 64)],
-            options: md::QUIET,
-            eq: None,
-            ct: None,
-        },
-    ) as u32;
+    let quiet = i.md_bind(&mut c, handle, 64, md::QUIET, None);
     let op = OpSpec { md: quiet, ..put };
     i.start(&mut c, op, None);
     assert_eq!(c.host_mut(0).unwrap().poll_addressed(), None, "quiet");
@@ -751,34 +736,13 @@ fn a_silent_deliverys_ack_rides_on_the_targets_answer() {
     let (imem, tmem) = (region(64), region(64));
     let (ih, th) = (i.register(&mut c, &imem), t.register(&mut c, &tmem));
     for p in [&mut i, &mut t] {
-        p.call(
-            &mut c,
-            PtlCall::PtAlloc {
-                ni: 0,
-                options: 0,
-                eq: None,
-                index: Some(0),
-            },
-        );
+        p.pt_alloc(&mut c, 0, 0, None);
     }
     // Each exposes bytes 32..64 with no event; each sends from bytes 0..8.
     i.append(&mut c, (ih, 32, 32), me::EVENT_COMM_DISABLE, 1, 0);
     t.append(&mut c, (th, 32, 32), me::EVENT_COMM_DISABLE, 1, 0);
-    let bind = |p: &mut Proc, c: &mut SimCluster, region, eq| {
-        p.call(
-            c,
-            PtlCall::MdBind {
-                ni: 0,
-                region,
-                segments: vec![(0, 64)],
-                options: 0,
-                eq,
-                ct: None,
-            },
-        ) as u32
-    };
-    let imd = bind(&mut i, &mut c, ih, Some(ieq));
-    let tmd = bind(&mut t, &mut c, th, None);
+    let imd = i.md_bind(&mut c, ih, 64, 0, Some(ieq));
+    let tmd = t.md_bind(&mut c, th, 64, 0, None);
     let acked = |ring: &mut EventRing| {
         std::iter::from_fn(|| ring.pop()).any(|(e, _)| e.kind == EventKind::Ack)
     };
@@ -828,27 +792,9 @@ fn an_event_queue_its_process_emptied_takes_a_full_queue_again() {
     let (teq, mut tring) = t.eq_of(&mut c, CAP);
     let (imem, tmem) = (region(64), region(64));
     let (ih, th) = (i.register(&mut c, &imem), t.register(&mut c, &tmem));
-    t.call(
-        &mut c,
-        PtlCall::PtAlloc {
-            ni: 0,
-            options: 0,
-            eq: Some(teq),
-            index: Some(0),
-        },
-    );
+    t.pt_alloc(&mut c, 0, 0, Some(teq));
     t.append(&mut c, (th, 0, 64), me::EVENT_LINK_DISABLE, 1, 0);
-    let imd = i.call(
-        &mut c,
-        PtlCall::MdBind {
-            ni: 0,
-            region: ih,
-            segments: vec![(0, 64)],
-            options: 0,
-            eq: None,
-            ct: None,
-        },
-    ) as u32;
+    let imd = i.md_bind(&mut c, ih, 64, 0, None);
     for round in 0..3 {
         for _ in 0..CAP {
             i.start(&mut c, put8(imd, 1, AckReq::NoAck), None);
