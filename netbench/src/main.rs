@@ -12,6 +12,7 @@ mod mpi_bench;
 mod plot;
 mod portals_bench;
 mod randomaccess;
+mod raw_packet;
 mod raw_tcp;
 mod raw_udp;
 mod report;
@@ -338,12 +339,13 @@ fn main() -> anyhow::Result<()> {
     let want = |name: &str| sel == "all" || sel == name;
     anyhow::ensure!(
         want("raw-udp")
+            || want("raw-packet")
             || want("raw-tcp")
             || want("gni")
             || want("dmapp")
             || want("extoll")
             || want("portals"),
-        "unknown --conduit/--api {sel:?}: use raw-udp, raw-tcp, gni, dmapp, extoll, portals or all"
+        "unknown --conduit/--api {sel:?}: use raw-udp, raw-packet, raw-tcp, gni, dmapp, extoll, portals or all"
     );
     anyhow::ensure!(
         !matches!(args.bench, Bench::Amo | Bench::Strided | Bench::Nbrate) || want("dmapp"),
@@ -393,6 +395,32 @@ fn main() -> anyhow::Result<()> {
             for &s in &bw_sizes {
                 if let Some(p) = pair.as_mut() {
                     rows.extend(raw_udp::bw(&ctx, p, s, mtu));
+                }
+                nic.barrier()?;
+            }
+        }
+    }
+    if (lat || bw) && want("raw-packet") && ctx.job.size >= 2 {
+        // Every rank learns whether ranks 0 and 1 run it from the same facts (permission,
+        // addresses, config), so all join the same barriers.
+        let mut pair = if ctx.job.rank < 2 {
+            raw_packet::Pair::connect(&ctx, mtu)?
+        } else {
+            None
+        };
+        nic.barrier()?;
+        if lat {
+            for &s in lat_sizes.iter().filter(|&&s| s <= mtu) {
+                if let Some(p) = pair.as_mut() {
+                    rows.extend(raw_packet::pingpong(&ctx, p, s));
+                }
+                nic.barrier()?;
+            }
+        }
+        if bw {
+            for &s in &bw_sizes {
+                if let Some(p) = pair.as_mut() {
+                    rows.extend(raw_packet::bw(&ctx, p, s, mtu));
                 }
                 nic.barrier()?;
             }

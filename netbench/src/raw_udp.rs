@@ -144,7 +144,7 @@ const GSO_MAX: usize = 65_000;
 
 /// The datagram size of a `size`-byte message stream: the message itself (at least the
 /// 9-byte header) below the MTU, else MTU-sized pieces.
-fn segment_len(size: usize, mtu: usize) -> usize {
+pub(crate) fn segment_len(size: usize, mtu: usize) -> usize {
     if size < mtu {
         size.max(9)
     } else {

@@ -188,7 +188,18 @@ fn pingpong_and_bw_rows_have_the_contract_fields() {
     assert!(bw
         .iter()
         .any(|r| r["conduit"] == "gni" && r["mb_s"].as_f64().unwrap() > 0.0));
-    for floor in ["raw-udp", "raw-tcp"] {
+    let mut floors = vec!["raw-udp", "raw-tcp"];
+    if softnic::transport::packet::permitted() {
+        floors.push("raw-packet");
+        assert!(
+            rows.iter()
+                .any(|r| r["conduit"] == "raw-packet" && r["op"] == "pingpong"),
+            "no raw-packet ping-pong row"
+        );
+    } else {
+        eprintln!("no raw-packet floor checked: packet sockets need CAP_NET_RAW (run as root)");
+    }
+    for floor in floors {
         assert!(
             bw.iter()
                 .any(|r| r["conduit"] == floor && r["mb_s"].as_f64().unwrap() > 0.0),
@@ -244,7 +255,10 @@ fn compare_covers_every_api_and_conduit_and_draws_the_figures() {
         ("gasnet", "udp"),
         ("gasnet", "extoll"),
         ("gasnet", "portals"),
-    ] {
+    ]
+    .into_iter()
+    .chain(softnic::transport::packet::permitted().then_some(("raw-packet", "raw-packet")))
+    {
         assert!(
             has(api, conduit, "pingpong"),
             "no {api}/{conduit} latency row"
