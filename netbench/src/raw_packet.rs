@@ -1,20 +1,24 @@
 //! The packet floor: the kernel path the daemons take with the packet transport, without them.
-//! Ranks 0 and 1 exchange raw Ethernet frames of softnic's EtherType through the same driver
-//! the daemons use (`AF_PACKET`, a receive ring shared with the kernel, `sendmmsg` batches), no
-//! sealing, no reliability, busy-polling, pinned apart. Where packet frames move faster than
-//! UDP datagrams (measured: ~1.35× for 65,000-byte streams on some kernels, level on others),
-//! the NIC's bulk path must be judged against this floor, not the UDP one.
+//! Ranks 0 and 1 exchange raw Ethernet frames, unsealed, unreliable, busy-polling, pinned
+//! apart, two ways, the faster counting: through the daemons' own driver (`AF_PACKET`, a
+//! receive ring the kernel fills, `sendmmsg` batches) and through a plain packet socket read
+//! with `recvmmsg`. On loopback the ring is filled in the sender's `send`, so its core makes
+//! both copies; a plain socket leaves the second to the receiver's `recv`, on its own core
+//! (measured here, 65,000-byte frames: 4.99–5.14 GB/s into the ring, 6.41–7.01 through `recv`).
+//! Where packet frames move faster than UDP datagrams (some kernels; level on others), the
+//! NIC's bulk path is judged against this floor.
 //!
 //! Needs CAP_NET_RAW, and a MAC per rank: on loopback one is derived from each rank's address;
 //! across hosts the job's config names the hosts' interfaces and MACs (two ranks on one
 //! non-loopback host have none of their own: skipped).
 
 use std::net::SocketAddr;
+use std::os::fd::AsRawFd;
 use std::time::{Duration, Instant};
 
-use softnic::transport::packet::{loopback_mac, PacketDriver, PacketLink};
+use softnic::transport::packet::{attach_mac_filter, loopback_mac, PacketDriver, PacketLink};
 
-use crate::raw_udp::{segment_len, Pinned};
+use crate::raw_udp::{segment_len, send_all, Pinned, BATCH};
 use crate::report::Row;
 use crate::Ctx;
 
@@ -27,11 +31,210 @@ const DATA: u8 = 1;
 const DONE: u8 = 2;
 const COUNT: u8 = 3;
 
-/// Ranks 0 and 1, each with a packet driver that knows the other's MAC.
-pub struct Pair {
+/// softnic's EtherType for the plain path's frames (IEEE 802 local experimental 2): the ring's
+/// socket and any daemon's, bound to softnic's own, never see them.
+const PLAIN_ETHERTYPE: u16 = 0x88b6;
+/// Frames this long go alone in a `sendmsg` gathered from where they lie (as the daemons' do).
+const GATHER_MIN: usize = 8192;
+
+/// One way of moving frames between the two ranks.
+trait Path {
+    /// Queues a datagram for the peer; large ones leave at once.
+    fn queue(&mut self, d: &[u8]);
+    /// Sends what is queued.
+    fn flush(&mut self);
+    /// Hands the next received datagram to `f`; `false` when none waits.
+    fn recv_with(&mut self, f: &mut dyn FnMut(&[u8])) -> bool;
+    /// The path's name, for errors.
+    fn name(&self) -> &'static str;
+
+    fn send(&mut self, d: &[u8]) {
+        self.queue(d);
+        self.flush();
+    }
+
+    /// Waits up to `t` for a datagram and copies it into `out`.
+    fn recv_timeout(&mut self, t: Duration, out: &mut Vec<u8>) -> bool {
+        let start = Instant::now();
+        while start.elapsed() < t {
+            if self.recv_with(&mut |d| {
+                out.clear();
+                out.extend_from_slice(d);
+            }) {
+                return true;
+            }
+            std::hint::spin_loop();
+        }
+        false
+    }
+}
+
+/// The daemons' way: softnic's packet driver, a receive ring the kernel fills.
+struct Ring {
     drv: PacketDriver,
-    /// The peer's index in the driver's MAC table (the other rank).
     peer: u16,
+}
+
+impl Path for Ring {
+    fn queue(&mut self, d: &[u8]) {
+        self.drv.send(self.peer, d);
+    }
+    fn flush(&mut self) {
+        self.drv.flush();
+    }
+    fn recv_with(&mut self, f: &mut dyn FnMut(&[u8])) -> bool {
+        self.drv.recv_with(&mut |d| f(d))
+    }
+    fn name(&self) -> &'static str {
+        "ring"
+    }
+}
+
+/// A plain packet socket read with `recvmmsg`: the kernel only queues a frame where the ring
+/// would have it copied in the delivering context (on loopback the sender's `send`), so the
+/// receiver's core makes the second copy.
+struct Plain {
+    sock: socket2::Socket,
+    /// Destination MAC, source MAC, EtherType.
+    header: [u8; 14],
+    tx: Vec<u8>,
+    tx_lens: Vec<usize>,
+    /// One frame, as `recv` copies it: the same buffer every time (as warm as it can be).
+    rx_buf: Vec<u8>,
+}
+
+impl Plain {
+    fn open(link: &PacketLink, me: usize) -> anyhow::Result<Plain> {
+        let sock = socket2::Socket::new(socket2::Domain::PACKET, socket2::Type::RAW, None)?;
+        sock.set_nonblocking(true)?;
+        let fd = sock.as_raw_fd();
+        for opt in [libc::SO_RCVBUFFORCE, libc::SO_SNDBUFFORCE] {
+            int_opt(fd, libc::SOL_SOCKET, opt, 16 << 20);
+        }
+        int_opt(fd, libc::SOL_PACKET, libc::PACKET_IGNORE_OUTGOING, 1);
+        attach_mac_filter(&sock, link.macs[me])?;
+        let name = std::ffi::CString::new(link.interface.clone())?;
+        // SAFETY: a NUL-terminated name.
+        let ifindex = unsafe { libc::if_nametoindex(name.as_ptr()) };
+        anyhow::ensure!(ifindex != 0, "no interface {:?}", link.interface);
+        // SAFETY: an all-zero sockaddr_ll is valid; the fields set below make it an address.
+        let mut sll: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
+        sll.sll_family = libc::AF_PACKET as u16;
+        sll.sll_protocol = PLAIN_ETHERTYPE.to_be();
+        sll.sll_ifindex = ifindex as i32;
+        // SAFETY: `sll` is a valid sockaddr_ll of the size given.
+        let r = unsafe {
+            libc::bind(
+                fd,
+                &sll as *const libc::sockaddr_ll as *const libc::sockaddr,
+                std::mem::size_of::<libc::sockaddr_ll>() as u32,
+            )
+        };
+        anyhow::ensure!(r == 0, "bind: {}", std::io::Error::last_os_error());
+        let mut header = [0u8; 14];
+        header[..6].copy_from_slice(&link.macs[1 - me]);
+        header[6..12].copy_from_slice(&link.macs[me]);
+        header[12..].copy_from_slice(&PLAIN_ETHERTYPE.to_be_bytes());
+        Ok(Plain {
+            sock,
+            header,
+            tx: Vec::new(),
+            tx_lens: Vec::new(),
+            rx_buf: vec![0; 65_600],
+        })
+    }
+}
+
+/// Sets an int socket option; whether the kernel took it.
+fn int_opt(fd: i32, level: i32, opt: i32, val: i32) -> bool {
+    // SAFETY: `val` outlives the call, and its size is passed.
+    unsafe {
+        libc::setsockopt(
+            fd,
+            level,
+            opt,
+            &val as *const i32 as *const libc::c_void,
+            std::mem::size_of::<i32>() as libc::socklen_t,
+        ) == 0
+    }
+}
+
+impl Path for Plain {
+    fn queue(&mut self, d: &[u8]) {
+        if d.len() >= GATHER_MIN {
+            self.flush();
+            let iov = [
+                libc::iovec {
+                    iov_base: self.header.as_ptr() as *mut libc::c_void,
+                    iov_len: self.header.len(),
+                },
+                libc::iovec {
+                    iov_base: d.as_ptr() as *mut libc::c_void,
+                    iov_len: d.len(),
+                },
+            ];
+            // SAFETY: an all-zero msghdr is valid; it points at the two live iovecs.
+            let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+            msg.msg_iov = iov.as_ptr() as *mut libc::iovec;
+            msg.msg_iovlen = 2;
+            // A full socket buffer: spin until the kernel drains it (as `send_all`).
+            for _ in 0..1_000_000 {
+                // SAFETY: as above; the buffers outlive the call.
+                if unsafe { libc::sendmsg(self.sock.as_raw_fd(), &msg, libc::MSG_DONTWAIT) } >= 0 {
+                    break;
+                }
+                std::hint::spin_loop();
+            }
+            return;
+        }
+        self.tx.extend_from_slice(&self.header);
+        self.tx.extend_from_slice(d);
+        self.tx_lens.push(self.header.len() + d.len());
+        if self.tx_lens.len() == BATCH {
+            self.flush();
+        }
+    }
+    fn flush(&mut self) {
+        let mut units = Vec::with_capacity(self.tx_lens.len());
+        let mut at = 0;
+        for &n in &self.tx_lens {
+            units.push(&self.tx[at..at + n]);
+            at += n;
+        }
+        send_all(self.sock.as_raw_fd(), &units);
+        self.tx.clear();
+        self.tx_lens.clear();
+    }
+    fn recv_with(&mut self, f: &mut dyn FnMut(&[u8])) -> bool {
+        loop {
+            // SAFETY: `rx_buf` is ours and as long as said.
+            let n = unsafe {
+                libc::recv(
+                    self.sock.as_raw_fd(),
+                    self.rx_buf.as_mut_ptr().cast(),
+                    self.rx_buf.len(),
+                    libc::MSG_DONTWAIT,
+                )
+            };
+            if n <= 0 {
+                return false;
+            }
+            let frame = &self.rx_buf[..n as usize];
+            if frame.len() > 14 && frame[12..14] == PLAIN_ETHERTYPE.to_be_bytes() {
+                f(&frame[14..]);
+                return true;
+            }
+        }
+    }
+    fn name(&self) -> &'static str {
+        "recv"
+    }
+}
+
+/// Ranks 0 and 1, with both paths to each other.
+pub struct Pair {
+    ring: Ring,
+    plain: Plain,
     buf: Vec<u8>,
     /// Bumped by every run, so that strays of an earlier size never count.
     epoch: u64,
@@ -79,8 +282,8 @@ fn link(ctx: &Ctx) -> anyhow::Result<Result<(PacketLink, SocketAddr), String>> {
 }
 
 impl Pair {
-    /// Opens and handshakes; `None` (rank 0 says why) where this floor cannot run. Both ranks
-    /// decide alike: same user, same config.
+    /// Opens both paths and handshakes on each; `None` (rank 0 says why) where this floor
+    /// cannot run. Both ranks decide alike: same user, same config.
     pub fn connect(ctx: &Ctx, mtu: usize) -> anyhow::Result<Option<Pair>> {
         let (link, addr) = match link(ctx)? {
             Ok(l) => l,
@@ -94,104 +297,139 @@ impl Pair {
         let me = ctx.job.rank as u16;
         let drv = PacketDriver::open(addr, me, &link, mtu.clamp(64, 65_000), None)?;
         let mut p = Pair {
-            drv,
-            peer: 1 - me,
+            ring: Ring { drv, peer: 1 - me },
+            plain: Plain::open(&link, me as usize)?,
             buf: vec![0; 65_536],
             epoch: 0,
         };
-        // Rank 1 knocks until rank 0 answers.
-        let t = Instant::now();
-        loop {
-            if me == 1 {
-                p.send(&[HELLO]);
-                std::thread::sleep(Duration::from_millis(2));
-            }
-            if let Some(n) = p.drv.recv(&mut p.buf) {
-                if n >= 1 && p.buf[0] == HELLO {
-                    if me == 0 {
-                        p.send(&[HELLO]);
-                    }
-                    break;
-                }
-            }
-            anyhow::ensure!(
-                t.elapsed() < Duration::from_secs(10),
-                "raw-packet handshake timed out"
-            );
-            std::hint::spin_loop();
-        }
-        std::thread::sleep(Duration::from_millis(20));
-        while p.drv.recv(&mut p.buf).is_some() {}
+        handshake(&mut p.ring, me, &mut p.buf)?;
+        handshake(&mut p.plain, me, &mut p.buf)?;
         Ok(Some(p))
     }
 
-    /// The largest datagram a frame carries on this path.
-    pub fn max_datagram(&self) -> usize {
-        self.drv.max_datagram()
-    }
-
-    fn send(&mut self, d: &[u8]) {
-        self.drv.send(self.peer, d);
-        self.drv.flush();
-    }
-
-    fn recv_timeout(&mut self, d: Duration) -> Option<usize> {
-        let t = Instant::now();
-        while t.elapsed() < d {
-            if let Some(n) = self.drv.recv(&mut self.buf) {
-                return Some(n);
-            }
-            std::hint::spin_loop();
-        }
-        None
+    /// The largest datagram a frame carries on these paths.
+    fn max_datagram(&self) -> usize {
+        self.ring.drv.max_datagram()
     }
 }
 
-/// Half round trip of a spinning ping-pong of `size`-byte frames (payload), pinned apart.
-pub fn pingpong(ctx: &Ctx, p: &mut Pair, size: usize) -> Option<Row> {
+/// Rank 1 knocks until rank 0 answers; then strays are drained.
+fn handshake(path: &mut dyn Path, me: u16, buf: &mut Vec<u8>) -> anyhow::Result<()> {
+    let t = Instant::now();
+    loop {
+        if me == 1 {
+            path.send(&[HELLO]);
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        if path.recv_timeout(Duration::from_micros(100), buf) && buf.first() == Some(&HELLO) {
+            if me == 0 {
+                path.send(&[HELLO]);
+            }
+            break;
+        }
+        anyhow::ensure!(
+            t.elapsed() < Duration::from_secs(10),
+            "raw-packet handshake ({}) timed out",
+            path.name()
+        );
+    }
+    std::thread::sleep(Duration::from_millis(20));
+    while path.recv_with(&mut |_| {}) {}
+    Ok(())
+}
+
+/// The two ways of receiving the floor compares (see the module's doc).
+#[derive(Clone, Copy, Debug)]
+pub enum Via {
+    Ring,
+    Recv,
+}
+
+/// Both, in the order they run; the job's barrier comes between (a receiver may still linger
+/// after one while its sender would start the next).
+pub const VIAS: [Via; 2] = [Via::Ring, Via::Recv];
+
+impl Pair {
+    fn path(&mut self, via: Via) -> &mut dyn Path {
+        match via {
+            Via::Ring => &mut self.ring,
+            Via::Recv => &mut self.plain,
+        }
+    }
+}
+
+/// Of one size's rows (one per way), the fastest: the lowest latency, the highest bandwidth.
+pub fn faster(rows: Vec<Row>) -> Option<Row> {
+    rows.into_iter().max_by(|a, b| {
+        let score = |r: &Row| r.mb_s.unwrap_or(0.0) - r.lat_us.unwrap_or(0.0);
+        score(a).total_cmp(&score(b))
+    })
+}
+
+/// Half round trip of a spinning ping-pong of `size`-byte datagrams, pinned apart, `via` one
+/// way of receiving.
+pub fn pingpong(ctx: &Ctx, p: &mut Pair, size: usize, via: Via) -> Option<Row> {
     let _pin = Pinned::apart(ctx.job.rank);
     let size = size.clamp(1, p.max_datagram());
+    let mut buf = std::mem::take(&mut p.buf);
+    let row = pingpong_on(ctx, p.path(via), size, &mut buf);
+    p.buf = buf;
+    row
+}
+
+fn pingpong_on(ctx: &Ctx, path: &mut dyn Path, size: usize, buf: &mut Vec<u8>) -> Option<Row> {
     let msg = vec![0x5au8; size];
     let warm = ctx.lat_warmup(size);
     let mut samples = Vec::with_capacity(ctx.lat_iters(size));
     for i in 0..warm + ctx.lat_iters(size) {
         if ctx.job.rank == 0 {
             let t = Instant::now();
-            p.send(&msg);
-            if p.recv_timeout(Duration::from_millis(200)).is_none() {
+            path.send(&msg);
+            if !path.recv_timeout(Duration::from_millis(200), buf) {
                 continue; // a lost frame: no sample
             }
             if i >= warm {
                 samples.push(t.elapsed().as_secs_f64() * 1e6 / 2.0);
             }
         } else {
-            if p.recv_timeout(Duration::from_millis(500)).is_none() {
+            if !path.recv_timeout(Duration::from_millis(500), buf) {
                 continue;
             }
-            p.send(&msg);
+            path.send(&msg);
         }
     }
     std::thread::sleep(Duration::from_millis(10));
-    while p.drv.recv(&mut p.buf).is_some() {}
-    if ctx.job.rank != 0 {
-        return None;
-    }
-    Some(
+    while path.recv_with(&mut |_| {}) {}
+    (ctx.job.rank == 0 && !samples.is_empty()).then(|| {
         ctx.row("pingpong", "raw-packet", "raw-packet", "pingpong", size)
-            .with_latency(&mut samples),
-    )
+            .with_latency(&mut samples)
+    })
 }
 
-/// The stream: rank 0 sends as many `size`-byte messages as the gni stream puts, as frames of
-/// up to `mtu` bytes (small ones batched by the driver into `sendmmsg`, large ones one `send`
-/// each as the daemons do); rank 1 reads them where they lie in its ring and counts. MB/s
+/// The stream, `via` one way of receiving: rank 0 sends as many `size`-byte messages as the
+/// gni stream puts, as frames of up to `mtu` bytes (small ones in `sendmmsg` batches, large
+/// ones one `sendmsg` each, gathered, as the daemons do); rank 1 counts what arrives. MB/s
 /// counts the bytes that arrived over the sender's time until the count came back.
-pub fn bw(ctx: &Ctx, p: &mut Pair, size: usize, mtu: usize) -> Option<Row> {
+pub fn bw(ctx: &Ctx, p: &mut Pair, size: usize, mtu: usize, via: Via) -> Option<Row> {
     let _pin = Pinned::apart(ctx.job.rank);
-    let count = crate::gni_bench::bw_iters(ctx.iters, size);
-    p.epoch += 1;
-    let epoch = p.epoch.to_le_bytes();
     let seg = segment_len(size, mtu.clamp(17, p.max_datagram()));
+    p.epoch += 1;
+    let (epoch, mut buf) = (p.epoch, std::mem::take(&mut p.buf));
+    let row = bw_on(ctx, p.path(via), size, seg, epoch, &mut buf);
+    p.buf = buf;
+    row
+}
+
+fn bw_on(
+    ctx: &Ctx,
+    path: &mut dyn Path,
+    size: usize,
+    seg: usize,
+    epoch: u64,
+    buf: &mut Vec<u8>,
+) -> Option<Row> {
+    let count = crate::gni_bench::bw_iters(ctx.iters, size);
+    let epoch = epoch.to_le_bytes();
     if ctx.job.rank == 0 {
         let mut frame = vec![0u8; seg];
         frame[0] = DATA;
@@ -206,18 +444,20 @@ pub fn bw(ctx: &Ctx, p: &mut Pair, size: usize, mtu: usize) -> Option<Row> {
         let t = Instant::now();
         for _ in 0..count {
             for &n in &lens {
-                p.drv.send(p.peer, &frame[..n]);
+                path.queue(&frame[..n]);
             }
         }
-        p.drv.flush();
+        path.flush();
         let delivered = loop {
             let mut d = [DONE; 9];
             d[1..9].copy_from_slice(&epoch);
-            p.send(&d);
-            if let Some(n) = p.recv_timeout(Duration::from_millis(50)) {
-                if n >= 17 && p.buf[0] == COUNT && p.buf[1..9] == epoch {
-                    break u64::from_le_bytes(p.buf[9..17].try_into().unwrap());
-                }
+            path.send(&d);
+            if path.recv_timeout(Duration::from_millis(50), buf)
+                && buf.len() >= 17
+                && buf[0] == COUNT
+                && buf[1..9] == epoch
+            {
+                break u64::from_le_bytes(buf[9..17].try_into().unwrap());
             }
             if t.elapsed() > Duration::from_secs(60) {
                 break 0;
@@ -237,7 +477,7 @@ pub fn bw(ctx: &Ctx, p: &mut Pair, size: usize, mtu: usize) -> Option<Row> {
         answer[1..9].copy_from_slice(&epoch);
         while !done && last.elapsed() < Duration::from_secs(10) {
             let mut kind = None;
-            if p.drv.recv_with(&mut |d| {
+            if path.recv_with(&mut |d| {
                 if d.len() >= 9 && d[1..9] == epoch {
                     kind = Some((d[0], d.len()));
                 }
@@ -249,7 +489,7 @@ pub fn bw(ctx: &Ctx, p: &mut Pair, size: usize, mtu: usize) -> Option<Row> {
                 Some((DATA, n)) => got += n.min(size.max(1)) as u64,
                 Some((DONE, _)) => {
                     answer[9..17].copy_from_slice(&got.to_le_bytes());
-                    p.send(&answer);
+                    path.send(&answer);
                     done = true;
                 }
                 _ => std::hint::spin_loop(),
@@ -258,10 +498,12 @@ pub fn bw(ctx: &Ctx, p: &mut Pair, size: usize, mtu: usize) -> Option<Row> {
         // Linger to repeat the answer if it was lost (only to a request for it).
         let t = Instant::now();
         while done && t.elapsed() < Duration::from_millis(200) {
-            if let Some(n) = p.drv.recv(&mut p.buf) {
-                if n >= 9 && p.buf[0] == DONE && p.buf[1..9] == epoch {
-                    p.send(&answer);
-                }
+            if path.recv_timeout(Duration::from_millis(1), buf)
+                && buf.len() >= 9
+                && buf[0] == DONE
+                && buf[1..9] == epoch
+            {
+                path.send(&answer);
             }
         }
         None

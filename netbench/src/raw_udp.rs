@@ -138,7 +138,7 @@ const DONE: u8 = 2;
 const COUNT: u8 = 3;
 
 /// Datagrams (or GSO buffers) per `sendmmsg`/`recvmmsg`.
-const BATCH: usize = 64;
+pub(crate) const BATCH: usize = 64;
 /// The largest UDP payload a GSO buffer may carry in all.
 const GSO_MAX: usize = 65_000;
 
@@ -200,7 +200,7 @@ fn udp_opt(fd: i32, opt: i32, val: i32) -> bool {
 
 /// Sends `units` (slices of one buffer) with `sendmmsg` on a connected socket, spinning while
 /// the socket buffer is full; returns how many left.
-fn send_all(fd: i32, units: &[&[u8]]) -> usize {
+pub(crate) fn send_all(fd: i32, units: &[&[u8]]) -> usize {
     let mut iov: Vec<libc::iovec> = units
         .iter()
         .map(|u| libc::iovec {
@@ -245,14 +245,14 @@ fn send_all(fd: i32, units: &[&[u8]]) -> usize {
 }
 
 /// Receive buffers for `recvmmsg`: `BATCH` slots of 64 KiB.
-struct RxBatch {
+pub(crate) struct RxBatch {
     bufs: Vec<u8>,
     iov: Vec<libc::iovec>,
     msgs: Vec<libc::mmsghdr>,
 }
 
 impl RxBatch {
-    fn new() -> RxBatch {
+    pub(crate) fn new() -> RxBatch {
         let mut bufs = vec![0u8; BATCH * 65_536];
         let mut iov: Vec<libc::iovec> = bufs
             .chunks_mut(65_536)
@@ -272,7 +272,7 @@ impl RxBatch {
     }
 
     /// Receives what is waiting (none: 0); the slots then hold the datagrams.
-    fn recv(&mut self, fd: i32) -> usize {
+    pub(crate) fn recv(&mut self, fd: i32) -> usize {
         debug_assert_eq!(self.iov.len(), BATCH);
         for m in &mut self.msgs {
             m.msg_len = 0;
@@ -290,7 +290,7 @@ impl RxBatch {
         n.max(0) as usize
     }
 
-    fn get(&self, i: usize) -> &[u8] {
+    pub(crate) fn get(&self, i: usize) -> &[u8] {
         &self.bufs[i * 65_536..i * 65_536 + self.msgs[i].msg_len as usize]
     }
 }

@@ -140,7 +140,7 @@ fn packet_socket() -> io::Result<socket2::Socket> {
     Ok(s)
 }
 
-fn setsockopt<T>(fd: &OwnedFd, level: i32, name: i32, v: &T) -> io::Result<()> {
+fn setsockopt<T>(fd: &impl AsRawFd, level: i32, name: i32, v: &T) -> io::Result<()> {
     // SAFETY: `v` is a live value of the size given, as the option expects.
     let r = unsafe {
         libc::setsockopt(
@@ -171,6 +171,17 @@ fn mac_filter(mac: [u8; 6]) -> [libc::sock_filter; 6] {
         f(0x06, 0, 0, u32::MAX), // keep the whole frame
         f(0x06, 0, 0, 0),        // drop
     ]
+}
+
+/// Makes packet socket `fd` keep only frames for `mac` (a classic BPF filter in the kernel:
+/// the others are dropped before they are copied or queued).
+pub fn attach_mac_filter(fd: &impl AsRawFd, mac: [u8; 6]) -> io::Result<()> {
+    let mut prog = mac_filter(mac);
+    let fprog = libc::sock_fprog {
+        len: prog.len() as u16,
+        filter: prog.as_mut_ptr(),
+    };
+    setsockopt(fd, libc::SOL_SOCKET, libc::SO_ATTACH_FILTER, &fprog)
 }
 
 impl PacketDriver {
@@ -226,12 +237,7 @@ impl PacketDriver {
         let one: libc::c_int = 1;
         setsockopt(&fd, libc::SOL_PACKET, libc::PACKET_QDISC_BYPASS, &one)?;
         setsockopt(&fd, libc::SOL_PACKET, libc::PACKET_IGNORE_OUTGOING, &one)?;
-        let mut prog = mac_filter(my_mac);
-        let fprog = libc::sock_fprog {
-            len: prog.len() as u16,
-            filter: prog.as_mut_ptr(),
-        };
-        setsockopt(&fd, libc::SOL_SOCKET, libc::SO_ATTACH_FILTER, &fprog)?;
+        attach_mac_filter(&fd, my_mac)?;
         // SAFETY: an all-zero sockaddr_ll is valid; the fields set below make it an address.
         let mut sll: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
         sll.sll_family = libc::AF_PACKET as u16;
