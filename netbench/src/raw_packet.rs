@@ -2,7 +2,7 @@
 //! Ranks 0 and 1 exchange raw Ethernet frames, unsealed, unreliable, busy-polling, pinned
 //! apart, two ways, the faster counting: through the daemons' own driver (`AF_PACKET`, a
 //! receive ring the kernel fills, `sendmmsg` batches) and through a plain packet socket read
-//! with `recvmmsg`. On loopback the ring is filled in the sender's `send`, so its core makes
+//! with `recv`. On loopback the ring is filled in the sender's `send`, so its core makes
 //! both copies; a plain socket leaves the second to the receiver's `recv`, on its own core
 //! (measured here, 65,000-byte frames: 4.99–5.14 GB/s into the ring, 6.41–7.01 through `recv`).
 //! Where packet frames move faster than UDP datagrams (some kernels; level on others), the
@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use softnic::transport::packet::{attach_mac_filter, loopback_mac, PacketDriver, PacketLink};
 
-use crate::raw_udp::{segment_len, send_all, Pinned, BATCH};
+use crate::raw_udp::{pieces, segment_len, send_all, stream_row, Pinned, BATCH};
 use crate::report::Row;
 use crate::Ctx;
 
@@ -90,9 +90,10 @@ impl Path for Ring {
     }
 }
 
-/// A plain packet socket read with `recvmmsg`: the kernel only queues a frame where the ring
-/// would have it copied in the delivering context (on loopback the sender's `send`), so the
-/// receiver's core makes the second copy.
+/// A plain packet socket read with `recv`: the kernel only queues a frame where the ring would
+/// have it copied in the delivering context (on loopback the sender's `send`), so the
+/// receiver's core makes the second copy (into one buffer, kept warm, as the C stream of stop
+/// 57 did).
 struct Plain {
     sock: socket2::Socket,
     /// Destination MAC, source MAC, EtherType.
@@ -434,13 +435,7 @@ fn bw_on(
         let mut frame = vec![0u8; seg];
         frame[0] = DATA;
         frame[1..9].copy_from_slice(&epoch);
-        // A message's frames: whole pieces of `seg`, the last one shorter (at least a header).
-        let mut lens = Vec::new();
-        let mut off = 0;
-        while off < size.max(1) {
-            lens.push(seg.min(size - off.min(size)).max(9));
-            off += seg;
-        }
+        let lens = pieces(size, seg);
         let t = Instant::now();
         for _ in 0..count {
             for &n in &lens {
@@ -463,12 +458,7 @@ fn bw_on(
                 break 0;
             }
         };
-        let secs = t.elapsed().as_secs_f64();
-        let mut row = ctx.row("bw", "raw-packet", "raw-packet", "stream", size);
-        row.iters = count;
-        row.mb_s = Some(delivered as f64 / secs / 1e6);
-        row.mops = Some(delivered as f64 / size.max(1) as f64 / secs / 1e6);
-        Some(row)
+        Some(stream_row(ctx, "raw-packet", size, count, delivered, t))
     } else {
         let mut got = 0u64;
         let mut done = false;

@@ -245,14 +245,14 @@ pub(crate) fn send_all(fd: i32, units: &[&[u8]]) -> usize {
 }
 
 /// Receive buffers for `recvmmsg`: `BATCH` slots of 64 KiB.
-pub(crate) struct RxBatch {
+struct RxBatch {
     bufs: Vec<u8>,
     iov: Vec<libc::iovec>,
     msgs: Vec<libc::mmsghdr>,
 }
 
 impl RxBatch {
-    pub(crate) fn new() -> RxBatch {
+    fn new() -> RxBatch {
         let mut bufs = vec![0u8; BATCH * 65_536];
         let mut iov: Vec<libc::iovec> = bufs
             .chunks_mut(65_536)
@@ -272,7 +272,7 @@ impl RxBatch {
     }
 
     /// Receives what is waiting (none: 0); the slots then hold the datagrams.
-    pub(crate) fn recv(&mut self, fd: i32) -> usize {
+    fn recv(&mut self, fd: i32) -> usize {
         debug_assert_eq!(self.iov.len(), BATCH);
         for m in &mut self.msgs {
             m.msg_len = 0;
@@ -290,9 +290,40 @@ impl RxBatch {
         n.max(0) as usize
     }
 
-    pub(crate) fn get(&self, i: usize) -> &[u8] {
+    fn get(&self, i: usize) -> &[u8] {
         &self.bufs[i * 65_536..i * 65_536 + self.msgs[i].msg_len as usize]
     }
+}
+
+/// The datagrams of one `size`-byte message in pieces of up to `unit` bytes (the last one
+/// shorter, at least the 9-byte header).
+pub(crate) fn pieces(size: usize, unit: usize) -> Vec<usize> {
+    let mut lens = Vec::new();
+    let mut off = 0;
+    while off < size.max(1) {
+        lens.push(unit.min(size - off.min(size)).max(9));
+        off += unit;
+    }
+    lens
+}
+
+/// A floor's stream row: `delivered` bytes of `count` `size`-byte messages, timed from `t`
+/// until the count came back.
+pub(crate) fn stream_row(
+    ctx: &Ctx,
+    api: &str,
+    size: usize,
+    count: usize,
+    delivered: u64,
+    t: Instant,
+) -> Row {
+    let secs = t.elapsed().as_secs_f64();
+    let mut row = ctx.row("bw", api, api, "stream", size);
+    row.iters = count;
+    row.mb_s = Some(delivered as f64 / secs / 1e6);
+    // Messages that arrived (whole or not: the floor counts bytes).
+    row.mops = Some(delivered as f64 / size.max(1) as f64 / secs / 1e6);
+    row
 }
 
 /// The stream floor: rank 0 sends `size`-byte messages back to back (datagrams of `mtu`
@@ -336,11 +367,7 @@ pub fn bw(ctx: &Ctx, p: &mut Pair, size: usize, mtu: usize) -> Option<Row> {
             }
             1
         } else {
-            let mut off = 0;
-            while off < size.max(1) {
-                lens.push(unit.min(size - off.min(size)).max(9));
-                off += unit;
-            }
+            lens = pieces(size, unit);
             count
         };
         let t = Instant::now();
@@ -372,13 +399,7 @@ pub fn bw(ctx: &Ctx, p: &mut Pair, size: usize, mtu: usize) -> Option<Row> {
                 break 0;
             }
         };
-        let secs = t.elapsed().as_secs_f64();
-        let mut row = ctx.row("bw", "raw-udp", "raw-udp", "stream", size);
-        row.iters = count;
-        row.mb_s = Some(delivered as f64 / secs / 1e6);
-        // Messages that arrived (whole or not: the floor counts bytes).
-        row.mops = Some(delivered as f64 / size.max(1) as f64 / secs / 1e6);
-        Some(row)
+        Some(stream_row(ctx, "raw-udp", size, count, delivered, t))
     } else {
         let seg = segment_len(size, mtu);
         let mut rx = p.rx.take().unwrap_or_else(|| Box::new(RxBatch::new()));
