@@ -1119,6 +1119,52 @@ fn event_sequences_for_each_ack_request() {
     s.p.endpoint().barrier().unwrap();
 }
 
+/// A put's ACK counted, then a later get's REPLY event: the process that sees the event sees
+/// the count too, every time (the daemon publishes counts and events in the order the engine
+/// changed them; it once pushed a turn's events first, and a process that read the count as
+/// soon as the REPLY showed could find it one short).
+#[test]
+fn a_count_that_changed_before_an_event_is_seen_with_it() {
+    if !in_job() {
+        return launch_ok(
+            "a_count_that_changed_before_an_event_is_seen_with_it",
+            2,
+            2,
+            &[],
+        );
+    }
+    let mut s = setup();
+    let me = my_rank(&s);
+    let mem =
+        s.p.endpoint()
+            .mem_register(4096, Perms::READ_WRITE)
+            .unwrap();
+    let pt = catch_all_at_rank_1(&mut s, me, &mem);
+    if me == 0 {
+        let ct = s.p.ct_alloc(s.ni).unwrap();
+        let md = md_all(
+            &mut s,
+            &mem,
+            md_opt::EVENT_CT_ACK | md_opt::EVENT_SEND_DISABLE,
+            Some(ct),
+        );
+        let gmd = md_all(&mut s, &mem, md_opt::EVENT_SEND_DISABLE, None);
+        for i in 1..=2000u64 {
+            s.p.put(s.ni, md, 0, 16, AckReq::CtAck, target(1, pt, 0, 0), 5, 0)
+                .unwrap();
+            s.p.get(s.ni, gmd, 1024, 8, target(1, pt, 0, 0), 6).unwrap();
+            loop {
+                let (e, _) = s.p.eq_wait(s.ni, s.eq).unwrap();
+                if e.kind == EventKind::Reply {
+                    break;
+                }
+            }
+            assert_eq!(s.p.ct_get(s.ni, ct).unwrap().success, i, "round {i}");
+        }
+    }
+    s.p.endpoint().barrier().unwrap();
+}
+
 #[test]
 fn every_atomic_op_and_datatype_through_the_nic() {
     if !in_job() {

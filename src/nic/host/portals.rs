@@ -202,8 +202,11 @@ const SILENT_ACK_LAZY_NS: u64 = 2_000;
 pub struct MirrorScratch {
     /// (job, rank) of processes that got something.
     woken: Vec<(u32, u32)>,
-    /// One interface's changed counts.
-    cts: Vec<(u32, CtEvent)>,
+    /// One interface's changed counts, with their stamps.
+    cts: Vec<(u32, CtEvent, u64)>,
+    /// One interface's event rings with something to move: (EQ, events the ring holds,
+    /// capacity).
+    rooms: Vec<(u32, u64, u64)>,
 }
 
 /// Acknowledgements in full waiting to leave for one peer as one `PtlAcks` op: sent once the
@@ -1090,18 +1093,20 @@ impl HostCore {
             return false;
         }
         let mut moved = false;
-        let MirrorScratch { mut woken, mut cts } = std::mem::take(&mut self.ptl_scratch);
+        let MirrorScratch {
+            mut woken,
+            mut cts,
+            mut rooms,
+        } = std::mem::take(&mut self.ptl_scratch);
         for (&(job, rank), p) in self.portals.iter_mut() {
             let mut any = false;
             for s in p.nis.iter_mut().flatten() {
                 if s.ni.notices() == s.mirrored && !s.backlog {
                     continue;
                 }
-                // Events wait for ring room: look again next turn (the process frees it
-                // without a word).
-                let mut waiting = false;
                 s.mirrored = s.ni.notices();
                 s.backlog = false;
+                rooms.clear();
                 for (&eq, ring) in s.eq_rings.iter_mut() {
                     let Some(q) = s.ni.eq_mut(eq) else { continue };
                     // Nothing to move and nothing left unconsumed: the process's index (a
@@ -1110,26 +1115,56 @@ impl HostCore {
                         continue;
                     }
                     let cap = ring.capacity() as u64;
-                    let mut used = ring.backlog().unwrap_or(cap);
-                    while used < cap {
-                        let Some((e, dropped)) = q.take() else { break };
-                        ring.push(&e, dropped);
-                        used += 1;
-                        any = true;
+                    rooms.push((eq, ring.backlog().unwrap_or(cap), cap));
+                }
+                cts.clear();
+                s.ni.take_dirty_cts(&mut cts);
+                // Events and counts reach the process in the order the engine changed them
+                // (by stamp): a process that sees an event also sees every count that changed
+                // before it (a put's ACK counted, then a later get's REPLY), and one that sees
+                // a count, every event posted before it. Counts behind events that wait for
+                // ring room do not wait with them.
+                let mut next_ct = 0;
+                loop {
+                    let oldest = rooms
+                        .iter()
+                        .enumerate()
+                        .filter(|(_, &(_, used, cap))| used < cap)
+                        .filter_map(|(i, &(eq, _, _))| Some((i, s.ni.eq_mut(eq)?.head_stamp()?)))
+                        .min_by_key(|&(_, stamp)| stamp);
+                    let Some((i, stamp)) = oldest else { break };
+                    while let Some(&(ct, v, _)) = cts.get(next_ct).filter(|c| c.2 < stamp) {
+                        if let Some(slot) = s.ct_slots.get(&ct) {
+                            moved = true;
+                            any |= slot.store(v);
+                        }
+                        next_ct += 1;
                     }
+                    let (eq, used, _) = &mut rooms[i];
+                    let (Some(q), Some(ring)) = (s.ni.eq_mut(*eq), s.eq_rings.get_mut(eq)) else {
+                        break;
+                    };
+                    let Some((e, dropped)) = q.take() else { break };
+                    ring.push(&e, dropped);
+                    *used += 1;
+                    any = true;
+                }
+                for &(ct, v, _) in &cts[next_ct..] {
+                    if let Some(slot) = s.ct_slots.get(&ct) {
+                        moved = true;
+                        any |= slot.store(v);
+                    }
+                }
+                // Events wait for ring room: look again next turn (the process frees it
+                // without a word).
+                let mut waiting = false;
+                for &(eq, used, _) in &rooms {
+                    let Some(q) = s.ni.eq_mut(eq) else { continue };
                     q.set_external(used as usize);
                     s.backlog |= used > 0 || !q.is_empty();
                     waiting |= !q.is_empty();
                 }
                 self.ptl_dirty |= waiting;
-                cts.clear();
-                s.ni.take_dirty_cts(&mut cts);
-                for (ct, v) in &cts {
-                    if let Some(slot) = s.ct_slots.get(ct) {
-                        moved = true;
-                        any |= slot.store(*v);
-                    }
-                }
             }
             if any {
                 moved = true;
@@ -1141,7 +1176,7 @@ impl HostCore {
                 self.wakes.push(ep.session);
             }
         }
-        self.ptl_scratch = MirrorScratch { woken, cts };
+        self.ptl_scratch = MirrorScratch { woken, cts, rooms };
         moved
     }
 }

@@ -10,7 +10,9 @@ use super::types::{Event, PtlError};
 #[derive(Debug)]
 pub struct EventQueue {
     cap: usize,
-    events: VecDeque<Event>,
+    /// With the interface's notice count when each was posted (see `PortalsNi::notices`):
+    /// the daemon publishes counts and events to the process in the order they changed.
+    events: VecDeque<(Event, u64)>,
     dropped: bool,
     /// Events already handed to the process and not yet consumed by it (the daemon mirrors
     /// the queue into shared memory); they take room too.
@@ -42,20 +44,25 @@ impl EventQueue {
         self.get().ok()
     }
 
-    /// Posts an event; a full queue drops it (and says so on the next read).
-    pub fn push(&mut self, e: Event) -> bool {
+    /// Posts an event, stamped `stamp`; a full queue drops it (and says so on the next read).
+    pub fn push(&mut self, e: Event, stamp: u64) -> bool {
         if self.events.len() + self.external >= self.cap {
             self.dropped = true;
             return false;
         }
-        self.events.push_back(e);
+        self.events.push_back((e, stamp));
         true
+    }
+
+    /// The stamp of the next event.
+    pub fn head_stamp(&self) -> Option<u64> {
+        self.events.front().map(|&(_, s)| s)
     }
 
     /// PtlEQGet: the next event, and whether events were dropped since the previous read
     /// (PTL_EQ_DROPPED); `Err(EqEmpty)` when there is none.
     pub fn get(&mut self) -> Result<(Event, bool), PtlError> {
-        let e = self.events.pop_front().ok_or(PtlError::EqEmpty)?;
+        let (e, _) = self.events.pop_front().ok_or(PtlError::EqEmpty)?;
         Ok((e, std::mem::take(&mut self.dropped)))
     }
 
@@ -136,8 +143,8 @@ mod tests {
     fn full_queue_reports_dropped_once() {
         let mut q = EventQueue::new(2);
         let e = |p| Event::bare(EventKind::Link, 0, p, NiFail::Ok);
-        assert!(q.push(e(1)) && q.push(e(2)));
-        assert!(!q.push(e(3)));
+        assert!(q.push(e(1), 0) && q.push(e(2), 1));
+        assert!(!q.push(e(3), 2));
         assert_eq!(q.get().unwrap(), (e(1), true));
         assert_eq!(q.get().unwrap(), (e(2), false));
         assert_eq!(q.get(), Err(PtlError::EqEmpty));

@@ -175,8 +175,9 @@ pub struct PortalsNi {
     pub(super) triggered: Vec<Triggered>,
     /// Triggered operations that fired, for the daemon to start.
     pub(super) fired: VecDeque<OpSpec>,
-    /// Counting events changed since the last [`PortalsNi::take_dirty_cts`].
-    dirty_cts: Vec<u32>,
+    /// Counting events changed since the last [`PortalsNi::take_dirty_cts`], each with the
+    /// notice count at its first change since then, in that order.
+    dirty_cts: Vec<(u32, u64)>,
     /// Full events posted and counting-event changes so far: what the process can notice.
     notices: u64,
     unexpected_total: usize,
@@ -386,17 +387,18 @@ impl PortalsNi {
     }
 
     pub(super) fn mark_ct(&mut self, ct: u32) {
-        self.notices += 1;
-        if !self.dirty_cts.contains(&ct) {
-            self.dirty_cts.push(ct);
+        if !self.dirty_cts.iter().any(|&(c, _)| c == ct) {
+            self.dirty_cts.push((ct, self.notices));
         }
+        self.notices += 1;
     }
 
-    /// Counting events changed since the last call, with their values.
-    pub fn take_dirty_cts(&mut self, out: &mut Vec<(u32, CtEvent)>) {
-        for ct in self.dirty_cts.drain(..) {
+    /// Counting events changed since the last call: each with its value and the notice count
+    /// at its first change (events posted before it carry smaller stamps), in that order.
+    pub fn take_dirty_cts(&mut self, out: &mut Vec<(u32, CtEvent, u64)>) {
+        for (ct, stamp) in self.dirty_cts.drain(..) {
             if let Some(v) = self.cts.get(ct) {
-                out.push((ct, *v));
+                out.push((ct, *v, stamp));
             }
         }
     }
@@ -420,7 +422,7 @@ impl PortalsNi {
 
     pub(super) fn post(&mut self, eq: Option<u32>, e: Event) {
         if let Some(q) = eq.and_then(|h| self.eqs.get_mut(h)) {
-            q.push(e);
+            q.push(e, self.notices);
             self.notices += 1;
         }
     }
