@@ -1122,8 +1122,9 @@ impl HostCore {
                 // Events and counts reach the process in the order the engine changed them
                 // (by stamp): a process that sees an event also sees every count that changed
                 // before it (a put's ACK counted, then a later get's REPLY), and one that sees
-                // a count, every event posted before it. Counts behind events that wait for
-                // ring room do not wait with them.
+                // a count, every event posted before the count's first change of this pass (a
+                // count changed again after an event shows its later value before it). Counts
+                // behind events that wait for ring room do not wait with them.
                 let mut next_ct = 0;
                 loop {
                     let oldest = rooms
