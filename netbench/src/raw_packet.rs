@@ -16,9 +16,13 @@ use std::net::SocketAddr;
 use std::os::fd::AsRawFd;
 use std::time::{Duration, Instant};
 
-use softnic::transport::packet::{attach_mac_filter, loopback_mac, PacketDriver, PacketLink};
+use softnic::transport::packet::{
+    attach_mac_filter, bind_ethertype, loopback_mac, PacketDriver, PacketLink,
+};
 
-use crate::raw_udp::{pieces, segment_len, send_all, stream_row, Pinned, BATCH};
+use crate::raw_udp::{
+    pieces, pingpong_over, segment_len, send_all, sock_opt, stream_row, Path, Pinned, BATCH,
+};
 use crate::report::Row;
 use crate::Ctx;
 
@@ -36,38 +40,6 @@ const COUNT: u8 = 3;
 const PLAIN_ETHERTYPE: u16 = 0x88b6;
 /// Frames this long go alone in a `sendmsg` gathered from where they lie (as the daemons' do).
 const GATHER_MIN: usize = 8192;
-
-/// One way of moving frames between the two ranks.
-trait Path {
-    /// Queues a datagram for the peer; large ones leave at once.
-    fn queue(&mut self, d: &[u8]);
-    /// Sends what is queued.
-    fn flush(&mut self);
-    /// Hands the next received datagram to `f`; `false` when none waits.
-    fn recv_with(&mut self, f: &mut dyn FnMut(&[u8])) -> bool;
-    /// The path's name, for errors.
-    fn name(&self) -> &'static str;
-
-    fn send(&mut self, d: &[u8]) {
-        self.queue(d);
-        self.flush();
-    }
-
-    /// Waits up to `t` for a datagram and copies it into `out`.
-    fn recv_timeout(&mut self, t: Duration, out: &mut Vec<u8>) -> bool {
-        let start = Instant::now();
-        while start.elapsed() < t {
-            if self.recv_with(&mut |d| {
-                out.clear();
-                out.extend_from_slice(d);
-            }) {
-                return true;
-            }
-            std::hint::spin_loop();
-        }
-        false
-    }
-}
 
 /// The daemons' way: softnic's packet driver, a receive ring the kernel fills.
 struct Ring {
@@ -110,28 +82,15 @@ impl Plain {
         sock.set_nonblocking(true)?;
         let fd = sock.as_raw_fd();
         for opt in [libc::SO_RCVBUFFORCE, libc::SO_SNDBUFFORCE] {
-            int_opt(fd, libc::SOL_SOCKET, opt, 16 << 20);
+            sock_opt(fd, libc::SOL_SOCKET, opt, 16 << 20);
         }
-        int_opt(fd, libc::SOL_PACKET, libc::PACKET_IGNORE_OUTGOING, 1);
+        sock_opt(fd, libc::SOL_PACKET, libc::PACKET_IGNORE_OUTGOING, 1);
         attach_mac_filter(&sock, link.macs[me])?;
         let name = std::ffi::CString::new(link.interface.clone())?;
         // SAFETY: a NUL-terminated name.
         let ifindex = unsafe { libc::if_nametoindex(name.as_ptr()) };
         anyhow::ensure!(ifindex != 0, "no interface {:?}", link.interface);
-        // SAFETY: an all-zero sockaddr_ll is valid; the fields set below make it an address.
-        let mut sll: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
-        sll.sll_family = libc::AF_PACKET as u16;
-        sll.sll_protocol = PLAIN_ETHERTYPE.to_be();
-        sll.sll_ifindex = ifindex as i32;
-        // SAFETY: `sll` is a valid sockaddr_ll of the size given.
-        let r = unsafe {
-            libc::bind(
-                fd,
-                &sll as *const libc::sockaddr_ll as *const libc::sockaddr,
-                std::mem::size_of::<libc::sockaddr_ll>() as u32,
-            )
-        };
-        anyhow::ensure!(r == 0, "bind: {}", std::io::Error::last_os_error());
+        bind_ethertype(&sock, PLAIN_ETHERTYPE, ifindex)?;
         let mut header = [0u8; 14];
         header[..6].copy_from_slice(&link.macs[1 - me]);
         header[6..12].copy_from_slice(&link.macs[me]);
@@ -143,20 +102,6 @@ impl Plain {
             tx_lens: Vec::new(),
             rx_buf: vec![0; 65_600],
         })
-    }
-}
-
-/// Sets an int socket option; whether the kernel took it.
-fn int_opt(fd: i32, level: i32, opt: i32, val: i32) -> bool {
-    // SAFETY: `val` outlives the call, and its size is passed.
-    unsafe {
-        libc::setsockopt(
-            fd,
-            level,
-            opt,
-            &val as *const i32 as *const libc::c_void,
-            std::mem::size_of::<i32>() as libc::socklen_t,
-        ) == 0
     }
 }
 
@@ -236,7 +181,6 @@ impl Path for Plain {
 pub struct Pair {
     ring: Ring,
     plain: Plain,
-    buf: Vec<u8>,
     /// Bumped by every run, so that strays of an earlier size never count.
     epoch: u64,
 }
@@ -300,11 +244,10 @@ impl Pair {
         let mut p = Pair {
             ring: Ring { drv, peer: 1 - me },
             plain: Plain::open(&link, me as usize)?,
-            buf: vec![0; 65_536],
             epoch: 0,
         };
-        handshake(&mut p.ring, me, &mut p.buf)?;
-        handshake(&mut p.plain, me, &mut p.buf)?;
+        handshake(&mut p.ring, me)?;
+        handshake(&mut p.plain, me)?;
         Ok(Some(p))
     }
 
@@ -315,7 +258,8 @@ impl Pair {
 }
 
 /// Rank 1 knocks until rank 0 answers; then strays are drained.
-fn handshake(path: &mut dyn Path, me: u16, buf: &mut Vec<u8>) -> anyhow::Result<()> {
+fn handshake(path: &mut dyn Path, me: u16) -> anyhow::Result<()> {
+    let buf = &mut Vec::new();
     let t = Instant::now();
     loop {
         if me == 1 {
@@ -372,39 +316,7 @@ pub fn faster(rows: Vec<Row>) -> Option<Row> {
 pub fn pingpong(ctx: &Ctx, p: &mut Pair, size: usize, via: Via) -> Option<Row> {
     let _pin = Pinned::apart(ctx.job.rank);
     let size = size.clamp(1, p.max_datagram());
-    let mut buf = std::mem::take(&mut p.buf);
-    let row = pingpong_on(ctx, p.path(via), size, &mut buf);
-    p.buf = buf;
-    row
-}
-
-fn pingpong_on(ctx: &Ctx, path: &mut dyn Path, size: usize, buf: &mut Vec<u8>) -> Option<Row> {
-    let msg = vec![0x5au8; size];
-    let warm = ctx.lat_warmup(size);
-    let mut samples = Vec::with_capacity(ctx.lat_iters(size));
-    for i in 0..warm + ctx.lat_iters(size) {
-        if ctx.job.rank == 0 {
-            let t = Instant::now();
-            path.send(&msg);
-            if !path.recv_timeout(Duration::from_millis(200), buf) {
-                continue; // a lost frame: no sample
-            }
-            if i >= warm {
-                samples.push(t.elapsed().as_secs_f64() * 1e6 / 2.0);
-            }
-        } else {
-            if !path.recv_timeout(Duration::from_millis(500), buf) {
-                continue;
-            }
-            path.send(&msg);
-        }
-    }
-    std::thread::sleep(Duration::from_millis(10));
-    while path.recv_with(&mut |_| {}) {}
-    (ctx.job.rank == 0 && !samples.is_empty()).then(|| {
-        ctx.row("pingpong", "raw-packet", "raw-packet", "pingpong", size)
-            .with_latency(&mut samples)
-    })
+    pingpong_over(ctx, p.path(via), "raw-packet", size)
 }
 
 /// The stream, `via` one way of receiving: rank 0 sends as many `size`-byte messages as the
@@ -415,20 +327,13 @@ pub fn bw(ctx: &Ctx, p: &mut Pair, size: usize, mtu: usize, via: Via) -> Option<
     let _pin = Pinned::apart(ctx.job.rank);
     let seg = segment_len(size, mtu.clamp(17, p.max_datagram()));
     p.epoch += 1;
-    let (epoch, mut buf) = (p.epoch, std::mem::take(&mut p.buf));
-    let row = bw_on(ctx, p.path(via), size, seg, epoch, &mut buf);
-    p.buf = buf;
-    row
+    let epoch = p.epoch;
+    bw_on(ctx, p.path(via), size, seg, epoch)
 }
 
-fn bw_on(
-    ctx: &Ctx,
-    path: &mut dyn Path,
-    size: usize,
-    seg: usize,
-    epoch: u64,
-    buf: &mut Vec<u8>,
-) -> Option<Row> {
+fn bw_on(ctx: &Ctx, path: &mut dyn Path, size: usize, seg: usize, epoch: u64) -> Option<Row> {
+    // Control messages (the count and its request) land here.
+    let buf = &mut Vec::new();
     let count = crate::gni_bench::bw_iters(ctx.iters, size);
     let epoch = epoch.to_le_bytes();
     if ctx.job.rank == 0 {

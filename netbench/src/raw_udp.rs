@@ -75,7 +75,12 @@ impl Pair {
         if me == 1 {
             // The stream's receiver takes joined datagrams (GRO) from the start, so that none
             // of a stream arrives before it is on; its ping-pong sees one datagram at a time.
-            udp_opt(std::os::fd::AsRawFd::as_raw_fd(&p.sock), libc::UDP_GRO, 1);
+            sock_opt(
+                std::os::fd::AsRawFd::as_raw_fd(&p.sock),
+                libc::SOL_UDP,
+                libc::UDP_GRO,
+                1,
+            );
         }
         Ok(p)
     }
@@ -83,16 +88,68 @@ impl Pair {
     fn try_recv(&mut self) -> Option<usize> {
         self.sock.recv_from(&mut self.buf).ok().map(|(n, _)| n)
     }
+}
 
-    fn recv_timeout(&mut self, d: Duration) -> Option<usize> {
-        let t = Instant::now();
-        while t.elapsed() < d {
-            if let Some(n) = self.try_recv() {
-                return Some(n);
+/// One way of moving datagrams between ranks 0 and 1: the floors' ping-pongs run over it.
+pub(crate) trait Path {
+    /// Queues a datagram for the peer; large ones may leave at once.
+    fn queue(&mut self, d: &[u8]);
+    /// Sends what is queued.
+    fn flush(&mut self);
+    /// Hands the next received datagram to `f`; `false` when none waits.
+    fn recv_with(&mut self, f: &mut dyn FnMut(&[u8])) -> bool;
+    /// The path's name, for errors.
+    fn name(&self) -> &'static str;
+
+    fn send(&mut self, d: &[u8]) {
+        self.queue(d);
+        self.flush();
+    }
+
+    /// Whether a datagram came within `t` (taken, not copied: a ping-pong only needs to know).
+    fn arrived_within(&mut self, t: Duration) -> bool {
+        let start = Instant::now();
+        while start.elapsed() < t {
+            if self.recv_with(&mut |_| {}) {
+                return true;
             }
             std::hint::spin_loop();
         }
-        None
+        false
+    }
+
+    /// Waits up to `t` for a datagram and copies it into `out` (control messages).
+    fn recv_timeout(&mut self, t: Duration, out: &mut Vec<u8>) -> bool {
+        let start = Instant::now();
+        while start.elapsed() < t {
+            if self.recv_with(&mut |d| {
+                out.clear();
+                out.extend_from_slice(d);
+            }) {
+                return true;
+            }
+            std::hint::spin_loop();
+        }
+        false
+    }
+}
+
+impl Path for Pair {
+    fn queue(&mut self, d: &[u8]) {
+        self.sock.send_to(d, self.peer).ok();
+    }
+    fn flush(&mut self) {}
+    fn recv_with(&mut self, f: &mut dyn FnMut(&[u8])) -> bool {
+        match self.try_recv() {
+            Some(n) => {
+                f(&self.buf[..n]);
+                true
+            }
+            None => false,
+        }
+    }
+    fn name(&self) -> &'static str {
+        "udp"
     }
 }
 
@@ -100,37 +157,39 @@ impl Pair {
 /// apart.
 pub fn pingpong(ctx: &Ctx, p: &mut Pair, size: usize) -> Option<Row> {
     let _pin = Pinned::apart(ctx.job.rank);
-    let size = size.clamp(1, 65_000);
+    pingpong_over(ctx, p, "raw-udp", size.clamp(1, 65_000))
+}
+
+/// A floor's ping-pong over `path` (the caller pins): rank 0's row, unless every round trip
+/// was lost.
+pub(crate) fn pingpong_over(ctx: &Ctx, path: &mut dyn Path, api: &str, size: usize) -> Option<Row> {
     let msg = vec![0x5au8; size];
     let warm = ctx.lat_warmup(size);
     let mut samples = Vec::with_capacity(ctx.lat_iters(size));
     for i in 0..warm + ctx.lat_iters(size) {
         if ctx.job.rank == 0 {
             let t = Instant::now();
-            p.sock.send_to(&msg, p.peer).ok();
-            if p.recv_timeout(Duration::from_millis(200)).is_none() {
+            path.send(&msg);
+            if !path.arrived_within(Duration::from_millis(200)) {
                 continue; // a lost datagram: no sample
             }
             if i >= warm {
                 samples.push(t.elapsed().as_secs_f64() * 1e6 / 2.0);
             }
         } else {
-            if p.recv_timeout(Duration::from_millis(500)).is_none() {
+            if !path.arrived_within(Duration::from_millis(500)) {
                 continue;
             }
-            p.sock.send_to(&msg, p.peer).ok();
+            path.send(&msg);
         }
     }
     // Drain strays before the next size.
     std::thread::sleep(Duration::from_millis(10));
-    while p.try_recv().is_some() {}
-    if ctx.job.rank != 0 {
-        return None;
-    }
-    Some(
-        ctx.row("pingpong", "raw-udp", "raw-udp", "pingpong", size)
-            .with_latency(&mut samples),
-    )
+    while path.recv_with(&mut |_| {}) {}
+    (ctx.job.rank == 0 && !samples.is_empty()).then(|| {
+        ctx.row("pingpong", api, api, "pingpong", size)
+            .with_latency(&mut samples)
+    })
 }
 
 const DATA: u8 = 1;
@@ -184,13 +243,13 @@ impl Drop for Pinned {
     }
 }
 
-/// Sets a UDP socket option; whether the kernel took it.
-fn udp_opt(fd: i32, opt: i32, val: i32) -> bool {
+/// Sets an int socket option at `level`; whether the kernel took it.
+pub(crate) fn sock_opt(fd: i32, level: i32, opt: i32, val: i32) -> bool {
     // SAFETY: `val` outlives the call, and its size is passed.
     unsafe {
         libc::setsockopt(
             fd,
-            libc::SOL_UDP,
+            level,
             opt,
             &val as *const i32 as *const libc::c_void,
             std::mem::size_of::<i32>() as libc::socklen_t,
@@ -346,7 +405,8 @@ pub fn bw(ctx: &Ctx, p: &mut Pair, size: usize, mtu: usize) -> Option<Row> {
         // the pieces of a large message, or whole small messages (a message-rate floor).
         let seg = segment_len(size, mtu);
         let segs = (GSO_MAX / seg).min(64);
-        let gso = segs > 1 && size != mtu && udp_opt(fd, libc::UDP_SEGMENT, seg as i32);
+        let gso =
+            segs > 1 && size != mtu && sock_opt(fd, libc::SOL_UDP, libc::UDP_SEGMENT, seg as i32);
         let unit = if gso { segs * seg } else { seg };
         // Every datagram starts with DATA and the epoch (with GSO, at every segment boundary).
         let mut chunk = vec![0u8; unit];
@@ -383,17 +443,20 @@ pub fn bw(ctx: &Ctx, p: &mut Pair, size: usize, mtu: usize) -> Option<Row> {
         }
         send_all(fd, &batch);
         if gso {
-            udp_opt(fd, libc::UDP_SEGMENT, 0);
+            sock_opt(fd, libc::SOL_UDP, libc::UDP_SEGMENT, 0);
         }
         // Ask for the count until it comes (the request or the answer may be lost).
         let delivered = loop {
             let mut d = [DONE; 9];
             d[1..9].copy_from_slice(&epoch.to_le_bytes());
             p.sock.send_to(&d, p.peer).ok();
-            if let Some(n) = p.recv_timeout(Duration::from_millis(50)) {
-                if n >= 17 && p.buf[0] == COUNT && p.buf[1..9] == epoch.to_le_bytes() {
-                    break u64::from_le_bytes(p.buf[9..17].try_into().unwrap());
-                }
+            let got = &mut Vec::new();
+            if p.recv_timeout(Duration::from_millis(50), got)
+                && got.len() >= 17
+                && got[0] == COUNT
+                && got[1..9] == epoch.to_le_bytes()
+            {
+                break u64::from_le_bytes(got[9..17].try_into().unwrap());
             }
             if t.elapsed() > Duration::from_secs(60) {
                 break 0;

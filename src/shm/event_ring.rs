@@ -178,6 +178,12 @@ impl EventRing {
         ok.then_some(used)
     }
 
+    /// The room the process's unconsumed events take: the backlog, or the whole ring if the
+    /// consumer's index is nonsense.
+    pub fn used(&mut self) -> u64 {
+        self.backlog().unwrap_or(self.cap)
+    }
+
     /// The unconsumed events as last seen by [`EventRing::backlog`] and counted since: never
     /// fewer than there are.
     pub fn seen_backlog(&self) -> u64 {

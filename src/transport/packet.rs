@@ -184,6 +184,28 @@ pub fn attach_mac_filter(fd: &impl AsRawFd, mac: [u8; 6]) -> io::Result<()> {
     setsockopt(fd, libc::SOL_SOCKET, libc::SO_ATTACH_FILTER, &fprog)
 }
 
+/// Binds packet socket `fd` to frames of `ethertype` on interface `ifindex` (until then a
+/// socket opened with protocol 0 receives nothing).
+pub fn bind_ethertype(fd: &impl AsRawFd, ethertype: u16, ifindex: u32) -> io::Result<()> {
+    // SAFETY: an all-zero sockaddr_ll is valid; the fields set below make it an address.
+    let mut sll: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
+    sll.sll_family = libc::AF_PACKET as u16;
+    sll.sll_protocol = ethertype.to_be();
+    sll.sll_ifindex = ifindex as i32;
+    // SAFETY: `sll` is a valid sockaddr_ll of the size given.
+    let r = unsafe {
+        libc::bind(
+            fd.as_raw_fd(),
+            &sll as *const libc::sockaddr_ll as *const libc::sockaddr,
+            std::mem::size_of::<libc::sockaddr_ll>() as u32,
+        )
+    };
+    if r != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
 impl PacketDriver {
     /// Opens host `me`'s socket on `link.interface` for datagrams of up to `mtu` bytes.
     pub fn open(
@@ -238,22 +260,7 @@ impl PacketDriver {
         setsockopt(&fd, libc::SOL_PACKET, libc::PACKET_QDISC_BYPASS, &one)?;
         setsockopt(&fd, libc::SOL_PACKET, libc::PACKET_IGNORE_OUTGOING, &one)?;
         attach_mac_filter(&fd, my_mac)?;
-        // SAFETY: an all-zero sockaddr_ll is valid; the fields set below make it an address.
-        let mut sll: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
-        sll.sll_family = libc::AF_PACKET as u16;
-        sll.sll_protocol = ETHERTYPE.to_be();
-        sll.sll_ifindex = ifindex as i32;
-        // SAFETY: `sll` is a valid sockaddr_ll of the size given.
-        let r = unsafe {
-            libc::bind(
-                fd.as_raw_fd(),
-                &sll as *const libc::sockaddr_ll as *const libc::sockaddr,
-                std::mem::size_of::<libc::sockaddr_ll>() as u32,
-            )
-        };
-        if r != 0 {
-            return Err(io::Error::last_os_error());
-        }
+        bind_ethertype(&fd, ETHERTYPE, ifindex)?;
         let mut salt = [0u8; 8];
         salt[2..].copy_from_slice(&my_mac);
         let salt = u64::from_be_bytes(salt);

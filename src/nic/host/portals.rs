@@ -259,7 +259,7 @@ impl NiState {
             if ring.seen_backlog() == 0 {
                 continue;
             }
-            let used = ring.backlog().unwrap_or(ring.capacity() as u64);
+            let used = ring.used();
             if let Some(q) = self.ni.eq_mut(eq) {
                 q.set_external(used as usize);
             }
@@ -1114,8 +1114,7 @@ impl HostCore {
                     if q.is_empty() && ring.seen_backlog() == 0 {
                         continue;
                     }
-                    let cap = ring.capacity() as u64;
-                    rooms.push((eq, ring.backlog().unwrap_or(cap), cap));
+                    rooms.push((eq, ring.used(), ring.capacity() as u64));
                 }
                 cts.clear();
                 s.ni.take_dirty_cts(&mut cts);
