@@ -41,6 +41,23 @@ pub struct UdpConduit {
     /// AMs to deliver before the network's: those a node sends itself, and those that arrived
     /// while a send waited for credit. (source, AM)
     local: VecDeque<(u32, Vec<u8>)>,
+    /// Every rank on this machine has a core of its own: a wait spins, as GASNet's does when
+    /// its node is not overcommitted, instead of yielding (see [`ranks_fit_cores`]).
+    spin: bool,
+}
+
+/// Whether the ranks on this machine (those at our address, or all loopback ranks when ours
+/// is loopback) number no more than its cores. With no daemon, nobody else needs a core: a
+/// `sched_yield` per idle poll only delays seeing the datagram it waits for (blocking 8 B put,
+/// interleaved on a 2-core VM: see docs/performance.md, stop 59).
+fn ranks_fit_cores(peers: &[SocketAddr], me: usize) -> bool {
+    let ours = peers[me].ip();
+    let here = peers
+        .iter()
+        .filter(|a| a.ip() == ours || (a.ip().is_loopback() && ours.is_loopback()))
+        .count();
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    here <= cores
 }
 
 /// The salt of the udp conduit's ports (see [`JobInfo::rank_addrs`]).
@@ -89,6 +106,7 @@ impl UdpConduit {
         )
         .as_bytes());
         let mtu = datagram_size()?;
+        let spin = ranks_fit_cores(&peers, job.rank as usize);
         let d = UdpDriver::bind(peers[job.rank as usize], None, peers, None, mtu)
             .map_err(|e| GasnetError::Setup(format!("udp conduit cannot bind: {e}")))?;
         let cfg = TransportConfig {
@@ -114,6 +132,7 @@ impl UdpConduit {
             segment: vec![0; segment_len],
             pool: Default::default(),
             local: VecDeque::new(),
+            spin,
         })
     }
 
@@ -220,6 +239,10 @@ impl Conduit for UdpConduit {
         "udp"
     }
 
+    fn keep_core(&mut self) -> bool {
+        self.spin
+    }
+
     fn wait_news(&mut self, max: Duration) -> Result<(), GasnetError> {
         if !self.local.is_empty() {
             return Ok(());
@@ -319,5 +342,31 @@ impl Conduit for UdpConduit {
         }
         self.transmit();
         Ok(any)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ranks_fit_cores;
+    use std::net::SocketAddr;
+
+    fn addrs(ips: &[&str]) -> Vec<SocketAddr> {
+        ips.iter()
+            .map(|ip| format!("{ip}:20000").parse().unwrap())
+            .collect()
+    }
+
+    #[test]
+    fn ranks_on_other_machines_leave_the_cores_to_us() {
+        let cores = std::thread::available_parallelism().unwrap().get();
+        // One rank here, the rest elsewhere: always room.
+        let mut ips = vec!["10.0.0.1"];
+        ips.extend(std::iter::repeat_n("10.0.0.2", cores + 4));
+        assert!(ranks_fit_cores(&addrs(&ips), 0));
+        // Every loopback address is this machine, whichever 127.x it is.
+        let local: Vec<String> = (0..=cores).map(|r| format!("127.1.0.{r}")).collect();
+        let local: Vec<&str> = local.iter().map(String::as_str).collect();
+        assert!(!ranks_fit_cores(&addrs(&local), 0));
+        assert!(ranks_fit_cores(&addrs(&local[..cores]), 0));
     }
 }
