@@ -106,11 +106,11 @@ pub(crate) trait Path {
         self.flush();
     }
 
-    /// Whether a datagram came within `t` (taken, not copied: a ping-pong only needs to know).
-    fn arrived_within(&mut self, t: Duration) -> bool {
+    /// Spins up to `t` for a datagram and hands it to `f`; `false` when none came.
+    fn recv_within(&mut self, t: Duration, f: &mut dyn FnMut(&[u8])) -> bool {
         let start = Instant::now();
         while start.elapsed() < t {
-            if self.recv_with(&mut |_| {}) {
+            if self.recv_with(f) {
                 return true;
             }
             std::hint::spin_loop();
@@ -118,19 +118,17 @@ pub(crate) trait Path {
         false
     }
 
+    /// Whether a datagram came within `t` (taken, not copied: a ping-pong only needs to know).
+    fn arrived_within(&mut self, t: Duration) -> bool {
+        self.recv_within(t, &mut |_| {})
+    }
+
     /// Waits up to `t` for a datagram and copies it into `out` (control messages).
     fn recv_timeout(&mut self, t: Duration, out: &mut Vec<u8>) -> bool {
-        let start = Instant::now();
-        while start.elapsed() < t {
-            if self.recv_with(&mut |d| {
-                out.clear();
-                out.extend_from_slice(d);
-            }) {
-                return true;
-            }
-            std::hint::spin_loop();
-        }
-        false
+        self.recv_within(t, &mut |d| {
+            out.clear();
+            out.extend_from_slice(d);
+        })
     }
 }
 
@@ -446,11 +444,11 @@ pub fn bw(ctx: &Ctx, p: &mut Pair, size: usize, mtu: usize) -> Option<Row> {
             sock_opt(fd, libc::SOL_UDP, libc::UDP_SEGMENT, 0);
         }
         // Ask for the count until it comes (the request or the answer may be lost).
+        let got = &mut Vec::new();
         let delivered = loop {
             let mut d = [DONE; 9];
             d[1..9].copy_from_slice(&epoch.to_le_bytes());
             p.sock.send_to(&d, p.peer).ok();
-            let got = &mut Vec::new();
             if p.recv_timeout(Duration::from_millis(50), got)
                 && got.len() >= 17
                 && got[0] == COUNT
