@@ -228,6 +228,82 @@ fn daemons_run_in_one_single_threaded_process_that_ends_with_the_job() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// `--daemon-per-host`: each simulated host's NIC in a process of its own, pinned to a core of
+/// its own where there are enough, as on a LAN; ranks on different hosts talk through them;
+/// all end with the job.
+#[test]
+fn a_daemon_process_per_host_serves_each_host_and_ends_with_the_job() {
+    if in_job() {
+        let mut nic = init();
+        let mem = nic
+            .mem_register(4096, softnic::nic::memory::Perms::READ_WRITE)
+            .unwrap();
+        nic.barrier().unwrap();
+        if nic.rank() == 0 {
+            let launcher = rustix::process::getppid().unwrap().as_raw_nonzero().get() as u32;
+            let mut daemons = daemon_process_of(launcher);
+            daemons.sort_unstable();
+            assert_eq!(daemons.len(), 3, "daemon processes: {daemons:?}");
+            let mut served = Vec::new();
+            for &pid in &daemons {
+                let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+                assert!(
+                    status.lines().any(|l| l == "Threads:\t1"),
+                    "daemon {pid} has more than one thread:\n{status}"
+                );
+                let env = std::fs::read(format!("/proc/{pid}/environ")).unwrap();
+                let hosts = env
+                    .split(|&b| b == 0)
+                    .find_map(|v| v.strip_prefix(b"SOFTNIC_LOCAL_DAEMON_HOSTS="))
+                    .map(|v| String::from_utf8_lossy(v).into_owned());
+                served.push(hosts.expect("names its hosts"));
+            }
+            served.sort();
+            assert_eq!(served, ["0", "1", "2"], "one host each");
+            let dir = std::env::var("SOFTNIC_TEST_PIDS").unwrap();
+            for pid in daemons {
+                std::fs::write(format!("{dir}/{pid}"), b"").unwrap();
+            }
+        }
+        // Every rank puts its number to the next rank (on the next host) through the daemons.
+        let (me, n) = (nic.rank(), nic.size());
+        let to = (me + 1) % n;
+        nic.put(
+            remote(to, mem.handle, 8 * me as u64),
+            &(me as u64 + 100).to_le_bytes(),
+        )
+        .unwrap();
+        nic.barrier().unwrap();
+        let from = (me + n - 1) % n;
+        let at = 8 * from as usize;
+        let got = u64::from_le_bytes(mem.bytes()[at..at + 8].try_into().unwrap());
+        assert_eq!(got, from as u64 + 100, "from rank {from}");
+        nic.barrier().unwrap();
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("softnic-test-perhost-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    launch_ok_env(
+        "a_daemon_process_per_host_serves_each_host_and_ends_with_the_job",
+        3,
+        3,
+        &["--daemon-per-host"],
+        &[("SOFTNIC_TEST_PIDS", dir.to_str().unwrap())],
+    );
+    let pids: Vec<String> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(pids.len(), 3, "rank 0 found the daemon processes");
+    for p in &pids {
+        assert!(
+            !std::path::Path::new(&format!("/proc/{p}")).exists(),
+            "the daemon process {p} outlived its job"
+        );
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 #[test]
 fn softnicd_is_single_threaded_and_stops_on_sigterm_and_sigint() {
     for signal in [rustix::process::Signal::Term, rustix::process::Signal::Int] {

@@ -136,6 +136,10 @@ struct Args {
     /// With --config: local, ssh or slurm (as `softnic run --spawner`; default the same choice).
     #[arg(long, value_enum, requires = "config")]
     spawner: Option<softnic::job::Spawner>,
+    /// The daemons each job starts: a process per host, as on a LAN (`softnic run
+    /// --daemon-per-host`); rows say `daemons=per-host`. `compare` also runs its bulk rows so.
+    #[arg(long)]
+    daemon_per_host: bool,
 }
 
 impl Args {
@@ -205,6 +209,8 @@ pub struct Ctx {
     pub iters: usize,
     /// The daemons' transport, from the job's config.
     pub transport: Option<String>,
+    /// `per-host`: each host's daemon a process of its own (`--daemon-per-host`).
+    pub daemons: Option<String>,
 }
 
 /// Untimed calls before `timed` timed ones: a tenth of them, and ten more.
@@ -240,6 +246,8 @@ impl Ctx {
     }
 
     pub fn row(&self, bench: &str, api: &str, conduit: &str, op: &str, size: usize) -> Row {
+        let through_daemons =
+            !api.starts_with("raw-") && !conduit.starts_with("raw-") && conduit != "udp";
         Row {
             bench: bench.into(),
             api: api.into(),
@@ -250,9 +258,8 @@ impl Ctx {
             hosts: self.hosts,
             iters: self.iters,
             // Rows of the raw-UDP floor and of the udp conduit never touch the daemons.
-            transport: self.transport.clone().filter(|_| {
-                !api.starts_with("raw-") && !conduit.starts_with("raw-") && conduit != "udp"
-            }),
+            transport: self.transport.clone().filter(|_| through_daemons),
+            daemons: self.daemons.clone().filter(|_| through_daemons),
             ..Default::default()
         }
     }
@@ -292,6 +299,7 @@ fn main() -> anyhow::Result<()> {
             .as_deref()
             .and_then(|p| softnic::config::Config::load(p).ok())
             .map(|c| c.cluster.transport.name().to_string()),
+        daemons: args.daemon_per_host.then(|| "per-host".to_string()),
         job,
     };
     if args.api.as_deref() == Some("gasnet") {

@@ -49,6 +49,9 @@ fn group(
         if let (Some(t), true) = (&r.transport, transports.len() > 1) {
             who += &format!(" ({t})");
         }
+        if let Some(d) = &r.daemons {
+            who += &format!(" (daemons {d})");
+        }
         let mut name = match &r.variant {
             Some(v) => format!("{who} {} {v}", r.op),
             None => format!("{who} {}", r.op),
@@ -491,6 +494,7 @@ mod tests {
             hosts: 2,
             iters: 1,
             transport: None,
+            daemons: None,
             job: softnic::job::JobInfo {
                 rank: 0,
                 size: 2,

@@ -32,6 +32,10 @@ pub struct Row {
     /// The daemons' transport (udp, tcp, packet) for rows whose traffic goes through them.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub transport: Option<String>,
+    /// `per-host` for rows whose hosts each had a daemon process of their own (`softnic run
+    /// --daemon-per-host`, as on a LAN); unset: one process served every host.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub daemons: Option<String>,
     /// Strided transfers: the target stride in elements.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stride: Option<u64>,
@@ -97,6 +101,7 @@ pub fn merge_rounds(rows: Vec<Row>) -> Vec<Row> {
             &a.op,
             &a.variant,
             &a.transport,
+            &a.daemons,
         ) == (
             &b.bench,
             &b.api,
@@ -104,6 +109,7 @@ pub fn merge_rounds(rows: Vec<Row>) -> Vec<Row> {
             &b.op,
             &b.variant,
             &b.transport,
+            &b.daemons,
         ) && (a.size, a.ranks, a.hosts) == (b.size, b.ranks, b.hosts)
             && (a.stride, a.nelems, a.outstanding, a.ppn, a.per_epoch)
                 == (b.stride, b.nelems, b.outstanding, b.ppn, b.per_epoch)
@@ -199,6 +205,9 @@ pub fn print(rows: &[Row], json: bool) {
             if let Some(v) = v {
                 op += &format!(" {tag}={v}");
             }
+        }
+        if let Some(d) = &r.daemons {
+            op += &format!(" daemons={d}");
         }
         t += &format!(
             "{:<13} {:<8} {:<8} {:<7} {:<29} {:>9} {:>5} {:>10} {:>10} {:>10} {:>9} {:>9} {:>6}\n",

@@ -28,7 +28,15 @@ pub struct Step {
     pub ranks: u32,
     /// The daemons' transport, when the step names one.
     pub transport: Option<softnic::config::TransportKind>,
+    /// A daemon process per host (`--daemon-per-host`) for this step.
+    pub daemon_per_host: bool,
+    /// Message sizes for this step instead of `--sizes` or the defaults.
+    pub sizes: Option<Vec<usize>>,
 }
+
+/// What compare runs again with a daemon process per host (issue 26: the bulk figures as a LAN
+/// runs its daemons): put_nbi over gni, Portals and the portals conduit.
+const PER_HOST_SIZES: [usize; 2] = [1 << 20, 4 << 20];
 
 /// The GASNet conduits, in the order compare runs them.
 const GASNET_CONDUITS: [&str; 3] = ["udp", "portals", "extoll"];
@@ -63,6 +71,8 @@ fn plan_for(args: &Args, packet: bool) -> anyhow::Result<Vec<Step>> {
         conduit: conduit.map(Into::into),
         ranks,
         transport: None,
+        daemon_per_host: args.daemon_per_host,
+        sizes: None,
     };
     let gasnet_conduits: Vec<&str> = match conduit.as_deref() {
         None | Some("all") => GASNET_CONDUITS.to_vec(),
@@ -93,6 +103,26 @@ fn plan_for(args: &Args, packet: bool) -> anyhow::Result<Vec<Step>> {
                 s.label += " over the udp transport";
                 s.transport = Some(softnic::config::TransportKind::Udp);
                 steps.push(s);
+            }
+            // The bulk rows again with a daemon process per host, unless every job has that.
+            if !args.daemon_per_host && args.config.is_none() {
+                let all = conduit.as_deref().is_none_or(|c| c == "all");
+                let mut per_host = Vec::new();
+                if all || conduit.as_deref() == Some("gni") {
+                    per_host.push(step(Bench::Bw, "gni", None, args.ranks));
+                }
+                if all || conduit.as_deref() == Some("portals") {
+                    per_host.push(step(Bench::Bw, "portals", None, args.ranks));
+                }
+                if gasnet_conduits.contains(&"portals") {
+                    per_host.push(step(Bench::Bw, "gasnet", Some("portals"), args.ranks));
+                }
+                for mut s in per_host {
+                    s.label += ", a daemon per host";
+                    s.daemon_per_host = true;
+                    s.sizes = Some(PER_HOST_SIZES.to_vec());
+                    steps.push(s);
+                }
             }
             for &r in args.ra_ranks.iter().filter(|&&r| r != args.ranks) {
                 steps.push(step(Bench::Randomaccess, "all", conduit.as_deref(), r));
@@ -180,9 +210,12 @@ fn step_args(args: &Args, s: &Step) -> Vec<OsString> {
         "--table-log2".into(),
         args.table_log2.to_string(),
     ]);
-    if let Some(sizes) = &args.sizes {
+    if let Some(sizes) = s.sizes.as_ref().or(args.sizes.as_ref()) {
         let list: Vec<String> = sizes.iter().map(|s| s.to_string()).collect();
         v.extend(["--sizes".into(), list.join(",")]);
+    }
+    if s.daemon_per_host {
+        v.push("--daemon-per-host".into());
     }
     if args.no_verify {
         v.push("--no-verify".into());
@@ -295,6 +328,7 @@ fn run_step(
         args: step_args(args, s),
         env: vec![(ROWS_ENV.into(), file.display().to_string())],
         transport: s.transport,
+        daemon_per_host: s.daemon_per_host,
         ..Default::default()
     };
     let launched = match &args.config {
@@ -356,6 +390,9 @@ mod tests {
             "compare gasnet/udp ×2",
             "compare gasnet/portals ×2",
             "compare gasnet/extoll ×2",
+            "bw gni ×2, a daemon per host",
+            "bw portals ×2, a daemon per host",
+            "bw gasnet/portals ×2, a daemon per host",
             "randomaccess all ×4",
             "randomaccess gasnet/udp ×4",
             "randomaccess gasnet/portals ×4",
@@ -377,8 +414,40 @@ mod tests {
         );
         assert_eq!(packet[5..], udp[4..]);
         let args = Args::try_parse_from(["netbench", "compare"]).unwrap();
-        let s = &plan_for(&args, true).unwrap()[4];
-        assert_eq!(s.transport, Some(softnic::config::TransportKind::Udp));
+        let plan = plan_for(&args, true).unwrap();
+        assert_eq!(plan[4].transport, Some(softnic::config::TransportKind::Udp));
+        // The bulk rows again, a daemon process per host: only those steps, at 1 and 4 MiB.
+        for (i, s) in plan.iter().enumerate() {
+            assert_eq!(s.daemon_per_host, (5..8).contains(&i), "{}", s.label);
+            let a = step_args(&args, s);
+            let has = |x: &str| a.iter().any(|v| v == x);
+            assert_eq!(has("--daemon-per-host"), s.daemon_per_host, "{}", s.label);
+            if s.daemon_per_host {
+                assert_eq!(s.bench, Bench::Bw);
+                assert!(has("1048576,4194304"), "{a:?}");
+            } else {
+                assert!(!has("--sizes"), "{}: the defaults", s.label);
+            }
+        }
+    }
+
+    #[test]
+    fn with_a_daemon_per_host_every_job_has_one() {
+        let args = Args::try_parse_from(["netbench", "compare", "--daemon-per-host"]).unwrap();
+        let plan = plan_for(&args, true).unwrap();
+        assert!(plan.iter().all(|s| s.daemon_per_host));
+        assert!(
+            !plan.iter().any(|s| s.label.contains("a daemon per host")),
+            "no extra steps"
+        );
+        let only_gni = Args::try_parse_from(["netbench", "compare", "--conduit", "gni"]).unwrap();
+        let per_host: Vec<_> = plan_for(&only_gni, false)
+            .unwrap()
+            .into_iter()
+            .filter(|s| s.daemon_per_host)
+            .map(|s| s.label)
+            .collect();
+        assert_eq!(per_host, ["bw gni ×2, a daemon per host"]);
     }
 
     #[test]

@@ -61,6 +61,10 @@ enum Cmd {
         /// Use already running softnicd daemons of --config.
         #[arg(long, requires = "config")]
         attach: bool,
+        /// The daemons started here (local spawner): a process per host, each NIC on a core of
+        /// its own unless the config names one, as on a LAN; default one process for all.
+        #[arg(long, conflicts_with = "attach")]
+        daemon_per_host: bool,
         /// The network between hosts: an interface name (eth1) or a CIDR (10.2.0.0/16); each
         /// host is at its config address on it (exported as SOFTNIC_IFACE).
         #[arg(long, requires = "config")]
@@ -153,6 +157,7 @@ fn main() -> anyhow::Result<()> {
             timeout,
             config,
             attach,
+            daemon_per_host,
             iface,
             conduit,
             transport,
@@ -192,6 +197,7 @@ fn main() -> anyhow::Result<()> {
                 hosts: nhosts,
                 config,
                 attach,
+                daemon_per_host,
                 fault,
                 transport,
                 conduit,

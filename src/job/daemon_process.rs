@@ -2,10 +2,11 @@
 //! one thread every socket call takes and drops a reference on the socket's file, measured
 //! +0.23 µs a blocking round trip (see [`crate::daemon::signals`]); a launcher has several.
 //!
-//! The launcher starts its own binary again with `SOFTNIC_LOCAL_DAEMON` set to its pid. That
-//! process reads the effective configuration (TOML) on stdin, starts the NICs of every host,
-//! answers one line on stdout (`ready`, or `error: …`), and runs until SIGTERM or until the
-//! launcher dies. Only binaries that call [`serve_if_asked`] first thing in `main` can be
+//! The launcher starts its own binary again with `SOFTNIC_LOCAL_DAEMON` set to its pid and
+//! `SOFTNIC_LOCAL_DAEMON_HOSTS` to the config indices of the hosts it serves (all of them, or
+//! one each with `softnic run --daemon-per-host`). That process reads the effective
+//! configuration (TOML) on stdin, starts the NICs of its hosts, answers one line on stdout
+//! (`ready`, or `error: …`), and runs until SIGTERM or until the launcher dies. Only binaries that call [`serve_if_asked`] first thing in `main` can be
 //! started so; any other launcher (a test binary) runs its daemons in a thread instead.
 
 use std::io::{BufRead, BufReader, Read, Write};
@@ -21,6 +22,8 @@ use crate::daemon::{signals, Daemon};
 
 /// Set in the daemon process's environment: the launcher's pid.
 pub const ENV: &str = "SOFTNIC_LOCAL_DAEMON";
+/// Set beside [`ENV`]: the config indices of the hosts this process serves, comma separated.
+pub const HOSTS_ENV: &str = "SOFTNIC_LOCAL_DAEMON_HOSTS";
 /// How long a starting daemon may take to answer.
 const START_WITHIN: Duration = Duration::from_secs(10);
 
@@ -71,8 +74,8 @@ fn serve(launcher: &str) -> Result<(), String> {
     let started = Config::parse(&text)
         .map_err(|e| e.to_string())
         .and_then(|cfg| {
-            let all: Vec<u16> = (0..cfg.hosts.len() as u16).collect();
-            Daemon::new(&cfg, &all, stop).map_err(|e| e.to_string())
+            let hosts = served_hosts(std::env::var(HOSTS_ENV).ok().as_deref(), cfg.hosts.len())?;
+            Daemon::new(&cfg, &hosts, stop).map_err(|e| e.to_string())
         });
     let mut d = match started {
         Ok(d) => d,
@@ -86,17 +89,44 @@ fn serve(launcher: &str) -> Result<(), String> {
     d.run().map_err(|e| e.to_string())
 }
 
+/// The hosts named by `list` (config indices, comma separated; unset: all `n`), each once and
+/// each one of the config's.
+fn served_hosts(list: Option<&str>, n: usize) -> Result<Vec<u16>, String> {
+    let Some(list) = list else {
+        return Ok((0..n as u16).collect());
+    };
+    let mut hosts = Vec::new();
+    for part in list.split(',') {
+        let i = part
+            .trim()
+            .parse::<u16>()
+            .ok()
+            .filter(|&i| (i as usize) < n)
+            .ok_or_else(|| {
+                format!("{HOSTS_ENV}={list}: {part:?} is not a host of the config ({n} hosts)")
+            })?;
+        if hosts.contains(&i) {
+            return Err(format!("{HOSTS_ENV}={list}: host {i} named twice"));
+        }
+        hosts.push(i);
+    }
+    Ok(hosts)
+}
+
 /// A running daemon process; stopped (SIGTERM, then SIGKILL) when dropped.
 pub(super) struct DaemonProcess {
     child: Option<Child>,
 }
 
 impl DaemonProcess {
-    /// Starts this binary as the daemons of `cfg`; returns once they serve, or why not.
-    pub(super) fn start(cfg: &Config) -> Result<DaemonProcess, String> {
+    /// Starts this binary as the daemons of `cfg`'s `hosts`; returns once they serve, or why
+    /// not.
+    pub(super) fn start(cfg: &Config, hosts: &[u16]) -> Result<DaemonProcess, String> {
         let exe = std::env::current_exe().map_err(|e| format!("cannot find this program: {e}"))?;
+        let list: Vec<String> = hosts.iter().map(u16::to_string).collect();
         let mut child = Command::new(exe)
             .env(ENV, std::process::id().to_string())
+            .env(HOSTS_ENV, list.join(","))
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()
@@ -151,5 +181,21 @@ impl DaemonProcess {
 impl Drop for DaemonProcess {
     fn drop(&mut self) {
         self.stop();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::served_hosts;
+
+    #[test]
+    fn the_hosts_a_daemon_process_serves_are_checked() {
+        assert_eq!(served_hosts(None, 3), Ok(vec![0, 1, 2]), "unset: all");
+        assert_eq!(served_hosts(Some("1"), 3), Ok(vec![1]));
+        assert_eq!(served_hosts(Some("2, 0"), 3), Ok(vec![2, 0]));
+        for bad in ["3", "", "x", "-1", "0,0", "1,,2"] {
+            let e = served_hosts(Some(bad), 3).unwrap_err();
+            assert!(e.contains("SOFTNIC_LOCAL_DAEMON_HOSTS"), "{bad:?}: {e}");
+        }
     }
 }

@@ -2,7 +2,8 @@
 //! (127.0.0.2, .3, …, one socket each: packet where permitted, else UDP) in one
 //! single-threaded daemon process (the launcher's binary started again, see
 //! [`super::daemon_process`]; a launcher that cannot be started so runs them in a thread of its
-//! own), health-checks them, starts N ranks spread round-robin over the hosts, and stops
+//! own), or with `--daemon-per-host` in one process per host, each NIC on a core of its own, as
+//! a LAN runs them; health-checks them, starts N ranks spread round-robin over the hosts, and stops
 //! everything at the end. A rank that fails or is killed ends the job with a message naming it;
 //! Ctrl-C ends it too; no process, socket or file is left behind.
 
@@ -65,6 +66,9 @@ pub struct Launch {
     pub config: Option<PathBuf>,
     /// Use daemons that are already running (softnicd) instead of starting them.
     pub attach: bool,
+    /// Daemons started here: a process per host (its NIC on a core of its own where the
+    /// config names none), as on a LAN, instead of one process serving every host.
+    pub daemon_per_host: bool,
     /// Fault injection for the daemons this launcher starts.
     pub fault: Option<Fault>,
     /// The local default's transport (unset: packet where permitted, else UDP);
@@ -111,52 +115,66 @@ enum Runner {
 /// The daemons of a job, stopped when dropped.
 struct LocalDaemons {
     stop: Arc<AtomicBool>,
-    runner: Option<Runner>,
+    runners: Vec<Runner>,
     runtime_dir: Option<PathBuf>,
 }
 
 impl LocalDaemons {
-    fn start(cfg: &Config) -> Result<LocalDaemons, String> {
-        let stop = Arc::new(AtomicBool::new(false));
-        if daemon_process::can_spawn() {
-            return Ok(LocalDaemons {
-                stop,
-                runner: Some(Runner::Process(DaemonProcess::start(cfg)?)),
-                runtime_dir: None,
-            });
+    /// Starts the NICs of every host of `cfg`: in one process, or in one each (`per_host`).
+    fn start(cfg: &Config, per_host: bool) -> Result<LocalDaemons, String> {
+        let all: Vec<u16> = (0..cfg.hosts.len() as u16).collect();
+        let groups: Vec<Vec<u16>> = if per_host {
+            all.iter().map(|&h| vec![h]).collect()
+        } else {
+            vec![all]
+        };
+        let mut d = LocalDaemons {
+            stop: Arc::new(AtomicBool::new(false)),
+            runners: Vec::new(),
+            runtime_dir: None,
+        };
+        for hosts in groups {
+            // A failure stops those already started (on drop).
+            let r = if daemon_process::can_spawn() {
+                Runner::Process(DaemonProcess::start(cfg, &hosts)?)
+            } else {
+                Runner::Thread(Self::thread(cfg, hosts, d.stop.clone())?)
+            };
+            d.runners.push(r);
         }
+        Ok(d)
+    }
+
+    /// The NICs of `hosts` in a thread of this process; returns once they serve.
+    fn thread(
+        cfg: &Config,
+        hosts: Vec<u16>,
+        stop: Arc<AtomicBool>,
+    ) -> Result<JoinHandle<()>, String> {
         let (tx, rx) = mpsc::channel();
-        let (c, s) = (cfg.clone(), stop.clone());
+        let c = cfg.clone();
         let thread = std::thread::Builder::new()
             .name("softnicd".into())
-            .spawn(move || {
-                let all: Vec<u16> = (0..c.hosts.len() as u16).collect();
-                match Daemon::new(&c, &all, s) {
-                    Ok(mut d) => {
-                        let _ = tx.send(Ok(()));
-                        if let Err(e) = d.run() {
-                            tracing::error!("daemon loop failed: {e}");
-                        }
+            .spawn(move || match Daemon::new(&c, &hosts, stop) {
+                Ok(mut d) => {
+                    let _ = tx.send(Ok(()));
+                    if let Err(e) = d.run() {
+                        tracing::error!("daemon loop failed: {e}");
                     }
-                    Err(e) => {
-                        let _ = tx.send(Err(e.to_string()));
-                    }
+                }
+                Err(e) => {
+                    let _ = tx.send(Err(e.to_string()));
                 }
             })
             .map_err(|e| e.to_string())?;
-        let mut d = LocalDaemons {
-            stop,
-            runner: Some(Runner::Thread(thread)),
-            runtime_dir: None,
-        };
         match rx.recv() {
-            Ok(Ok(())) => Ok(d),
+            Ok(Ok(())) => Ok(thread),
             Ok(Err(e)) => {
-                d.shutdown();
+                let _ = thread.join();
                 Err(e)
             }
             Err(_) => {
-                d.shutdown();
+                let _ = thread.join();
                 Err("daemon thread died while starting".into())
             }
         }
@@ -164,14 +182,15 @@ impl LocalDaemons {
 
     fn shutdown(&mut self) {
         self.stop.store(true, Ordering::SeqCst);
-        match self.runner.take() {
-            Some(Runner::Process(mut p)) => {
-                p.stop();
+        for r in self.runners.drain(..) {
+            match r {
+                Runner::Process(mut p) => {
+                    p.stop();
+                }
+                Runner::Thread(t) => {
+                    let _ = t.join();
+                }
             }
-            Some(Runner::Thread(t)) => {
-                let _ = t.join();
-            }
-            None => {}
         }
         if let Some(dir) = self.runtime_dir.take() {
             let _ = std::fs::remove_dir_all(dir);
@@ -215,11 +234,7 @@ pub fn daemon_health(path: &Path, within: Duration) -> Result<bool, String> {
 }
 
 /// Starts the local default's daemons on a free port; returns them and the config.
-fn start_local_default(
-    hosts: usize,
-    fault: Option<Fault>,
-    transport: Option<TransportKind>,
-) -> Result<(LocalDaemons, Config), LaunchError> {
+fn start_local_default(l: &Launch) -> Result<(LocalDaemons, Config), LaunchError> {
     let mut last = String::new();
     for _ in 0..20 {
         let tag: u32 = rand::random();
@@ -227,13 +242,16 @@ fn start_local_default(
         // Below the ranks' baseline ports (`JobInfo::rank_addrs`: 20000–31999) and the
         // kernel's ephemeral range (32768–60999), so neither can hold it already.
         let port = 10_000 + (rand::random::<u16>() % 10_000);
-        let mut cfg = Config::local_default(hosts, port, dir.clone());
-        cfg.cluster.transport = transport.unwrap_or_else(TransportKind::best_local);
-        cfg.fault = fault.clone();
+        let mut cfg = Config::local_default(l.hosts, port, dir.clone());
+        cfg.cluster.transport = l.transport.unwrap_or_else(TransportKind::best_local);
+        cfg.fault = l.fault.clone();
+        if l.daemon_per_host {
+            spread_nic_cpus(&mut cfg);
+        }
         cfg.apply_env();
         std::fs::create_dir_all(&dir)?;
         std::fs::write(dir.join("cluster.toml"), cfg.to_toml())?;
-        match LocalDaemons::start(&cfg) {
+        match LocalDaemons::start(&cfg, l.daemon_per_host) {
             Ok(mut d) => {
                 d.runtime_dir = Some(dir);
                 return Ok((d, cfg));
@@ -247,6 +265,16 @@ fn start_local_default(
     Err(LaunchError::Daemon(last))
 }
 
+/// A NIC core per host, from the last CPU down (the one-process default's core first), round
+/// the CPUs this process may use when hosts outnumber them: one daemon process per host on
+/// one machine stands for NICs with silicon of their own.
+fn spread_nic_cpus(cfg: &mut Config) {
+    let ncpus = crate::shm::cores::allowed().map_or(1, |c| c.len().max(1)) as i64;
+    for (i, h) in cfg.hosts.iter_mut().enumerate() {
+        h.nic_cpu = Some(-1 - (i as i64 % ncpus));
+    }
+}
+
 /// Runs the job; returns the exit status to exit with (0, or that of the first failing rank).
 pub fn run(l: &Launch) -> Result<i32, LaunchError> {
     if l.ranks == 0 || !(1..=250).contains(&l.hosts) {
@@ -255,7 +283,7 @@ pub fn run(l: &Launch) -> Result<i32, LaunchError> {
     install_signal_handler();
     let (daemons, cfg, cfg_path) = match &l.config {
         None => {
-            let (d, c) = start_local_default(l.hosts, l.fault.clone(), l.transport)?;
+            let (d, c) = start_local_default(l)?;
             let p = c.cluster.runtime_dir.join("cluster.toml");
             (Some(d), c, p)
         }
@@ -269,7 +297,7 @@ pub fn run(l: &Launch) -> Result<i32, LaunchError> {
             let d = if l.attach || running() {
                 None
             } else {
-                Some(LocalDaemons::start(&c).map_err(LaunchError::Daemon)?)
+                Some(LocalDaemons::start(&c, l.daemon_per_host).map_err(LaunchError::Daemon)?)
             };
             (d, c, p.clone())
         }
@@ -448,8 +476,15 @@ mod tests {
     fn a_launcher_that_cannot_start_itself_runs_its_daemons_in_a_thread() {
         // A test binary never calls `serve_if_asked`: starting it again would run the tests.
         assert!(!daemon_process::can_spawn());
-        let (d, cfg) = start_local_default(2, None, None).unwrap();
-        assert!(matches!(d.runner, Some(Runner::Thread(_))));
+        let l = Launch {
+            hosts: 2,
+            ..Default::default()
+        };
+        let (d, cfg) = start_local_default(&l).unwrap();
+        assert!(
+            matches!(d.runners[..], [Runner::Thread(_)]),
+            "one daemon for both hosts"
+        );
         for i in 0..2 {
             assert!(health_check(&cfg.socket_path(i), Duration::from_secs(5)));
         }
@@ -461,5 +496,37 @@ mod tests {
             &cfg.socket_path(0),
             Duration::from_millis(100)
         ));
+    }
+
+    #[test]
+    fn a_daemon_per_host_serves_its_host_on_a_core_of_its_own() {
+        let l = Launch {
+            hosts: 3,
+            daemon_per_host: true,
+            ..Default::default()
+        };
+        let (d, cfg) = start_local_default(&l).unwrap();
+        assert_eq!(d.runners.len(), 3, "a daemon each");
+        for i in 0..3 {
+            assert!(health_check(&cfg.socket_path(i), Duration::from_secs(5)));
+        }
+        let ncpus = crate::shm::cores::allowed().unwrap().len() as i64;
+        let cores: Vec<_> = cfg.hosts.iter().map(|h| h.nic_cpu).collect();
+        let want: Vec<_> = (0..3).map(|i| Some(-1 - i % ncpus)).collect();
+        assert_eq!(cores, want, "from the last CPU down, round the CPUs");
+        // The one-process default keeps the cluster's single core.
+        assert!(Config::local_default(3, 1, "/tmp".into())
+            .hosts
+            .iter()
+            .all(|h| h.nic_cpu.is_none()));
+        let dir = cfg.cluster.runtime_dir.clone();
+        drop(d);
+        assert!(!dir.exists());
+        for i in 0..3 {
+            assert!(!health_check(
+                &cfg.socket_path(i),
+                Duration::from_millis(100)
+            ));
+        }
     }
 }
