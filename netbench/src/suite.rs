@@ -34,8 +34,8 @@ pub struct Step {
     pub sizes: Option<Vec<usize>>,
 }
 
-/// What compare runs again with a daemon process per host (issue 26: the bulk figures as a LAN
-/// runs its daemons): put_nbi over gni, Portals and the portals conduit.
+/// The sizes compare runs again with a daemon process per host, unless `--sizes` (issue 26: the
+/// bulk figures as a LAN runs its daemons): put_nbi over gni, Portals and the portals conduit.
 const PER_HOST_SIZES: [usize; 2] = [1 << 20, 4 << 20];
 
 /// The GASNet conduits, in the order compare runs them.
@@ -120,7 +120,7 @@ fn plan_for(args: &Args, packet: bool) -> anyhow::Result<Vec<Step>> {
                 for mut s in per_host {
                     s.label += ", a daemon per host";
                     s.daemon_per_host = true;
-                    s.sizes = Some(PER_HOST_SIZES.to_vec());
+                    s.sizes = args.sizes.is_none().then(|| PER_HOST_SIZES.to_vec());
                     steps.push(s);
                 }
             }
@@ -439,6 +439,18 @@ mod tests {
         assert!(
             !plan.iter().any(|s| s.label.contains("a daemon per host")),
             "no extra steps"
+        );
+        let sized = Args::try_parse_from(["netbench", "compare", "--sizes", "4k"]).unwrap();
+        let a: Vec<_> = plan_for(&sized, false)
+            .unwrap()
+            .iter()
+            .filter(|s| s.daemon_per_host)
+            .map(|s| step_args(&sized, s))
+            .collect();
+        assert_eq!(a.len(), 3);
+        assert!(
+            a.iter().all(|a| a.iter().any(|v| v == "4096")),
+            "--sizes wins: {a:?}"
         );
         let only_gni = Args::try_parse_from(["netbench", "compare", "--conduit", "gni"]).unwrap();
         let per_host: Vec<_> = plan_for(&only_gni, false)

@@ -265,6 +265,20 @@ fn compare_covers_every_api_and_conduit_and_draws_the_figures() {
         );
         assert!(has(api, conduit, "bw"), "no {api}/{conduit} bandwidth row");
     }
+    // The bulk rows again, each host's daemon a process of its own.
+    for (api, conduit) in [
+        ("gni", "gni"),
+        ("portals", "portals"),
+        ("gasnet", "portals"),
+    ] {
+        assert!(
+            rows.iter().any(|r| r["api"] == api
+                && r["conduit"] == conduit
+                && r["bench"] == "bw"
+                && r["daemons"] == "per-host"),
+            "no {api}/{conduit} bandwidth row with a daemon per host"
+        );
+    }
     for conduit in ["udp", "portals", "extoll"] {
         assert!(has("gasnet", conduit, "am"), "no {conduit} AM row");
         for ranks in [2, 4] {
