@@ -6,8 +6,9 @@
 //! `SOFTNIC_LOCAL_DAEMON_HOSTS` to the config indices of the hosts it serves (all of them, or
 //! one each with `softnic run --daemon-per-host`). That process reads the effective
 //! configuration (TOML) on stdin, starts the NICs of its hosts, answers one line on stdout
-//! (`ready`, or `error: …`), and runs until SIGTERM or until the launcher dies. Only binaries that call [`serve_if_asked`] first thing in `main` can be
-//! started so; any other launcher (a test binary) runs its daemons in a thread instead.
+//! (`ready`, or `error: …`), and runs until SIGTERM or until the launcher dies. Only binaries
+//! that call [`serve_if_asked`] first thing in `main` can be started so; any other launcher (a
+//! test binary) runs its daemons in a thread instead.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::process::{Child, Command, Stdio};
