@@ -265,13 +265,17 @@ fn start_local_default(l: &Launch) -> Result<(LocalDaemons, Config), LaunchError
     Err(LaunchError::Daemon(last))
 }
 
-/// A NIC core per host, from the last CPU down (the one-process default's core first), round
-/// the CPUs this process may use when hosts outnumber them: one daemon process per host on
-/// one machine stands for NICs with silicon of their own.
+/// For a daemon process per host: each host that names no core of its own gets one, from the
+/// last CPU down (the one-process default's core first), round the CPUs this process may use
+/// when hosts outnumber them — NICs with silicon of their own. Not where the cluster pins no
+/// daemon, nor under `SOFTNIC_NIC_CPU`, which names every daemon's core.
 fn spread_nic_cpus(cfg: &mut Config) {
+    if cfg.cluster.nic_cpu.is_none() || std::env::var_os("SOFTNIC_NIC_CPU").is_some() {
+        return;
+    }
     let ncpus = crate::shm::cores::allowed().map_or(1, |c| c.len().max(1)) as i64;
     for (i, h) in cfg.hosts.iter_mut().enumerate() {
-        h.nic_cpu = Some(-1 - (i as i64 % ncpus));
+        h.nic_cpu.get_or_insert(-1 - (i as i64 % ncpus));
     }
 }
 
@@ -291,6 +295,9 @@ pub fn run(l: &Launch) -> Result<i32, LaunchError> {
             let mut c = Config::load(p)?;
             if l.fault.is_some() {
                 c.fault = l.fault.clone();
+            }
+            if l.daemon_per_host {
+                spread_nic_cpus(&mut c);
             }
             // Daemons that already serve every host are used, as with --attach.
             let running = || (0..c.hosts.len() as u16).all(|i| daemon_answers(&c.socket_path(i)));
@@ -519,6 +526,16 @@ mod tests {
             .hosts
             .iter()
             .all(|h| h.nic_cpu.is_none()));
+        // A config's own choices stand: a host's core, a cluster that pins nothing.
+        let mut c = Config::local_default(3, 1, "/tmp".into());
+        c.hosts[1].nic_cpu = Some(0);
+        spread_nic_cpus(&mut c);
+        assert_eq!(c.hosts[1].nic_cpu, Some(0));
+        assert_eq!(c.hosts[2].nic_cpu, want[2]);
+        c.cluster.nic_cpu = None;
+        c.hosts.iter_mut().for_each(|h| h.nic_cpu = None);
+        spread_nic_cpus(&mut c);
+        assert!(c.hosts.iter().all(|h| h.nic_cpu.is_none()));
         let dir = cfg.cluster.runtime_dir.clone();
         drop(d);
         assert!(!dir.exists());
