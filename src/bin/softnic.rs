@@ -61,8 +61,8 @@ enum Cmd {
         /// Use already running softnicd daemons of --config.
         #[arg(long, requires = "config")]
         attach: bool,
-        /// The daemons started here (local spawner): a process per host, each NIC on a core of
-        /// its own unless the config names one, as on a LAN; default one process for all.
+        /// The daemons started here (local spawner): a process per host, as on a LAN, each NIC
+        /// on a core of its own while cores remain for the ranks; default one process for all.
         #[arg(long, conflicts_with = "attach")]
         daemon_per_host: bool,
         /// The network between hosts: an interface name (eth1) or a CIDR (10.2.0.0/16); each
