@@ -163,6 +163,48 @@ fn interrupt_stops_every_rank_and_cleans_up() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// `name`'s value in the environment of process `pid`, if set.
+fn environ_var(pid: u32, name: &str) -> Option<String> {
+    let env = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
+    let key = format!("{name}=");
+    env.split(|&b| b == 0)
+        .find_map(|v| v.strip_prefix(key.as_bytes()))
+        .map(|v| String::from_utf8_lossy(v).into_owned())
+}
+
+/// Asserts that process `pid` runs one thread.
+fn assert_single_threaded(pid: u32) {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    assert!(
+        status.lines().any(|l| l == "Threads:\t1"),
+        "the daemon process {pid} has more than one thread:\n{status}"
+    );
+}
+
+/// Rank 0's side: notes `daemons` in the directory the test named (`SOFTNIC_TEST_PIDS`).
+fn record_daemons(daemons: &[u32]) {
+    let dir = std::env::var("SOFTNIC_TEST_PIDS").unwrap();
+    for pid in daemons {
+        std::fs::write(format!("{dir}/{pid}"), b"").unwrap();
+    }
+}
+
+/// The test's side: `want` daemons were noted in `dir`, none outlived the job; `dir` goes.
+fn recorded_daemons_ended(dir: &std::path::Path, want: usize) {
+    let pids: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(pids.len(), want, "rank 0 found the daemon processes");
+    for p in &pids {
+        assert!(
+            !std::path::Path::new(&format!("/proc/{p}")).exists(),
+            "the daemon process {p} outlived its job"
+        );
+    }
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
 /// The process (a child of the launcher, like the ranks) that runs the job's daemons.
 fn daemon_process_of(launcher: u32) -> Vec<u32> {
     let mut found = Vec::new();
@@ -176,11 +218,7 @@ fn daemon_process_of(launcher: u32) -> Vec<u32> {
             .rsplit_once(')')
             .and_then(|(_, rest)| rest.split_whitespace().nth(1))
             .and_then(|p| p.parse::<u32>().ok());
-        let env = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
-        let marked = env
-            .split(|&b| b == 0)
-            .any(|v| v.starts_with(b"SOFTNIC_LOCAL_DAEMON="));
-        if ppid == Some(launcher) && marked {
+        if ppid == Some(launcher) && environ_var(pid, "SOFTNIC_LOCAL_DAEMON").is_some() {
             found.push(pid);
         }
     }
@@ -195,13 +233,8 @@ fn daemons_run_in_one_single_threaded_process_that_ends_with_the_job() {
             let launcher = rustix::process::getppid().unwrap().as_raw_nonzero().get() as u32;
             let daemons = daemon_process_of(launcher);
             assert_eq!(daemons.len(), 1, "daemon processes: {daemons:?}");
-            let status = std::fs::read_to_string(format!("/proc/{}/status", daemons[0])).unwrap();
-            assert!(
-                status.lines().any(|l| l == "Threads:\t1"),
-                "the daemon process has more than one thread:\n{status}"
-            );
-            let dir = std::env::var("SOFTNIC_TEST_PIDS").unwrap();
-            std::fs::write(format!("{dir}/{}", daemons[0]), b"").unwrap();
+            assert_single_threaded(daemons[0]);
+            record_daemons(&daemons);
         }
         nic.barrier().unwrap();
         return;
@@ -215,17 +248,7 @@ fn daemons_run_in_one_single_threaded_process_that_ends_with_the_job() {
         &[],
         &[("SOFTNIC_TEST_PIDS", dir.to_str().unwrap())],
     );
-    let pids: Vec<String> = std::fs::read_dir(&dir)
-        .unwrap()
-        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-        .collect();
-    assert_eq!(pids.len(), 1, "rank 0 found the daemon process");
-    assert!(
-        !std::path::Path::new(&format!("/proc/{}", pids[0])).exists(),
-        "the daemon process {} outlived its job",
-        pids[0]
-    );
-    std::fs::remove_dir_all(&dir).unwrap();
+    recorded_daemons_ended(&dir, 1);
 }
 
 /// `--daemon-per-host`: each simulated host's NIC in a process of its own, pinned to a core of
@@ -246,24 +269,13 @@ fn a_daemon_process_per_host_serves_each_host_and_ends_with_the_job() {
             assert_eq!(daemons.len(), 3, "daemon processes: {daemons:?}");
             let mut served = Vec::new();
             for &pid in &daemons {
-                let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-                assert!(
-                    status.lines().any(|l| l == "Threads:\t1"),
-                    "daemon {pid} has more than one thread:\n{status}"
-                );
-                let env = std::fs::read(format!("/proc/{pid}/environ")).unwrap();
-                let hosts = env
-                    .split(|&b| b == 0)
-                    .find_map(|v| v.strip_prefix(b"SOFTNIC_LOCAL_DAEMON_HOSTS="))
-                    .map(|v| String::from_utf8_lossy(v).into_owned());
+                assert_single_threaded(pid);
+                let hosts = environ_var(pid, "SOFTNIC_LOCAL_DAEMON_HOSTS");
                 served.push(hosts.expect("names its hosts"));
             }
             served.sort();
             assert_eq!(served, ["0", "1", "2"], "one host each");
-            let dir = std::env::var("SOFTNIC_TEST_PIDS").unwrap();
-            for pid in daemons {
-                std::fs::write(format!("{dir}/{pid}"), b"").unwrap();
-            }
+            record_daemons(&daemons);
         }
         // Every rank puts its number to the next rank (on the next host) through the daemons.
         let (me, n) = (nic.rank(), nic.size());
@@ -290,18 +302,7 @@ fn a_daemon_process_per_host_serves_each_host_and_ends_with_the_job() {
         &["--daemon-per-host"],
         &[("SOFTNIC_TEST_PIDS", dir.to_str().unwrap())],
     );
-    let pids: Vec<String> = std::fs::read_dir(&dir)
-        .unwrap()
-        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-        .collect();
-    assert_eq!(pids.len(), 3, "rank 0 found the daemon processes");
-    for p in &pids {
-        assert!(
-            !std::path::Path::new(&format!("/proc/{p}")).exists(),
-            "the daemon process {p} outlived its job"
-        );
-    }
-    std::fs::remove_dir_all(&dir).unwrap();
+    recorded_daemons_ended(&dir, 3);
 }
 
 #[test]

@@ -275,10 +275,10 @@ fn spread_nic_cpus(cfg: &mut Config) {
     if cfg.cluster.nic_cpu.is_none() || std::env::var_os("SOFTNIC_NIC_CPU").is_some() {
         return;
     }
-    let ncpus = crate::shm::cores::allowed().map_or(1, |c| c.len().max(1));
-    spread_over(cfg, ncpus);
+    spread_over(cfg, crate::shm::cores::allowed().map_or(1, |c| c.len()));
 }
 
+/// [`spread_nic_cpus`] over `ncpus` CPUs.
 fn spread_over(cfg: &mut Config, ncpus: usize) {
     if cfg.hosts.len() >= ncpus {
         cfg.cluster.nic_cpu = None;
@@ -306,14 +306,14 @@ pub fn run(l: &Launch) -> Result<i32, LaunchError> {
             if l.fault.is_some() {
                 c.fault = l.fault.clone();
             }
-            if l.daemon_per_host {
-                spread_nic_cpus(&mut c);
-            }
             // Daemons that already serve every host are used, as with --attach.
             let running = || (0..c.hosts.len() as u16).all(|i| daemon_answers(&c.socket_path(i)));
             let d = if l.attach || running() {
                 None
             } else {
+                if l.daemon_per_host {
+                    spread_nic_cpus(&mut c);
+                }
                 Some(LocalDaemons::start(&c, l.daemon_per_host).map_err(LaunchError::Daemon)?)
             };
             (d, c, p.clone())
