@@ -50,6 +50,8 @@ const SPIN_FOR: Duration = Duration::from_micros(20);
 /// put 1 MiB 188 → 158–161, get 1 MiB 186–197 → 141–151; 64 KiB and smaller unchanged).
 pub const SPIN_BELOW_BYTES: u64 = 64 << 10;
 const YIELD_FOR: Duration = Duration::from_micros(500);
+/// How long a full command ring is yielded on before the client sleeps until it half empties.
+const FULL_YIELD_FOR: Duration = Duration::from_micros(50);
 /// How long a leaving client waits for its daemon to take the commands still in its ring.
 const LEAVE_WAIT: Duration = Duration::from_secs(2);
 
@@ -61,6 +63,8 @@ pub struct Client {
     pub host: u16,
     pub nhosts: u16,
     waiter: Waiter,
+    /// The last command found the ring full past the yielding phase: the NIC pushes back.
+    ring_full_streak: std::cell::Cell<bool>,
 }
 
 impl Client {
@@ -126,6 +130,7 @@ impl Client {
             client_bell,
             host,
             nhosts,
+            ring_full_streak: std::cell::Cell::new(false),
         })
     }
 
@@ -203,15 +208,32 @@ impl Client {
     /// daemon announced that it sleeps.
     pub fn submit(&self, cmd: &Command, inline: &[u8]) -> Result<(), ClientError> {
         let mut spins = 0u32;
+        let mut full_since = None;
         while !self.control.cmd_push(cmd, inline) {
             self.ring_if_sleeping();
             spins += 1;
             if spins > SPIN_POLLS {
-                self.yield_now();
+                // A ring of bulk commands that stays full is a NIC pushing back (a stream
+                // outrunning the wire): yielding then keeps a runnable thread beside the
+                // daemons doing the work, so sleep until half the ring is free, straight
+                // away if the last command had to. Small commands keep yielding: a ring of
+                // them drains in microseconds, less than a wake-up costs.
+                let since = full_since.get_or_insert_with(Instant::now);
+                if cmd.len < SPIN_BELOW_BYTES
+                    || !self.ring_full_streak.get() && since.elapsed() < FULL_YIELD_FOR
+                {
+                    self.yield_now();
+                } else {
+                    self.ring_full_streak.set(true);
+                    self.sleep_for_room()?;
+                }
             }
             if spins.is_multiple_of(65_536) && self.daemon_gone() {
                 return Err(ClientError::DaemonGone { host: self.host });
             }
+        }
+        if spins == 0 {
+            self.ring_full_streak.set(false);
         }
         self.ring_if_sleeping();
         Ok(())
@@ -307,24 +329,43 @@ impl Client {
         self.control.set_client_sleeping(true);
         // The announcement is out before `pending` reads what the daemon writes.
         std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
-        if !self.control.cq_pending() && !pending() {
-            let mut fds = [
-                PollFd::new(&self.client_bell, PollFlags::IN),
-                PollFd::new(&self.sock, PollFlags::IN),
-            ];
-            let _ = poll(&mut fds, max.as_millis() as i32);
-            let sock_ev = fds[1].revents();
-            if sock_ev.intersects(PollFlags::HUP | PollFlags::ERR | PollFlags::IN)
-                && self.daemon_gone()
-            {
-                self.control.set_client_sleeping(false);
-                return Err(ClientError::DaemonGone { host: self.host });
-            }
-            let mut b = [0u8; 8];
-            let _ = rustix::io::read(&self.client_bell, &mut b);
-        }
+        let gone = !self.control.cq_pending() && !pending() && self.block_on_bell(max);
         self.control.set_client_sleeping(false);
+        if gone {
+            return Err(ClientError::DaemonGone { host: self.host });
+        }
         Ok(())
+    }
+
+    /// Blocks until half the command ring is free (the daemon rings then) or 20 ms pass.
+    fn sleep_for_room(&self) -> Result<(), ClientError> {
+        self.control.set_client_sleeping_for_room();
+        // The announcement is out before the ring's head is read.
+        std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
+        let gone = !self.control.cmd_half_free() && self.block_on_bell(Duration::from_millis(20));
+        self.control.set_client_sleeping(false);
+        if gone {
+            return Err(ClientError::DaemonGone { host: self.host });
+        }
+        Ok(())
+    }
+
+    /// Sleeps on the doorbell (at most `max`) and consumes its ring; says whether the daemon
+    /// went away meanwhile.
+    fn block_on_bell(&self, max: Duration) -> bool {
+        let mut fds = [
+            PollFd::new(&self.client_bell, PollFlags::IN),
+            PollFd::new(&self.sock, PollFlags::IN),
+        ];
+        let _ = poll(&mut fds, max.as_millis() as i32);
+        let sock_ev = fds[1].revents();
+        if sock_ev.intersects(PollFlags::HUP | PollFlags::ERR | PollFlags::IN) && self.daemon_gone()
+        {
+            return true;
+        }
+        let mut b = [0u8; 8];
+        let _ = rustix::io::read(&self.client_bell, &mut b);
+        false
     }
 
     fn daemon_gone(&self) -> bool {

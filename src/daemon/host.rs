@@ -450,10 +450,14 @@ impl HostNic {
     /// the budget is spent or the core pushes back.
     fn drain_commands(&mut self, now: u64, slot: usize) -> bool {
         let did = self.run_commands(now, slot);
-        // The client gets the consumed ring space back once per drain, not per command.
-        if let Some(Some(s)) = self.sessions.get(slot) {
-            if let Some(a) = s.attached.as_ref() {
+        // The client gets the consumed ring space back once per drain, not per command; one
+        // that sleeps on a full ring is woken once half of it is free.
+        if let Some(Some(s)) = self.sessions.get_mut(slot) {
+            if let Some(a) = s.attached.as_mut() {
                 a.control.cmd_publish();
+                if did && a.control.cmd_backlog_below_half() {
+                    a.room = true;
+                }
             }
         }
         did

@@ -5,6 +5,7 @@ use std::os::fd::{AsFd, OwnedFd};
 
 use rustix::event::{eventfd, EventfdFlags};
 
+use crate::shm::control::ClientSleep;
 use crate::shm::{Control, CqEntry};
 
 /// Capacity of each client's command ring (bytes) and completion queue (entries).
@@ -31,7 +32,10 @@ pub struct Attached {
     pub client_bell: OwnedFd,
     /// Completions that found the queue full (only a client exceeding its credits causes it).
     pub overflow: VecDeque<CqEntry>,
+    /// News for the client (a completion, an event, a message for it).
     pub rung: bool,
+    /// Half its command ring is free again after a drain.
+    pub room: bool,
 }
 
 impl Attached {
@@ -44,6 +48,7 @@ impl Attached {
             client_bell: eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK)?,
             overflow: VecDeque::new(),
             rung: false,
+            room: false,
         })
     }
 
@@ -71,15 +76,71 @@ impl Attached {
         self.overflow.len() <= CQ_ENTRIES
     }
 
-    /// Wakes the client if it announced that it sleeps and has news; says whether it rang.
+    /// Wakes the client if it announced that it sleeps and has news for it; says whether it
+    /// rang.
     pub fn wake_if_sleeping(&mut self) -> bool {
-        if self.rung {
-            self.rung = false;
-            if self.control.client_sleeping() {
-                let _ = rustix::io::write(self.client_bell.as_fd(), &1u64.to_ne_bytes());
-                return true;
-            }
+        if !self.rung && !self.room {
+            return false;
         }
-        false
+        let wake = match self.control.client_sleeping() {
+            ClientSleep::Awake => false,
+            ClientSleep::ForNews => true,
+            ClientSleep::ForRoom => self.room,
+        };
+        self.rung = false;
+        self.room = false;
+        if wake {
+            let _ = rustix::io::write(self.client_bell.as_fd(), &1u64.to_ne_bytes());
+        }
+        wake
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::shm::Mapping;
+
+    /// The daemon's side of a session, the client's view of its control block, and whether
+    /// the client's doorbell rang (read, so each check sees only new rings).
+    fn session() -> (Attached, Control) {
+        let a = Attached::new(1, 0).unwrap();
+        let fd = a.control.mapping().fd().try_clone_to_owned().unwrap();
+        let c = Control::open(Mapping::from_fd(fd, 0, a.control.mapping().len()).unwrap()).unwrap();
+        (a, c)
+    }
+
+    fn rang(a: &Attached) -> bool {
+        let mut b = [0u8; 8];
+        rustix::io::read(a.client_bell.as_fd(), &mut b).is_ok()
+    }
+
+    #[test]
+    fn a_client_sleeping_for_room_is_woken_by_room_only() {
+        let (mut a, c) = session();
+        c.set_client_sleeping_for_room();
+        a.rung = true;
+        assert!(!a.wake_if_sleeping(), "a completion does not wake it");
+        assert!(!rang(&a));
+        a.room = true;
+        assert!(a.wake_if_sleeping());
+        assert!(rang(&a));
+        assert!(!a.wake_if_sleeping(), "once per news");
+
+        c.set_client_sleeping(true);
+        a.room = true;
+        assert!(
+            a.wake_if_sleeping(),
+            "a client sleeping for news wakes for room too"
+        );
+        a.rung = true;
+        assert!(a.wake_if_sleeping());
+        assert!(rang(&a));
+
+        c.set_client_sleeping(false);
+        a.rung = true;
+        a.room = true;
+        assert!(!a.wake_if_sleeping(), "an awake client is not rung");
+        assert!(!rang(&a));
     }
 }

@@ -23,7 +23,7 @@ const SPIN_POLLS: u32 = 4;
 /// How long a wait yields before it sleeps.
 const YIELD_FOR: Duration = Duration::from_micros(200);
 /// Longest single sleep (the conduit wakes earlier on news).
-const SLEEP_MAX: Duration = Duration::from_millis(1);
+pub(crate) const SLEEP_MAX: Duration = Duration::from_millis(1);
 /// How long a wait for one operation spins when the NIC works on another core (a blocking
 /// put or get takes ~10 µs; a long one still yields and sleeps after this).
 const OP_SPIN: Duration = Duration::from_micros(100);
@@ -41,6 +41,10 @@ pub(crate) struct Backoff {
     off_core: Option<bool>,
     /// The last look at the clock found this a one-operation spin.
     op_spinning: bool,
+    /// Sleeps without yielding first (see [`Backoff::for_room`]).
+    no_yield: bool,
+    /// Reached the sleeping phase at least once.
+    slept: bool,
 }
 
 impl Backoff {
@@ -53,6 +57,22 @@ impl Backoff {
         }
     }
 
+    /// For a wait on room for more bulk data (a bounce chunk, a slot for a piece): a stream
+    /// outrunning the NIC waits there once per piece, and a waiter that yields stays
+    /// runnable beside the daemons doing the work. After a wait that had to sleep
+    /// (`last_slept`, from [`Backoff::slept`]) the next one sleeps after its spin.
+    pub(crate) fn for_room(last_slept: bool) -> Backoff {
+        Backoff {
+            no_yield: last_slept,
+            ..Backoff::default()
+        }
+    }
+
+    /// Whether this wait reached its sleeping phase.
+    pub(crate) fn slept(&self) -> bool {
+        self.slept
+    }
+
     /// Something happened: the next idle poll starts spinning again.
     pub(crate) fn progressed(&mut self) {
         self.idle = 0;
@@ -62,28 +82,72 @@ impl Backoff {
 
     /// Nothing happened in the last poll.
     pub(crate) fn idle(&mut self, conduit: &mut dyn Conduit) -> Result<(), GasnetError> {
+        match self.step(conduit) {
+            Step::Spin => std::hint::spin_loop(),
+            Step::Yield => conduit.yield_now(),
+            Step::Sleep => return conduit.wait_news(SLEEP_MAX),
+        }
+        Ok(())
+    }
+
+    /// Nothing happened in the last poll: what to do about it (a sleep lasts at most
+    /// [`SLEEP_MAX`]).
+    pub(crate) fn step(&mut self, conduit: &mut dyn Conduit) -> Step {
         self.idle = self.idle.saturating_add(1);
         if self.idle <= SPIN_POLLS
             || (self.op_spinning && !self.idle.is_multiple_of(CLOCK_EVERY))
             || conduit.keep_core()
         {
-            std::hint::spin_loop();
-            return Ok(());
+            return Step::Spin;
         }
-        let since = *self.since.get_or_insert_with(Instant::now);
-        let waited = since.elapsed();
+        let waited = self.since.get_or_insert_with(Instant::now).elapsed();
         // Any wait that gets this far leaves the NIC's core first: a waiter there makes the
         // daemon hand its core over (1.3 µs a time) while a round trip of another rank is on it.
         let off_core = *self.off_core.get_or_insert_with(|| conduit.off_nic_core());
-        self.op_spinning = self.one_op && waited < OP_SPIN && off_core && conduit.one_sided();
+        self.past_spin(waited, off_core && conduit.one_sided())
+    }
+
+    /// A wait past its first spin, `waited` long; `nic_elsewhere`: the NIC serves it from
+    /// another core, alone.
+    fn past_spin(&mut self, waited: Duration, nic_elsewhere: bool) -> Step {
+        self.op_spinning = self.one_op && waited < OP_SPIN && nic_elsewhere;
         if self.op_spinning {
-            std::hint::spin_loop();
-            Ok(())
-        } else if waited < YIELD_FOR {
-            conduit.yield_now();
-            Ok(())
+            Step::Spin
+        } else if waited < YIELD_FOR && !self.no_yield {
+            Step::Yield
         } else {
-            conduit.wait_news(SLEEP_MAX)
+            self.slept = true;
+            Step::Sleep
         }
+    }
+}
+
+/// What an idle wait does next.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Step {
+    Spin,
+    Yield,
+    Sleep,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_wait_for_room_sleeps_at_once_after_one_that_slept() {
+        let zero = Duration::ZERO;
+        let mut first = Backoff::for_room(false);
+        assert_eq!(first.past_spin(zero, true), Step::Yield);
+        assert!(!first.slept());
+        assert_eq!(first.past_spin(YIELD_FOR, true), Step::Sleep);
+        assert!(first.slept());
+        let mut next = Backoff::for_room(first.slept());
+        assert_eq!(next.past_spin(zero, true), Step::Sleep, "no yielding phase");
+        // A wait for one small operation the NIC serves elsewhere spins first, as before.
+        let mut op = Backoff::one_op(8);
+        assert_eq!(op.past_spin(zero, true), Step::Spin);
+        assert_eq!(op.past_spin(zero, false), Step::Yield);
+        assert_eq!(op.past_spin(OP_SPIN, true), Step::Yield);
     }
 }

@@ -25,6 +25,18 @@ const CQ_HEAD: usize = 192;
 const CQ_TAIL: usize = 256;
 const DAEMON_SLEEPING: usize = 320;
 const CLIENT_SLEEPING: usize = 384;
+/// [`CLIENT_SLEEPING`]'s value while the client waits for command ring room only.
+const SLEEP_FOR_ROOM: u32 = 2;
+
+/// What a client announced it sleeps for (its daemon rings its doorbell only for that).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ClientSleep {
+    Awake,
+    /// Any news: completions, events, room.
+    ForNews,
+    /// Room in its full command ring.
+    ForRoom,
+}
 const NIC_CPU: usize = 448;
 const WAITER_CPU: usize = 512;
 const CLIENTS: usize = 576;
@@ -450,6 +462,13 @@ impl Control {
         true
     }
 
+    /// Whether at least half the ring is free again (the daemon wakes a client sleeping on
+    /// a full ring only then, so each wake-up buys it many commands' room).
+    pub fn cmd_half_free(&self) -> bool {
+        let head = self.atomic(CMD_HEAD).load(Ordering::Acquire);
+        self.cmd_tail.get().wrapping_sub(head) <= self.cmd_cap / 2
+    }
+
     /// Whether the daemon has taken every command this client published.
     pub fn cmd_consumed(&self) -> bool {
         self.atomic(CMD_HEAD).load(Ordering::Acquire) == self.cmd_tail.get()
@@ -536,6 +555,15 @@ impl Control {
         }
     }
 
+    /// Whether at most half the ring holds commands not yet consumed: see
+    /// [`Control::cmd_half_free`].
+    pub fn cmd_backlog_below_half(&self) -> bool {
+        self.atomic(CMD_TAIL)
+            .load(Ordering::Acquire)
+            .wrapping_sub(self.cmd_head.get())
+            <= self.cmd_cap / 2
+    }
+
     /// Whether the client has published commands the daemon has not consumed.
     pub fn cmd_pending(&self) -> bool {
         self.atomic(CMD_TAIL).load(Ordering::Acquire) != self.cmd_head.get()
@@ -607,9 +635,20 @@ impl Control {
         self.flag(CLIENT_SLEEPING).store(v as u32, Ordering::SeqCst);
     }
 
-    pub fn client_sleeping(&self) -> bool {
+    /// The client sleeps on a full command ring: only room (half of it free) wakes it.
+    pub fn set_client_sleeping_for_room(&self) {
+        self.flag(CLIENT_SLEEPING)
+            .store(SLEEP_FOR_ROOM, Ordering::SeqCst);
+    }
+
+    /// What a sleeping client waits for.
+    pub fn client_sleeping(&self) -> ClientSleep {
         fence(Ordering::SeqCst);
-        self.flag(CLIENT_SLEEPING).load(Ordering::SeqCst) != 0
+        match self.flag(CLIENT_SLEEPING).load(Ordering::SeqCst) {
+            0 => ClientSleep::Awake,
+            SLEEP_FOR_ROOM => ClientSleep::ForRoom,
+            _ => ClientSleep::ForNews,
+        }
     }
 
     // ---- who shares a core with whom (0 = nobody / unknown, else CPU + 1) ----
@@ -971,6 +1010,22 @@ mod tests {
             d.cmd_advance(len);
         }
         assert!(c.cmd_push(&Command::default(), &[]));
+    }
+
+    #[test]
+    fn half_free_is_seen_alike_on_both_sides() {
+        let (d, c) = pair();
+        while c.cmd_push(&Command::default(), &[]) {}
+        assert!(!c.cmd_half_free() && !d.cmd_backlog_below_half());
+        let mut buf = Vec::new();
+        // 51 records of 80 bytes: 25 left (2,000 of 4,096 bytes) is the first half-free ring.
+        for left in (25..51).rev() {
+            let len = d.cmd_peek(&mut buf).unwrap().unwrap();
+            d.cmd_advance(len);
+            d.cmd_publish();
+            assert_eq!(d.cmd_backlog_below_half(), left <= 25, "{left} left");
+            assert_eq!(c.cmd_half_free(), left <= 25, "{left} left");
+        }
     }
 
     #[test]

@@ -214,6 +214,8 @@ pub struct PortalsConduit {
     ring: crate::client::bounce::Ring,
     rma: HashMap<u64, Rma>,
     rma_in_flight: usize,
+    /// The last wait for bulk room had to sleep (`Backoff::for_room`).
+    room_slept: bool,
     finished: Vec<RmaDone>,
     firehose: firehose::Firehose,
     /// Off once the daemon could not reach this process's memory.
@@ -379,6 +381,7 @@ impl PortalsConduit {
             ring: crate::client::bounce::Ring::new(BOUNCE_LEN),
             rma: HashMap::default(),
             rma_in_flight: 0,
+            room_slept: false,
             finished: Vec::new(),
             firehose: firehose::Firehose::new(
                 env_size(&["GASNET_FIREHOSE_M"]).unwrap_or(FIREHOSE_M) as u64,
@@ -413,6 +416,30 @@ impl PortalsConduit {
     /// One turn of a wait inside the conduit (for a reply slot, bounce space, an RMA slot):
     /// the send side's events, and what arrived taken out of the receive buffers (a peer may
     /// be waiting for our replies, or for room in our ReqRB). No handler runs here.
+    /// Blocks until an event queue this conduit reads has news, an implicit atomic count is
+    /// complete, a resend is due, or `max` passes (what is already collected aside).
+    pub(super) fn sleep_on_events(&mut self, max: std::time::Duration) -> Result<(), GasnetError> {
+        // A request to send again wakes us when it is due.
+        let now = Instant::now();
+        let max = self
+            .resend
+            .iter()
+            .map(|&(due, _)| due.saturating_duration_since(now))
+            .fold(max, |m, d| m.min(d));
+        // Implicit atomics have no events: their count wakes us when all are done.
+        let outstanding = self.imp_issued > self.imp_completions()?.0;
+        let n = outstanding as usize;
+        self.p
+            .sleep(
+                self.ni,
+                &[self.am_eq, self.safe_eq, self.raram_eq],
+                &[self.imp_ct][..n],
+                &[self.imp_issued][..n],
+                max,
+            )
+            .map_err(|e| GasnetError::Wait(e.to_string()))
+    }
+
     fn wait_step(&mut self) -> Result<(), GasnetError> {
         if !self.poll_safe()? && !self.drain_am()? && !self.drain_raram()? {
             Conduit::yield_now(self);
@@ -508,25 +535,7 @@ impl Conduit for PortalsConduit {
         if !self.finished.is_empty() || !self.arrived.is_empty() {
             return Ok(());
         }
-        // A request to send again wakes us when it is due.
-        let now = Instant::now();
-        let max = self
-            .resend
-            .iter()
-            .map(|&(due, _)| due.saturating_duration_since(now))
-            .fold(max, |m, d| m.min(d));
-        // Implicit atomics have no events: their count wakes us when all are done.
-        let outstanding = self.imp_issued > self.imp_completions()?.0;
-        let n = outstanding as usize;
-        self.p
-            .sleep(
-                self.ni,
-                &[self.am_eq, self.safe_eq, self.raram_eq],
-                &[self.imp_ct][..n],
-                &[self.imp_issued][..n],
-                max,
-            )
-            .map_err(|e| GasnetError::Wait(e.to_string()))
+        self.sleep_on_events(max)
     }
 
     fn flow_stats(&self) -> FlowStats {

@@ -10,7 +10,8 @@ use super::{
     err, Pieces, PortalsConduit, Rma, BOUNCE_LEN, CHUNK, COPY_MAX, IMPLICIT_SLOTS, MAX_RMA, RMA_TAG,
 };
 use crate::gasnet::atomic::PortalsCall;
-use crate::gasnet::conduit::{staging, GetDest, RmaDone};
+use crate::gasnet::backoff::{Backoff, Step, SLEEP_MAX};
+use crate::gasnet::conduit::{staging, Conduit, GetDest, RmaDone};
 use crate::gasnet::{AdOp, GasnetError};
 use crate::portals::{AckReq, EventKind, NiFail};
 
@@ -83,11 +84,30 @@ impl PortalsConduit {
     /// when it is short.
     pub(super) fn bounce_alloc(&mut self, len: usize) -> Result<u64, GasnetError> {
         debug_assert!(len <= CHUNK && CHUNK <= BOUNCE_LEN);
+        self.wait_room(|c| c.ring.alloc(len))
+    }
+
+    /// Waits until `take` finds room for more bulk data (see [`Backoff::for_room`]).
+    fn wait_room<T>(
+        &mut self,
+        mut take: impl FnMut(&mut Self) -> Option<T>,
+    ) -> Result<T, GasnetError> {
+        let mut b = Backoff::for_room(self.room_slept);
         loop {
-            if let Some(at) = self.ring.alloc(len) {
-                return Ok(at);
+            if let Some(t) = take(self) {
+                self.room_slept = b.slept();
+                return Ok(t);
             }
-            self.wait_step()?;
+            if self.poll_safe()? || self.drain_am()? || self.drain_raram()? {
+                b.progressed();
+                continue;
+            }
+            // Completions and messages collected for the caller do not end this wait.
+            match b.step(self) {
+                Step::Spin => std::hint::spin_loop(),
+                Step::Yield => Conduit::yield_now(self),
+                Step::Sleep => self.sleep_on_events(SLEEP_MAX)?,
+            }
         }
     }
 
@@ -102,9 +122,7 @@ impl PortalsConduit {
 
     /// Waits for room for one more direct piece.
     fn rma_slot(&mut self) -> Result<(), GasnetError> {
-        while self.rma_in_flight >= MAX_RMA {
-            self.wait_step()?;
-        }
+        self.wait_room(|c| (c.rma_in_flight < MAX_RMA).then_some(()))?;
         self.rma_in_flight += 1;
         Ok(())
     }
