@@ -268,12 +268,89 @@ fn matching_order_and_exactly_once_under_loss_duplication_reordering() {
             }
         }
         assert_eq!(puts, 351, "seed {seed}: each put delivered once");
+        assert_eq!(
+            c.host(1).unwrap().stats.streamed_portals_puts,
+            1,
+            "seed {seed}: the fragmented put to a posted entry was written as it came"
+        );
         assert!(
             c.net.stats.lost > 20 && c.net.stats.duplicated > 10 && c.net.stats.reordered > 10,
             "{:?}",
             c.net.stats
         );
     }
+}
+
+#[test]
+fn a_put_cut_off_by_its_initiators_crash_fails_the_delivery_it_streamed_into() {
+    // A window of four datagrams: the initiator has sent only the start of its put when it
+    // crashes.
+    let mut c = SimCluster::new(
+        2,
+        TransportConfig {
+            window: 4,
+            ..Default::default()
+        },
+        SimConfig {
+            mtu: 1472,
+            ..Default::default()
+        },
+    );
+    let (mut i, mut t) = matching_pair(&mut c);
+    let (teq, mut teq_ring) = t.eq(&mut c);
+    t.pt_alloc(&mut c, 0, 0, Some(teq));
+    let dst = region(100_000);
+    let h = t.register(&mut c, &dst);
+    t.append(&mut c, (h, 0, 100_000), me::USE_ONCE, 4, 7);
+    let src = region(100_000);
+    let sh = i.register(&mut c, &src);
+    let md = i.md_bind(&mut c, sh, 100_000, 0, None);
+    let put = OpSpec {
+        kind: ReqKind::Put,
+        ack_req: AckReq::Ack,
+        md,
+        offset: 0,
+        length: 100_000,
+        get_md: None,
+        get_offset: 0,
+        target: ProcessId::Physical { nid: 1, pid: 1 },
+        pt_index: 0,
+        match_bits: 4,
+        remote_offset: 0,
+        user_ptr: 0,
+        hdr_data: 0,
+        operand: Vec::new(),
+    };
+    i.start(&mut c, put, None);
+    c.run_until(1_000_000_000, |c| {
+        c.host(1).unwrap().stats.streamed_portals_puts == 1
+    })
+    .unwrap();
+    c.host_mut(1).unwrap().deliver_events();
+    let mut events = Vec::new();
+    while let Some((e, _)) = teq_ring.pop() {
+        events.push(e);
+    }
+    assert!(
+        events.iter().all(|e| e.kind != EventKind::Put),
+        "no PUT event before the last byte: {events:?}"
+    );
+    c.crash(0);
+    c.run_for(50_000_000);
+    c.restart(0);
+    c.run_until(1_000_000_000, |c| {
+        c.host_mut(1).unwrap().deliver_events();
+        while let Some((e, _)) = teq_ring.pop() {
+            events.push(e);
+        }
+        events.iter().any(|e| e.kind == EventKind::Put)
+    })
+    .expect("the held PUT event is posted once the initiator is known gone");
+    let put = events.iter().find(|e| e.kind == EventKind::Put).unwrap();
+    assert_eq!(
+        (put.ni_fail, put.user_ptr, put.rlength),
+        (NiFail::Undeliverable, 7, 100_000)
+    );
 }
 
 /// The cluster of the conduit tests: two hosts, 30% loss, 20% duplication and reordering.

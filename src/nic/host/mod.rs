@@ -46,6 +46,8 @@ pub struct HostStats {
     pub local_ops: u64,
     pub cmd_portals: u64,
     pub served_portals: u64,
+    /// Portals puts in several fragments written as they came (matched on the first).
+    pub streamed_portals_puts: u64,
     pub velo_sent: u64,
     pub velo_received: u64,
     pub rma_ops: u64,
@@ -112,6 +114,9 @@ pub struct HostCore {
     /// Portals interfaces of the attached processes, by (job, rank).
     portals: HashMap<(u32, u32), portals::PortalsProc>,
     ptl_asm: crate::nic::portals::wire::Reassembly,
+    /// Puts in several fragments streaming into the entry they matched on their first, by
+    /// message.
+    ptl_put_in: HashMap<crate::nic::portals::wire::MsgKey, portals::PtlPutIn>,
     /// Scratch for the payload of the Portals operation being started.
     ptl_payload: Vec<u8>,
     /// Buffers of encoded ops (waiting for room) for reuse.
@@ -166,6 +171,7 @@ impl HostCore {
             addressed: Vec::new(),
             portals: HashMap::default(),
             ptl_asm: Default::default(),
+            ptl_put_in: HashMap::default(),
             ptl_payload: Vec::new(),
             encoded_spare: Vec::new(),
             copy_buf: Vec::new(),
@@ -404,6 +410,7 @@ impl HostCore {
             ("gemini_amo_served", s.served_amo.to_string()),
             ("portals_calls", s.cmd_portals.to_string()),
             ("portals_served", s.served_portals.to_string()),
+            ("portals_puts_streamed", s.streamed_portals_puts.to_string()),
             ("velo_sent", s.velo_sent.to_string()),
             ("velo_received", s.velo_received.to_string()),
             ("rma_ops", s.rma_ops.to_string()),

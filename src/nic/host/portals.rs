@@ -7,11 +7,11 @@ use rustc_hash::FxHashMap as HashMap;
 use crate::nic::memory::Region;
 use crate::nic::portals::initiator::{md as md_opt, PayloadSource};
 use crate::nic::portals::triggered::TriggeredAction;
-use crate::nic::portals::wire::{encode_kind, request_ops, response_ops, Whole};
+use crate::nic::portals::wire::{encode_kind, msg_key, request_ops, response_ops, Whole};
 use crate::nic::portals::ReqKind;
 use crate::nic::portals::{
-    CtEvent, GetStream, List, MatchEntry, NiFail, OpSpec, PortalsNi, ProcessId, PtlError, Response,
-    SearchOp, StatusRegister,
+    CtEvent, GetStream, List, MatchEntry, NiFail, OpSpec, PortalsNi, ProcessId, PtlError,
+    PutStream, Response, SearchOp, StatusRegister,
 };
 use crate::shm::event_ring::{CtSlot, EventRing};
 use crate::shm::ptl_call::{status_of, MeArgs, PtlCall, MAX_NIS};
@@ -227,9 +227,26 @@ struct Delivered {
     resp: Response,
     /// A long get's reply, to be read from the entry's memory as it goes out.
     stream: Option<GetStream>,
+    /// A put matched on its first fragment: where the rest goes.
+    put: Option<PutStream>,
     /// Triggers released operations there (to start with `ptl_run_fired`).
     fired: bool,
     /// The target process was told (a full event, a counting event moved).
+    notified: bool,
+}
+
+/// A put in several fragments matched on its first (see [`PutStream`]): its later fragments
+/// are written where it matched as they come, and its answer goes with the last.
+pub(super) struct PtlPutIn {
+    h: OpHeader,
+    ni: u8,
+    rlength: u64,
+    remote_offset: u64,
+    resp: Response,
+    /// None: the match failed (the answer says why); later fragments are dropped.
+    stream: Option<PutStream>,
+    /// Data bytes of the message received so far.
+    got: u64,
     notified: bool,
 }
 
@@ -714,11 +731,10 @@ impl HostCore {
             if let Some(s) = stream {
                 // Between processes of this host a long get's reply is read at once.
                 let read = s.region.append_to(s.at, s.len as usize, &mut resp.data);
-                let ok = read.is_ok();
                 if let Err(why) = read {
                     resp.ni_fail = crate::nic::portals::ni::copy_fail(why);
                 }
-                self.ptl_complete_with(job, target_rank, ni, |n| n.get_streamed(s.token, ok));
+                self.ptl_complete_with(job, target_rank, ni, |n| n.streamed(s.token, resp.ni_fail));
             }
             self.ptl_complete(job, rank, ni, id, &resp);
             if fired {
@@ -739,20 +755,36 @@ impl HostCore {
 
     /// Serves a whole request at its target interface.
     fn ptl_deliver(&mut self, from_host: u16, whole: &Whole<'_>) -> Delivered {
-        self.stats.served_portals += 1;
+        self.ptl_deliver_as(from_host, whole, false)
+            .expect("a whole message is always delivered")
+    }
+
+    /// [`HostCore::ptl_deliver`]; `first_fragment`: `whole` is the first fragment of a put in
+    /// several, delivered only if it can stream (`PortalsNi::deliver_first`), else `None`.
+    fn ptl_deliver_as(
+        &mut self,
+        from_host: u16,
+        whole: &Whole<'_>,
+        first_fragment: bool,
+    ) -> Option<Delivered> {
         let (h, m, ..) = whole.parts();
         let Ok(s) = self.ni_state(h.job, h.dst_rank, m.ni) else {
+            if first_fragment {
+                return None;
+            }
+            self.stats.served_portals += 1;
             let resp = Response {
                 ni_fail: NiFail::Undeliverable,
                 ack: true,
                 ..Default::default()
             };
-            return Delivered {
+            return Some(Delivered {
                 resp,
                 stream: None,
+                put: None,
                 fired: false,
                 notified: false,
-            };
+            });
         };
         let before = s.ni.notices();
         let initiator = if s.logical {
@@ -771,18 +803,129 @@ impl HostCore {
             }
         };
         let resp = match whole.request(initiator) {
+            Ok(req) if first_fragment => s.ni.deliver_first(&req)?,
             Ok(req) => s.ni.deliver(&req),
+            Err(_) if first_fragment => return None,
             Err(f) => Response {
                 ni_fail: f,
                 ack: true,
                 ..Default::default()
             },
         };
-        Delivered {
+        let d = Delivered {
             resp,
             stream: s.ni.take_get_stream(),
+            put: s.ni.take_put_stream(),
             fired: s.ni.has_fired(),
             notified: s.ni.notices() != before,
+        };
+        self.stats.served_portals += 1;
+        Some(d)
+    }
+
+    /// The first fragment of a put in several: matched and streamed where it can be
+    /// (`PortalsNi::deliver_first`), else `None` and it is put together as before.
+    fn ptl_put_begin(&mut self, peer: u16, op: &OpRef<'_>) -> Option<PtlPutIn> {
+        let OpRef::PtlReq {
+            h,
+            m,
+            operand,
+            data,
+            last: false,
+        } = *op
+        else {
+            return None;
+        };
+        let whole = Whole::Borrowed {
+            h,
+            m,
+            operand,
+            data,
+        };
+        let d = self.ptl_deliver_as(peer, &whole, true)?;
+        self.stats.streamed_portals_puts += 1;
+        if d.fired {
+            self.ptl_run_fired(h.job, h.dst_rank, m.ni);
+        }
+        Some(PtlPutIn {
+            h,
+            ni: m.ni,
+            rlength: m.rlength,
+            remote_offset: m.remote_offset,
+            resp: d.resp,
+            stream: d.put,
+            got: data.len() as u64,
+            notified: d.notified,
+        })
+    }
+
+    /// A later fragment of a streamed put: its bytes that fall inside the match are written.
+    fn ptl_put_more(pin: &mut PtlPutIn, data: &[u8]) {
+        // Once a write failed, the rest is dropped.
+        if let Some(s) = pin
+            .stream
+            .as_ref()
+            .filter(|_| pin.resp.ni_fail == NiFail::Ok)
+        {
+            if pin.got < s.len {
+                let n = (s.len - pin.got).min(data.len() as u64) as usize;
+                if let Err(why) = s.region.write(s.at + pin.got, &data[..n]) {
+                    pin.resp.ni_fail = crate::nic::portals::ni::copy_fail(why);
+                }
+            }
+        }
+        pin.got = pin.got.saturating_add(data.len() as u64);
+    }
+
+    /// A streamed put's last fragment is in (or its initiator is gone): the events it held
+    /// back are posted. Returns whether its target process was told.
+    fn ptl_put_end(&mut self, pin: &PtlPutIn) -> bool {
+        let Some(s) = pin.stream.as_ref() else {
+            return pin.notified;
+        };
+        let (h, fail) = (pin.h, pin.resp.ni_fail);
+        let mut notified = pin.notified;
+        self.ptl_complete_with(h.job, h.dst_rank, pin.ni, |n| {
+            let before = n.notices();
+            n.streamed(s.token, fail);
+            notified |= n.notices() != before;
+        });
+        notified
+    }
+
+    /// Answers request `h` from `peer` that was served (not streamed back): `notified`, its
+    /// target process was told; `in_full`, it was taken whole.
+    fn ptl_answer(
+        &mut self,
+        now: u64,
+        peer: u16,
+        h: OpHeader,
+        resp: &Response,
+        notified: bool,
+        in_full: bool,
+    ) {
+        // What the initiator knows already needs only the request's name, batched with the
+        // other acknowledgements this datagram asks for (the batch waits a little for
+        // company: see SILENT_ACK_LAZY_NS). An answer the target process will give (a
+        // notified delivery) is left to carry it lazily.
+        if in_full && !notified {
+            self.ptl_ack(peer, h.job, h.src_rank, h.req);
+            return;
+        }
+        let back = OpHeader {
+            job: h.job,
+            src_rank: h.dst_rank,
+            dst_rank: h.src_rank,
+            req: h.req,
+        };
+        let body = self.transport.body_capacity();
+        // An acknowledgement without data may wait a little for company when the target
+        // process was told of the delivery (its answer, as in a ping-pong, carries it: one
+        // datagram less per message each way). A silent one that was not taken in full
+        // (truncated, refused) goes now.
+        let lazy = (resp.data.is_empty() && notified).then_some(now + ACK_LAZY_NS);
+        for o in response_ops(back, resp, body) {
+            self.send_owned(peer, &o, lazy);
         }
     }
 
@@ -798,7 +941,8 @@ impl HostCore {
         let ok = matches!(end, StreamEnd::Sent);
         let (job, rank, ni) = rs.target;
         let token = rs.src.token;
-        self.ptl_complete_with(job, rank, ni, |n| n.get_streamed(token, ok));
+        let fail = if ok { NiFail::Ok } else { NiFail::Segv };
+        self.ptl_complete_with(job, rank, ni, |n| n.streamed(token, fail));
     }
 
     /// A stream left the queue: its SEND event, or its failure.
@@ -881,7 +1025,25 @@ impl HostCore {
     /// A Portals op from a peer.
     pub(super) fn ptl_on_op(&mut self, now: u64, peer: u16, op: &OpRef<'_>) {
         match op {
-            OpRef::PtlReq { .. } => {
+            OpRef::PtlReq { h, last, data, .. } => {
+                let key = msg_key(peer, h);
+                if let Some(mut pin) = self.ptl_put_in.remove(&key) {
+                    Self::ptl_put_more(&mut pin, data);
+                    if !*last {
+                        self.ptl_put_in.insert(key, pin);
+                        return;
+                    }
+                    let notified = self.ptl_put_end(&pin);
+                    let in_full = pin.resp == Response::in_full(pin.rlength, pin.remote_offset);
+                    self.ptl_answer(now, peer, pin.h, &pin.resp, notified, in_full);
+                    return;
+                }
+                if !*last && !self.ptl_asm.has_request(peer, h) {
+                    if let Some(pin) = self.ptl_put_begin(peer, op) {
+                        self.ptl_put_in.insert(key, pin);
+                        return;
+                    }
+                }
                 let mut asm = std::mem::take(&mut self.ptl_asm);
                 let got = asm.request(peer, op);
                 self.ptl_asm = asm;
@@ -934,23 +1096,7 @@ impl HostCore {
                     self.drain_out(peer);
                     return;
                 }
-                // What the initiator knows already needs only the request's name, batched
-                // with the other acknowledgements this datagram asks for (the batch waits a
-                // little for company: see SILENT_ACK_LAZY_NS). An answer the target process
-                // will give (a notified delivery) is left to carry it lazily.
-                if in_full && !notified {
-                    self.ptl_ack(peer, h.job, h.src_rank, h.req);
-                    return;
-                }
-                let body = self.transport.body_capacity();
-                // An acknowledgement without data may wait a little for company when the
-                // target process was told of the delivery (its answer, as in a ping-pong,
-                // carries it: one datagram less per message each way). A silent one that
-                // was not taken in full (truncated, refused) goes now.
-                let lazy = (resp.data.is_empty() && notified).then_some(now + ACK_LAZY_NS);
-                for o in response_ops(back, &resp, body) {
-                    self.send_owned(peer, &o, lazy);
-                }
+                self.ptl_answer(now, peer, h, &resp, notified, in_full);
             }
             OpRef::PtlResp { h, .. } => {
                 // A long reply goes straight into the initiator's MD, fragment by fragment.
@@ -1076,6 +1222,19 @@ impl HostCore {
     /// Fails every Portals operation aimed at a dead (or restarted) host.
     pub(super) fn ptl_peer_dead(&mut self, host: u16) {
         self.ptl_dirty = true;
+        // Puts it was streaming in will not end: their held events are posted as failed.
+        let gone: Vec<_> = self
+            .ptl_put_in
+            .keys()
+            .filter(|k| k.0 == host)
+            .copied()
+            .collect();
+        for k in gone {
+            if let Some(mut pin) = self.ptl_put_in.remove(&k) {
+                pin.resp.ni_fail = NiFail::Undeliverable;
+                self.ptl_put_end(&pin);
+            }
+        }
         for p in self.portals.values_mut() {
             for s in p.nis.iter_mut().flatten() {
                 if s.backlog {

@@ -18,7 +18,7 @@ pub mod wire;
 pub use events::{CtEvent, EventQueue, Limits};
 pub use initiator::{AckReq, OpSpec};
 pub use matching::{MatchEntry, ReqKind};
-pub use ni::{GetStream, PortalsNi, Request, Response};
+pub use ni::{GetStream, PortalsNi, PutStream, Request, Response};
 pub use triggered::TriggeredAction;
 pub use types::{Event, EventKind, List, NiFail, ProcessId, PtlError, SearchOp, StatusRegister};
 

@@ -195,8 +195,10 @@ pub struct PortalsNi {
     pub stream_gets_from: Option<u64>,
     /// The stream the last [`PortalsNi::deliver`] asked for, for the caller to take.
     get_stream: Option<GetStream>,
-    /// What streamed gets still owe the target process, by token: posted once the last byte
-    /// was read ([`PortalsNi::get_streamed`]).
+    /// The put stream the last [`PortalsNi::deliver_first`] opened, for the caller to take.
+    put_stream: Option<PutStream>,
+    /// What streamed gets and puts still owe the target process, by token: posted once the
+    /// last byte was read or written ([`PortalsNi::streamed`]).
     deferred: HashMap<u64, Deferred>,
     next_token: u64,
 }
@@ -212,7 +214,18 @@ pub struct GetStream {
     pub token: u64,
 }
 
-/// The events a streamed get holds back.
+/// A put matched on its first fragment: its data lands `len` bytes at `at` of `region` as
+/// the fragments come (as a NIC writes a message behind its header instead of buffering it
+/// whole). Its PUT event, counting event and an auto-unlink's event wait for the last one.
+#[derive(Clone)]
+pub struct PutStream {
+    pub region: Region,
+    pub at: u64,
+    pub len: u64,
+    pub token: u64,
+}
+
+/// The events a streamed get or put holds back.
 #[derive(Default)]
 struct Deferred {
     eq: Option<u32>,
@@ -265,6 +278,7 @@ impl PortalsNi {
             atomic_hint: None,
             stream_gets_from: None,
             get_stream: None,
+            put_stream: None,
             deferred: HashMap::new(),
             next_token: 0,
         }
@@ -279,17 +293,25 @@ impl PortalsNi {
     }
 
     /// The reply stream the last delivery asked for (a get of at least `stream_gets_from`
-    /// bytes): the caller sends it and reports its end with [`PortalsNi::get_streamed`].
+    /// bytes): the caller sends it and reports its end with [`PortalsNi::streamed`].
     pub fn take_get_stream(&mut self) -> Option<GetStream> {
         self.get_stream.take()
     }
 
-    /// A streamed get's reply was read to its end (`ok`), or could not be (its memory went
-    /// away, its initiator died): the events it held back are posted, a failure as such.
-    pub fn get_streamed(&mut self, token: u64, ok: bool) {
+    /// The put stream the last [`PortalsNi::deliver_first`] opened: the caller writes the
+    /// message's later fragments there and reports its end with [`PortalsNi::streamed`].
+    pub fn take_put_stream(&mut self) -> Option<PutStream> {
+        self.put_stream.take()
+    }
+
+    /// A streamed get's reply was read, or a streamed put's data written, to its end
+    /// (`fail` Ok), or could not be (`fail` says why: its memory went away, its initiator
+    /// died): the events it held back are posted, a failure as such.
+    pub fn streamed(&mut self, token: u64, fail: NiFail) {
         let Some(d) = self.deferred.remove(&token) else {
             return;
         };
+        let ok = fail == NiFail::Ok;
         if let Some((c, n)) = d.ct {
             let by = match ok {
                 true => CtEvent {
@@ -304,8 +326,8 @@ impl PortalsNi {
             self.bump_ct(c, by);
         }
         for mut e in d.events {
-            if !ok && e.kind == EventKind::Get {
-                e.ni_fail = NiFail::Segv;
+            if !ok && matches!(e.kind, EventKind::Get | EventKind::Put) {
+                e.ni_fail = fail;
             }
             self.post(d.eq, e);
         }
@@ -860,6 +882,29 @@ impl PortalsNi {
         Response::fail(NiFail::Dropped)
     }
 
+    /// The first fragment of a put in several (`req.data` that fragment, `req.rlength` the
+    /// whole): matched now if an entry of the priority list takes it, its first bytes written
+    /// and the rest left to a [`PutStream`] (`take_put_stream`; none if the match failed, the
+    /// response says why). `None`, having changed nothing: no such entry, or the portal would
+    /// drop the message or turn to flow control — the caller puts the message together and
+    /// calls [`PortalsNi::deliver`], which decides as for any message (overflow entries and
+    /// unexpected headers see only whole messages).
+    pub fn deliver_first(&mut self, req: &Request<'_>) -> Option<Response> {
+        if req.kind != ReqKind::Put {
+            return None;
+        }
+        let p = self.pt(req.pt_index).ok()?;
+        let full_eq = |q: Option<u32>| {
+            q.and_then(|q| self.eqs.get(q))
+                .is_some_and(|q| !q.has_room(2))
+        };
+        if !p.enabled || p.options & pt::FLOWCTRL != 0 && full_eq(p.eq) {
+            return None;
+        }
+        let h = self.find_match(req, List::Priority)?;
+        Some(self.deliver_to_as(h, req, false, true))
+    }
+
     fn find_match(&self, req: &Request<'_>, list: List) -> Option<u32> {
         let p = self.table[req.pt_index as usize].as_ref()?;
         let l = if list == List::Priority {
@@ -877,6 +922,18 @@ impl PortalsNi {
     }
 
     fn deliver_to(&mut self, h: u32, req: &Request<'_>, overflow: bool) -> Response {
+        self.deliver_to_as(h, req, overflow, false)
+    }
+
+    /// [`PortalsNi::deliver_to`]; `streamed_put`: `req.data` is the first fragment of the
+    /// put, whose matched length stands and whose events wait (see [`PutStream`]).
+    fn deliver_to_as(
+        &mut self,
+        h: u32,
+        req: &Request<'_>,
+        overflow: bool,
+        streamed_put: bool,
+    ) -> Response {
         let idx = req.pt_index;
         let eq = self.table[idx as usize].as_ref().and_then(|p| p.eq);
         let l = self.entries.get(h).expect("matched entry exists");
@@ -915,12 +972,16 @@ impl PortalsNi {
             && !overflow
             && self.stream_gets_from.is_some_and(|m| mlength >= m.max(1)))
         .then(|| e.region.clone());
+        let put_stream = streamed_put.then(|| e.region.clone());
         match req.kind {
             _ if mlength == 0 => {}
             ReqKind::Get if stream.is_some() => {}
             ReqKind::Put => {
-                mlength = mlength.min(req.data.len() as u64);
-                if let Err(why) = e.region.write(at, &req.data[..mlength as usize]) {
+                if !streamed_put {
+                    mlength = mlength.min(req.data.len() as u64);
+                }
+                let now = (mlength as usize).min(req.data.len());
+                if let Err(why) = e.region.write(at, &req.data[..now]) {
                     return fail(self, copy_fail(why));
                 }
             }
@@ -980,7 +1041,7 @@ impl PortalsNi {
         if overflow {
             l.pending_headers += 1;
         }
-        let mut deferred = stream.is_some().then(|| Deferred {
+        let mut deferred = (stream.is_some() || put_stream.is_some()).then(|| Deferred {
             eq,
             ..Deferred::default()
         });
@@ -1061,16 +1122,25 @@ impl PortalsNi {
                 self.entries.remove(h);
             }
         }
-        if let (Some(region), Some(d)) = (stream, deferred) {
+        if let Some(d) = deferred {
             let token = self.next_token;
             self.next_token += 1;
             self.deferred.insert(token, d);
-            self.get_stream = Some(GetStream {
-                region,
-                at,
-                len: mlength,
-                token,
-            });
+            if let Some(region) = stream {
+                self.get_stream = Some(GetStream {
+                    region,
+                    at,
+                    len: mlength,
+                    token,
+                });
+            } else if let Some(region) = put_stream {
+                self.put_stream = Some(PutStream {
+                    region,
+                    at,
+                    len: mlength,
+                    token,
+                });
+            }
         }
         Response {
             ni_fail: NiFail::Ok,

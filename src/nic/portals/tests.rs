@@ -541,7 +541,7 @@ fn a_streamed_get_holds_its_events_until_the_reply_was_read() {
         "held back while the reply streams"
     );
     assert_eq!(n.ct_get(ct).unwrap().success, 99);
-    n.get_streamed(s.token, true);
+    n.streamed(s.token, NiFail::Ok);
     let ev = events(&mut n, eq);
     assert_eq!(
         ev.iter()
@@ -553,7 +553,7 @@ fn a_streamed_get_holds_its_events_until_the_reply_was_read() {
         ]
     );
     assert_eq!(n.ct_get(ct).unwrap().success, 399);
-    n.get_streamed(s.token, true);
+    n.streamed(s.token, NiFail::Ok);
     assert!(kinds(&mut n, eq).is_empty(), "a token ends once");
     // A stream that could not be read to its end fails its event and counts a failure.
     let mut e = entry(&r, 1000, 300, ME_ALL | me::EVENT_CT_COMM, 3, 0);
@@ -562,13 +562,101 @@ fn a_streamed_get_holds_its_events_until_the_reply_was_read() {
     let _ = kinds(&mut n, eq);
     n.deliver(&get(3, 200));
     let s = n.take_get_stream().expect("streamed");
-    n.get_streamed(s.token, false);
+    n.streamed(s.token, NiFail::Segv);
     let ev = events(&mut n, eq);
     assert_eq!(
         (ev.len(), ev[0].kind, ev[0].ni_fail),
         (1, EventKind::Get, NiFail::Segv)
     );
     assert_eq!(n.ct_get(ct).unwrap().failure, 1);
+}
+
+#[test]
+fn a_put_in_fragments_matches_on_its_first_and_streams_behind_it() {
+    let (mut n, eq) = ni(0, 64);
+    let r = region(1000);
+    let ct = n.ct_alloc().unwrap();
+    let mut e = entry(
+        &r,
+        100,
+        300,
+        ME_ALL | me::USE_ONCE | me::EVENT_CT_COMM,
+        1,
+        0,
+    );
+    e.ct = Some(ct);
+    n.append(0, e, List::Priority, 0).unwrap();
+    let _ = kinds(&mut n, eq);
+    // The first 64 of 500 bytes: matched now (truncated to the entry's 300), written, and
+    // every event held back.
+    let first = Request {
+        rlength: 500,
+        ..put(0, 1, &[5; 64])
+    };
+    let resp = n.deliver_first(&first).expect("a priority entry takes it");
+    assert_eq!((resp.ni_fail, resp.mlength), (NiFail::Ok, 300));
+    let s = n.take_put_stream().expect("streamed");
+    assert_eq!((s.at, s.len), (100, 300));
+    assert_eq!(r.to_vec(100, 64), vec![5; 64]);
+    assert!(
+        kinds(&mut n, eq).is_empty(),
+        "held back while the data comes"
+    );
+    assert_eq!(n.ct_get(ct).unwrap().success, 0);
+    // The entry was used up at the match: a second message does not find it.
+    assert!(n.deliver_first(&put(0, 1, &[1; 8])).is_none());
+    n.streamed(s.token, NiFail::Ok);
+    let ev = events(&mut n, eq);
+    assert_eq!(
+        ev.iter()
+            .map(|e| (e.kind, e.mlength, e.rlength, e.start))
+            .collect::<Vec<_>>(),
+        [
+            (EventKind::Put, 300, 500, 100),
+            (EventKind::AutoUnlink, 0, 0, 0)
+        ]
+    );
+    assert_eq!(n.ct_get(ct).unwrap().success, 1);
+
+    // A stream that could not be written to its end fails its event.
+    n.append(0, entry(&r, 0, 1000, ME_ALL, 2, 0), List::Priority, 0)
+        .unwrap();
+    let _ = kinds(&mut n, eq);
+    n.deliver_first(&put(0, 2, &[1; 8])).unwrap();
+    let s = n.take_put_stream().unwrap();
+    n.streamed(s.token, NiFail::Segv);
+    let ev = events(&mut n, eq);
+    assert_eq!((ev[0].kind, ev[0].ni_fail), (EventKind::Put, NiFail::Segv));
+}
+
+#[test]
+fn a_put_in_fragments_without_a_priority_entry_is_left_whole_and_unchanged() {
+    // Only an overflow entry: its unexpected header must describe a whole message, so the
+    // first fragment changes nothing and the message is delivered once put together.
+    let (mut n, eq) = ni(0, 64);
+    let r = region(64);
+    n.append(0, entry(&r, 0, 64, ME_ALL, 0, u64::MAX), List::Overflow, 0)
+        .unwrap();
+    let _ = kinds(&mut n, eq);
+    let first = Request {
+        rlength: 32,
+        ..put(0, 0, &[9; 16])
+    };
+    assert!(n.deliver_first(&first).is_none());
+    assert!(n.take_put_stream().is_none());
+    assert!(kinds(&mut n, eq).is_empty());
+    assert_eq!(r.to_vec(0, 16), vec![0; 16], "nothing written");
+    assert_eq!(n.deliver(&put(0, 0, &[9; 32])).ni_fail, NiFail::Ok);
+    assert_eq!(kinds(&mut n, eq), [EventKind::Put]);
+    // Gets are never streamed in; a portal that would turn to flow control is not either.
+    let get = Request {
+        kind: ReqKind::Get,
+        ..put(0, 0, &[])
+    };
+    assert!(n.deliver_first(&get).is_none());
+    let (mut f, _) = ni(pt::FLOWCTRL, 4);
+    assert!(f.deliver_first(&put(0, 0, b"x")).is_none());
+    assert!(f.pt_enabled(0).unwrap(), "no flow control for a fragment");
 }
 
 #[test]

@@ -148,9 +148,9 @@ struct Partial {
 
 /// One message in reassembly: the peer host and the whole header. Operation ids are an
 /// initiating process's own, so two ranks of one host may have the same id in flight at once.
-type MsgKey = (u16, u32, u32, u32, u64);
+pub(crate) type MsgKey = (u16, u32, u32, u32, u64);
 
-fn msg_key(peer: u16, h: &OpHeader) -> MsgKey {
+pub(crate) fn msg_key(peer: u16, h: &OpHeader) -> MsgKey {
     (peer, h.job, h.src_rank, h.dst_rank, h.req)
 }
 
@@ -242,6 +242,11 @@ impl Reassembly {
             operand,
             data,
         }))
+    }
+
+    /// Whether fragments of this request from `peer` are being put together.
+    pub fn has_request(&self, peer: u16, h: &OpHeader) -> bool {
+        self.requests.contains_key(&msg_key(peer, h))
     }
 
     /// Takes back a delivered request's buffer for the next message put back together.
