@@ -101,8 +101,7 @@ mod tests {
     use super::*;
     use crate::shm::Mapping;
 
-    /// The daemon's side of a session, the client's view of its control block, and whether
-    /// the client's doorbell rang (read, so each check sees only new rings).
+    /// The daemon's side of a session and the client's view of its control block.
     fn session() -> (Attached, Control) {
         let a = Attached::new(1, 0).unwrap();
         let fd = a.control.mapping().fd().try_clone_to_owned().unwrap();
@@ -110,6 +109,7 @@ mod tests {
         (a, c)
     }
 
+    /// Whether the client's doorbell rang since the last look (reading it clears it).
     fn rang(a: &Attached) -> bool {
         let mut b = [0u8; 8];
         rustix::io::read(a.client_bell.as_fd(), &mut b).is_ok()

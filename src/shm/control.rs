@@ -25,6 +25,18 @@ const CQ_HEAD: usize = 192;
 const CQ_TAIL: usize = 256;
 const DAEMON_SLEEPING: usize = 320;
 const CLIENT_SLEEPING: usize = 384;
+const NIC_CPU: usize = 448;
+const WAITER_CPU: usize = 512;
+const CLIENTS: usize = 576;
+/// Messages sent to this client by the others the daemon's process serves (see
+/// [`Waiter::keep_core`]).
+const SPOKEN_TO: usize = 640;
+const REC_CMD: u32 = 1;
+const REC_PAD: u32 = 2;
+/// Bytes of a command descriptor (after the 8-byte record header).
+pub const COMMAND_LEN: usize = 72;
+pub const CQ_ENTRY_LEN: usize = 32;
+
 /// [`CLIENT_SLEEPING`]'s value while the client waits for command ring room only.
 const SLEEP_FOR_ROOM: u32 = 2;
 
@@ -37,17 +49,6 @@ pub enum ClientSleep {
     /// Room in its full command ring.
     ForRoom,
 }
-const NIC_CPU: usize = 448;
-const WAITER_CPU: usize = 512;
-const CLIENTS: usize = 576;
-/// Messages sent to this client by the others the daemon's process serves (see
-/// [`Waiter::keep_core`]).
-const SPOKEN_TO: usize = 640;
-const REC_CMD: u32 = 1;
-const REC_PAD: u32 = 2;
-/// Bytes of a command descriptor (after the 8-byte record header).
-pub const COMMAND_LEN: usize = 72;
-pub const CQ_ENTRY_LEN: usize = 32;
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum ControlError {

@@ -413,9 +413,6 @@ impl PortalsConduit {
         }
     }
 
-    /// One turn of a wait inside the conduit (for a reply slot, bounce space, an RMA slot):
-    /// the send side's events, and what arrived taken out of the receive buffers (a peer may
-    /// be waiting for our replies, or for room in our ReqRB). No handler runs here.
     /// Blocks until an event queue this conduit reads has news, an implicit atomic count is
     /// complete, a resend is due, or `max` passes (what is already collected aside).
     pub(super) fn sleep_on_events(&mut self, max: std::time::Duration) -> Result<(), GasnetError> {
@@ -440,6 +437,10 @@ impl PortalsConduit {
             .map_err(|e| GasnetError::Wait(e.to_string()))
     }
 
+    /// One turn of a wait inside the conduit (for a reply slot, an implicit atomic's slot, a
+    /// put's local completion; room for bulk data waits in `wait_room`):
+    /// the send side's events, and what arrived taken out of the receive buffers (a peer may
+    /// be waiting for our replies, or for room in our ReqRB). No handler runs here.
     fn wait_step(&mut self) -> Result<(), GasnetError> {
         if !self.poll_safe()? && !self.drain_am()? && !self.drain_raram()? {
             Conduit::yield_now(self);
