@@ -29,6 +29,7 @@ use crate::client::bounce::Ring;
 use crate::extoll::rma::{Class, Rma, RmaRegion, NOTIFY_COMPLETER, NOTIFY_REQUESTER};
 use crate::extoll::velo::{Velo, VeloError};
 use crate::extoll::{Conn, Shared};
+use crate::gasnet::backoff::{Backoff, Step, SLEEP_MAX};
 use crate::gasnet::{am, GasnetError};
 
 /// The first VELO message of an AM (two bytes of length, then the AM's first bytes).
@@ -76,6 +77,8 @@ pub struct ExtollConduit {
     /// The bounce area's allocator: a piece is given back once its put's requester
     /// notification says the NIC read it (in use: staged puts not read yet).
     ring: Ring,
+    /// The last wait for bounce room had to sleep (`Backoff::for_room`).
+    room_slept: bool,
     /// Where Long get replies for the caller's private memory land (registered after the
     /// segment and the bounce area, so at the same NLA on every node).
     landing: RmaRegion,
@@ -149,6 +152,7 @@ impl ExtollConduit {
             bounce,
             landing,
             ring: Ring::new(MAX_LONG),
+            room_slept: false,
             unread: 0,
             partial: (0..n).map(|_| Partial::default()).collect(),
             stash: VecDeque::new(),
@@ -259,12 +263,7 @@ impl ExtollConduit {
         if !self.in_segment(payload) {
             for (off, n) in staged(payload.len()) {
                 let part = &payload[off..off + n];
-                let at = loop {
-                    if let Some(at) = self.ring.alloc(part.len()) {
-                        break at;
-                    }
-                    self.await_notifications()?;
-                };
+                let at = self.bounce_room(part.len())?;
                 let n = part.len() as u64;
                 self.bounce.mem.bytes()[at as usize..(at + n) as usize].copy_from_slice(part);
                 let dst = base + off as u64;
@@ -284,6 +283,39 @@ impl ExtollConduit {
             self.await_notifications()?;
         }
         Ok(())
+    }
+
+    /// Waits for `len` bytes of the bounce area: a stream of Long payloads from private
+    /// memory waits here once per piece, and sleeps rather than yields beside the NIC doing
+    /// its work (see [`Backoff::for_room`]).
+    fn bounce_room(&mut self, len: usize) -> Result<u64, GasnetError> {
+        let mut b = Backoff::for_room(self.room_slept);
+        loop {
+            if let Some(at) = self.ring.alloc(len) {
+                self.room_slept = b.slept();
+                return Ok(at);
+            }
+            if self.take_notifications()? {
+                b.progressed();
+                continue;
+            }
+            self.stash_arrivals()?;
+            // Messages stashed for the caller do not end this wait.
+            match b.step(self) {
+                Step::Spin => std::hint::spin_loop(),
+                Step::Yield => Conduit::yield_now(self),
+                Step::Sleep => self.sleep_on_engines(SLEEP_MAX)?,
+            }
+        }
+    }
+
+    /// Blocks until a VELO message or an RMA notification is there, or `max` passes.
+    fn sleep_on_engines(&self, max: Duration) -> Result<(), GasnetError> {
+        let (velo, rma) = (&self.velo, &self.rma);
+        let ep = self.ep.borrow();
+        ep.client()
+            .sleep_until_news_unless(max, &|| velo.has_message() || rma.has_notification())
+            .map_err(|e| GasnetError::Wait(e.to_string()))
     }
 
     /// One step of waiting for our puts' notifications: takes those there, else keeps the
@@ -532,11 +564,7 @@ impl Conduit for ExtollConduit {
         if !self.ready.is_empty() || !self.stash.is_empty() {
             return Ok(());
         }
-        let (velo, rma) = (&self.velo, &self.rma);
-        let ep = self.ep.borrow();
-        ep.client()
-            .sleep_until_news_unless(max, &|| velo.has_message() || rma.has_notification())
-            .map_err(|e| GasnetError::Wait(e.to_string()))
+        self.sleep_on_engines(max)
     }
 
     fn yield_now(&mut self) {
