@@ -23,7 +23,7 @@ const SPIN_POLLS: u32 = 4;
 /// How long a wait yields before it sleeps.
 const YIELD_FOR: Duration = Duration::from_micros(200);
 /// Longest single sleep (the conduit wakes earlier on news).
-pub(crate) const SLEEP_MAX: Duration = Duration::from_millis(1);
+const SLEEP_MAX: Duration = Duration::from_millis(1);
 /// How long a wait for one operation spins when the NIC works on another core (a blocking
 /// put or get takes ~10 µs; a long one still yields and sleeps after this).
 const OP_SPIN: Duration = Duration::from_micros(100);
@@ -82,17 +82,27 @@ impl Backoff {
 
     /// Nothing happened in the last poll.
     pub(crate) fn idle(&mut self, conduit: &mut dyn Conduit) -> Result<(), GasnetError> {
+        self.idle_then(conduit, |c, max| c.wait_news(max))
+    }
+
+    /// [`Backoff::idle`] whose sleep is `sleep` (for waits that news collected for the caller
+    /// does not end, which `Conduit::wait_news` would return at once for).
+    pub(crate) fn idle_then<C: Conduit + ?Sized>(
+        &mut self,
+        conduit: &mut C,
+        sleep: impl FnOnce(&mut C, Duration) -> Result<(), GasnetError>,
+    ) -> Result<(), GasnetError> {
         match self.step(conduit) {
             Step::Spin => std::hint::spin_loop(),
             Step::Yield => conduit.yield_now(),
-            Step::Sleep => return conduit.wait_news(SLEEP_MAX),
+            Step::Sleep => return sleep(conduit, SLEEP_MAX),
         }
         Ok(())
     }
 
     /// Nothing happened in the last poll: what to do about it (a sleep lasts at most
     /// [`SLEEP_MAX`]).
-    pub(crate) fn step(&mut self, conduit: &mut dyn Conduit) -> Step {
+    fn step<C: Conduit + ?Sized>(&mut self, conduit: &mut C) -> Step {
         self.idle = self.idle.saturating_add(1);
         if self.idle <= SPIN_POLLS
             || (self.op_spinning && !self.idle.is_multiple_of(CLOCK_EVERY))
@@ -124,7 +134,7 @@ impl Backoff {
 
 /// What an idle wait does next.
 #[derive(Debug, PartialEq, Eq)]
-pub(crate) enum Step {
+enum Step {
     Spin,
     Yield,
     Sleep,

@@ -29,7 +29,7 @@ use crate::client::bounce::Ring;
 use crate::extoll::rma::{Class, Rma, RmaRegion, NOTIFY_COMPLETER, NOTIFY_REQUESTER};
 use crate::extoll::velo::{Velo, VeloError};
 use crate::extoll::{Conn, Shared};
-use crate::gasnet::backoff::{Backoff, Step, SLEEP_MAX};
+use crate::gasnet::backoff::Backoff;
 use crate::gasnet::{am, GasnetError};
 
 /// The first VELO message of an AM (two bytes of length, then the AM's first bytes).
@@ -301,11 +301,7 @@ impl ExtollConduit {
             }
             self.stash_arrivals()?;
             // Messages stashed for the caller do not end this wait.
-            match b.step(self) {
-                Step::Spin => std::hint::spin_loop(),
-                Step::Yield => Conduit::yield_now(self),
-                Step::Sleep => self.sleep_on_engines(SLEEP_MAX)?,
-            }
+            b.idle_then(self, |c, max| c.sleep_on_engines(max))?;
         }
     }
 

@@ -1027,7 +1027,9 @@ impl HostCore {
         match op {
             OpRef::PtlReq { h, last, data, .. } => {
                 let key = msg_key(peer, h);
-                if let Some(mut pin) = self.ptl_put_in.remove(&key) {
+                // Most messages are one fragment and no put streams in: no lookup then.
+                let streaming = !self.ptl_put_in.is_empty();
+                if let Some(mut pin) = streaming.then(|| self.ptl_put_in.remove(&key)).flatten() {
                     Self::ptl_put_more(&mut pin, data);
                     if !*last {
                         self.ptl_put_in.insert(key, pin);

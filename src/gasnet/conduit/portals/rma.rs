@@ -10,8 +10,8 @@ use super::{
     err, Pieces, PortalsConduit, Rma, BOUNCE_LEN, CHUNK, COPY_MAX, IMPLICIT_SLOTS, MAX_RMA, RMA_TAG,
 };
 use crate::gasnet::atomic::PortalsCall;
-use crate::gasnet::backoff::{Backoff, Step, SLEEP_MAX};
-use crate::gasnet::conduit::{staging, Conduit, GetDest, RmaDone};
+use crate::gasnet::backoff::Backoff;
+use crate::gasnet::conduit::{staging, GetDest, RmaDone};
 use crate::gasnet::{AdOp, GasnetError};
 use crate::portals::{AckReq, EventKind, NiFail};
 
@@ -103,11 +103,7 @@ impl PortalsConduit {
                 continue;
             }
             // Completions and messages collected for the caller do not end this wait.
-            match b.step(self) {
-                Step::Spin => std::hint::spin_loop(),
-                Step::Yield => Conduit::yield_now(self),
-                Step::Sleep => self.sleep_on_events(SLEEP_MAX)?,
-            }
+            b.idle_then(self, |c, max| c.sleep_on_events(max))?;
         }
     }
 
