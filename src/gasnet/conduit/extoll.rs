@@ -51,6 +51,9 @@ pub const LANDING_AT: u64 = 1 << 48;
 const LANDING_LEN: usize = 4 << 20;
 /// Largest piece of a Long payload staged through the bounce ring.
 const PIECE_MAX: usize = 1 << 20;
+/// The bounce ring: two largest pieces, small so that what the rank copies in is still
+/// cached when the NIC reads it (as the portals conduit's bounce region).
+const BOUNCE_LEN: usize = 2 * PIECE_MAX;
 /// Messages handled per poll, so that one busy sender cannot keep a poll from returning.
 const POLL_BUDGET: usize = 512;
 /// Idle polls between looks at the completion queue (see `poll`).
@@ -133,7 +136,7 @@ impl ExtollConduit {
         let velo = Velo::open_with_credits(ep.clone(), CREDITS).map_err(err)?;
         let mut rma = Rma::open_on(ep.clone()).map_err(err)?;
         let seg = rma.register(segment_len.max(8)).map_err(err)?;
-        let bounce = rma.register(MAX_LONG).map_err(err)?;
+        let bounce = rma.register(BOUNCE_LEN).map_err(err)?;
         let landing = rma.register(LANDING_LEN).map_err(err)?;
         let (me, n) = (velo.rank(), velo.size());
         let conns = (0..n)
@@ -151,7 +154,7 @@ impl ExtollConduit {
             seg_len: segment_len,
             bounce,
             landing,
-            ring: Ring::new(MAX_LONG),
+            ring: Ring::new(BOUNCE_LEN),
             room_slept: false,
             unread: 0,
             partial: (0..n).map(|_| Partial::default()).collect(),
