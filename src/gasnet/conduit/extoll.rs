@@ -24,7 +24,8 @@
 use std::collections::VecDeque;
 use std::time::Duration;
 
-use super::{staging, Conduit};
+use super::staging::{self, BOUNCE_LEN, PIECE_MAX};
+use super::Conduit;
 use crate::client::bounce::Ring;
 use crate::extoll::rma::{Class, Rma, RmaRegion, NOTIFY_COMPLETER, NOTIFY_REQUESTER};
 use crate::extoll::velo::{Velo, VeloError};
@@ -49,11 +50,6 @@ const CREDITS: u32 = 512;
 pub const LANDING_AT: u64 = 1 << 48;
 /// The landing area's size: a get of up to this much into private memory is one Long reply.
 const LANDING_LEN: usize = 4 << 20;
-/// Largest piece of a Long payload staged through the bounce ring.
-const PIECE_MAX: usize = 1 << 20;
-/// The bounce ring: two largest pieces, small so that what the rank copies in is still
-/// cached when the NIC reads it (as the portals conduit's bounce region).
-const BOUNCE_LEN: usize = 2 * PIECE_MAX;
 /// Messages handled per poll, so that one busy sender cannot keep a poll from returning.
 const POLL_BUDGET: usize = 512;
 /// Idle polls between looks at the completion queue (see `poll`).

@@ -9,6 +9,16 @@
 /// The first piece of a copied payload.
 pub const FIRST: usize = 128 * 1024;
 
+/// The largest piece the conduits cut a copied payload into.
+pub const PIECE_MAX: usize = 1 << 20;
+
+/// A conduit's bounce area: two largest pieces in flight (one sent while the next is copied),
+/// no more, presumably so that what the rank copies in is still cached when the NIC seals it.
+/// Measured (docs/performance.md stop 62), portals conduit put_nbi 1 MiB / 4 MiB, six rounds:
+/// 8 MiB 2429 / 2493 MB/s, 4 MiB 2641 / 2732, 2 MiB 2864 / 3004 (every round faster than
+/// 8 MiB), one piece 2960 / 2163.
+pub const BOUNCE_LEN: usize = 2 * PIECE_MAX;
+
 /// The pieces `(offset, length)` of a payload of `len` bytes: two of `first`, then each twice
 /// the one before, at most `max` (`first` = `max`: equal pieces; no piece is empty but for an
 /// empty payload's one, which its target still hears of).

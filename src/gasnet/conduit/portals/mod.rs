@@ -41,7 +41,7 @@ use std::time::Instant;
 use rustc_hash::FxHashMap as HashMap;
 
 use self::credit::Credits;
-use super::{Conduit, FirehoseStats, FlowStats, GetDest, RmaDone};
+use super::{staging, Conduit, FirehoseStats, FlowStats, GetDest, RmaDone};
 use crate::client::MemRegion;
 use crate::gasnet::{env_size, AdOp, GasnetError};
 use crate::nic::memory::Perms;
@@ -64,12 +64,9 @@ const REQ_SLOTS: usize = 256;
 const REP_SLOTS: usize = 64;
 const BITS_AM: u64 = 0xa11;
 /// Largest piece of one direct transfer.
-const CHUNK: usize = 1 << 20;
-/// The bounce region: two largest pieces in flight. Small, so that the lines the rank copies
-/// in are still cached when the NIC reads them: against eight pieces, six interleaved rounds,
-/// put_nbi 1 MiB / 4 MiB medians 2429 / 2493 → 2864 / 3004 MB/s, every round faster
-/// (docs/performance.md, stop 62).
-const BOUNCE_LEN: usize = 2 * CHUNK;
+const CHUNK: usize = staging::PIECE_MAX;
+/// The bounce region (see [`staging::BOUNCE_LEN`]).
+const BOUNCE_LEN: usize = staging::BOUNCE_LEN;
 /// Most direct pieces in flight (SAFE_EQ holds their completions).
 const MAX_RMA: usize = 256;
 /// Segment sources of non-bulk puts up to this size are copied through the bounce region (the
