@@ -14,6 +14,7 @@ pub mod keys;
 pub mod logging;
 pub mod mpi;
 pub mod nic;
+pub mod phase_trace;
 pub mod portals;
 pub mod shm;
 pub mod transport;

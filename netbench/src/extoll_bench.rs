@@ -8,6 +8,7 @@ use std::time::Instant;
 use softnic::extoll::rma::{Class, Rma, RmaRegion, NOTIFY_COMPLETER, NOTIFY_REQUESTER};
 use softnic::extoll::velo::Velo;
 use softnic::extoll::{Conn, Shared};
+use softnic::phase_trace::{stamp, Phase};
 
 use crate::report::Row;
 use crate::Ctx;
@@ -104,13 +105,17 @@ pub fn velo_pingpong(ctx: &Ctx, ex: &mut Ex, size: usize) -> anyhow::Result<Opti
         for i in 0..warm + ctx.lat_iters(size) {
             let t = Instant::now();
             if ctx.job.rank == 0 {
+                stamp(Phase::RankPost);
                 ex.velo_send(peer, size, 1)?;
                 ex.velo_recv(size)?;
+                stamp(Phase::RankArrived);
                 if i >= warm {
                     samples.push(t.elapsed().as_secs_f64() * 1e6 / 2.0);
                 }
             } else {
                 ex.velo_recv(size)?;
+                stamp(Phase::RankArrived);
+                stamp(Phase::RankPost);
                 ex.velo_send(peer, size, 1)?;
             }
         }

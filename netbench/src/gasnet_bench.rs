@@ -6,6 +6,7 @@ use std::rc::Rc;
 use std::time::Instant;
 
 use softnic::gasnet::{Category, Gasnet, Handler, Msg, Token};
+use softnic::phase_trace::{stamp, Phase};
 
 use crate::report::Row;
 use crate::Ctx;
@@ -19,6 +20,8 @@ pub fn init(ra_acks: &Rc<Cell<u64>>) -> anyhow::Result<(Gasnet, Rc<Cell<u64>>)> 
     let p = pongs.clone();
     // A failed reply is fatal, as in GASNet: the launcher sees the rank die instead of a hang.
     let ping: Handler = Box::new(|t: &mut Token<'_>, m: Msg<'_>| {
+        stamp(Phase::RankArrived);
+        stamp(Phase::RankPost);
         let r = match m.category {
             Category::Short => t.reply_short(H_PONG, m.args),
             Category::Medium => t.reply_medium(H_PONG, m.payload, m.args),
@@ -29,7 +32,10 @@ pub fn init(ra_acks: &Rc<Cell<u64>>) -> anyhow::Result<(Gasnet, Rc<Cell<u64>>)> 
             std::process::exit(1);
         }
     });
-    let pong: Handler = Box::new(move |_: &mut Token<'_>, _: Msg<'_>| p.set(p.get() + 1));
+    let pong: Handler = Box::new(move |_: &mut Token<'_>, _: Msg<'_>| {
+        stamp(Phase::RankArrived);
+        p.set(p.get() + 1)
+    });
     let mut hs = vec![(H_PING, ping), (H_PONG, pong)];
     hs.extend(crate::gasnet_ra::handlers(ra_acks));
     let g = Gasnet::init(hs)?;
@@ -59,6 +65,7 @@ pub fn am(
     if ctx.job.rank == 0 {
         samples = crate::time_calls(ctx.lat_warmup(size), ctx.lat_iters(size), || {
             let before = pongs.get();
+            stamp(Phase::RankPost);
             match op {
                 "am_short" => g.am_request_short(1, H_PING, &[1, 2])?,
                 "am_medium" => g.am_request_medium(1, H_PING, &payload, &[1, 2])?,

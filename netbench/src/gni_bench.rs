@@ -4,6 +4,7 @@ use std::time::Instant;
 
 use softnic::gni::{wait_until, MemRegion, Nic, Remote};
 use softnic::nic::memory::Perms;
+use softnic::phase_trace::{stamp, Phase};
 
 use crate::report::Row;
 use crate::Ctx;
@@ -64,7 +65,9 @@ pub fn put_pingpong(
                     || u64::from_le_bytes(mem.bytes()[flag..flag + 8].try_into().unwrap()) == i,
                     || nic.progress(),
                 );
+                stamp(Phase::RankArrived);
             }
+            stamp(Phase::RankPost);
             b.mem.bytes()[out + size - 8..out + size].copy_from_slice(&i.to_le_bytes());
             nic.put_nbi(b.remote(peer, inn), &b.mem.bytes()[out..out + size])?;
             if ctx.job.rank == 0 {
@@ -74,6 +77,7 @@ pub fn put_pingpong(
                     || u64::from_le_bytes(mem.bytes()[flag..flag + 8].try_into().unwrap()) == i,
                     || nic.progress(),
                 );
+                stamp(Phase::RankArrived);
                 if i as usize > warm {
                     samples.push(t.elapsed().as_secs_f64() * 1e6 / 2.0);
                 }

@@ -9,6 +9,7 @@ mod gasnet_bench;
 mod gasnet_ra;
 mod gni_bench;
 mod mpi_bench;
+mod phases;
 mod plot;
 mod portals_bench;
 mod randomaccess;
@@ -49,6 +50,10 @@ enum Bench {
     /// each), plus RandomAccess at every `--ra-ranks` and the DMAPP figures at their rank
     /// counts; one table, JSON lines and figures in `--out`.
     Compare,
+    /// Where the one-way trips of a traced run spent their time: reads the stamps in
+    /// `--trace` (netbench and the daemons built with `--features phase-trace`, the run given
+    /// `SOFTNIC_PHASE_TRACE=<dir>`); per-step medians of the commonest paths.
+    Phases,
 }
 
 #[derive(Parser, Debug)]
@@ -140,6 +145,9 @@ struct Args {
     /// --daemon-per-host`); rows say `daemons=per-host`. `compare` also runs its bulk rows so.
     #[arg(long)]
     daemon_per_host: bool,
+    /// `phases`: the directory of the traced run's stamps.
+    #[arg(long, default_value = "phase-trace")]
+    trace: std::path::PathBuf,
 }
 
 impl Args {
@@ -271,6 +279,11 @@ fn main() -> anyhow::Result<()> {
         std::process::exit(code);
     }
     let args = Args::parse();
+    if args.bench == Bench::Phases {
+        let (stamps, names) = phases::load(&args.trace)?;
+        print!("{}", phases::report(&stamps, &names, 3));
+        return Ok(());
+    }
     anyhow::ensure!(
         args.bench != Bench::Am || args.api.as_deref() == Some("gasnet"),
         "the am benchmark is GASNet's: add --api gasnet --conduit udp|portals"
@@ -376,9 +389,13 @@ fn main() -> anyhow::Result<()> {
         Bench::Bw => (false, true, false),
         Bench::Randomaccess => (false, false, true),
         Bench::Compare => (true, true, true),
-        Bench::Am | Bench::Amo | Bench::Strided | Bench::Nbrate | Bench::Sync | Bench::Epoch => {
-            (false, false, false)
-        }
+        Bench::Am
+        | Bench::Amo
+        | Bench::Strided
+        | Bench::Nbrate
+        | Bench::Sync
+        | Bench::Epoch
+        | Bench::Phases => (false, false, false),
     };
     if (lat || bw) && want("raw-udp") && ctx.job.size >= 2 {
         // Ranks 0 and 1 run it; every rank joins the barriers that keep sizes apart.
@@ -666,6 +683,7 @@ fn run_gasnet(args: &Args, ctx: &Ctx) -> anyhow::Result<()> {
         Bench::Sync | Bench::Epoch => {
             anyhow::bail!("the sync and epoch benchmarks are MPI's: use --api mpi")
         }
+        Bench::Phases => anyhow::bail!("phases reads a traced run's stamps; it runs no job"),
     };
     let (lat_sizes, bw_sizes) = args.sizes();
     let mut rows = Vec::new();

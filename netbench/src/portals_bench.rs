@@ -4,6 +4,7 @@ use std::time::Instant;
 
 use softnic::gni::{wait_until, MemRegion};
 use softnic::nic::memory::Perms;
+use softnic::phase_trace::{stamp, Phase};
 use softnic::portals::*;
 
 use crate::report::Row;
@@ -97,7 +98,9 @@ pub fn put_pingpong(
             };
             if ctx.job.rank == 1 {
                 wait_until(&waiter, || arrived(&s.inn), || drain(p, s));
+                stamp(Phase::RankArrived);
             }
+            stamp(Phase::RankPost);
             s.out.bytes()[flag..flag + 8].copy_from_slice(&i.to_le_bytes());
             p.put(
                 s.ni,
@@ -111,6 +114,7 @@ pub fn put_pingpong(
             )?;
             if ctx.job.rank == 0 {
                 wait_until(&waiter, || arrived(&s.inn), || drain(p, s));
+                stamp(Phase::RankArrived);
                 if i as usize > warm {
                     samples.push(t.elapsed().as_secs_f64() * 1e6 / 2.0);
                 }

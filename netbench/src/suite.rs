@@ -190,6 +190,7 @@ fn bench_name(b: Bench) -> &'static str {
         Bench::Sync => "sync",
         Bench::Epoch => "epoch",
         Bench::Compare => "compare",
+        Bench::Phases => "phases",
     }
 }
 

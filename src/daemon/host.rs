@@ -15,6 +15,7 @@ use crate::config::Config;
 use crate::config::TransportKind;
 use crate::nic::host::{Flow, HostCore};
 use crate::nic::memory::{Perms, Region};
+use crate::phase_trace::{self, Phase};
 use crate::shm::attach::{self, Request, Response};
 use crate::shm::process_memory::ProcessMemory;
 use crate::shm::{Command, Mapping};
@@ -477,7 +478,10 @@ impl HostNic {
             let peeked = a.control.cmd_peek(&mut buf);
             let (id, rank) = (s.id, a.rank);
             let len = match peeked {
-                Ok(Some(len)) => len,
+                Ok(Some(len)) => {
+                    phase_trace::stamp(Phase::CommandTaken);
+                    len
+                }
                 Ok(None) => {
                     self.cmd_buf = buf;
                     return did;

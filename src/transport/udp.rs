@@ -19,6 +19,7 @@ use socket2::{Domain, Protocol, Socket, Type};
 
 use super::fault::FaultInjector;
 use crate::config::Fault;
+use crate::phase_trace::{self, Phase};
 
 /// Datagrams per recvmmsg/sendmmsg call.
 const BATCH: usize = 32;
@@ -95,6 +96,23 @@ pub(super) fn send_all(
     gso: &mut bool,
     stats: &mut DriverStats,
 ) -> Result<(), (io::Error, usize)> {
+    if lens.is_empty() {
+        return send_batch(fd, data, lens, gso, stats);
+    }
+    phase_trace::stamp(Phase::SendStart);
+    let r = send_batch(fd, data, lens, gso, stats);
+    phase_trace::stamp(Phase::SendEnd);
+    r
+}
+
+/// [`send_all`]'s work, between its phase stamps.
+fn send_batch(
+    fd: std::os::fd::RawFd,
+    data: &mut [u8],
+    lens: &[usize],
+    gso: &mut bool,
+    stats: &mut DriverStats,
+) -> Result<(), (io::Error, usize)> {
     if lens.len() == 1 {
         stats.send_syscalls += 1;
         // SAFETY: `data[..lens[0]]` is a live buffer for the call.
@@ -148,18 +166,21 @@ pub(super) fn send_iov(
     let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
     msg.msg_iov = iov.as_mut_ptr();
     msg.msg_iovlen = n;
-    loop {
+    phase_trace::stamp(Phase::SendStart);
+    let r = loop {
         stats.send_syscalls += 1;
         // SAFETY: as above, for the duration of the call.
         let r = unsafe { libc::sendmsg(fd, &msg, libc::MSG_DONTWAIT) };
         if r >= 0 {
-            return Ok(());
+            break Ok(());
         }
         let e = io::Error::last_os_error();
         if e.kind() != io::ErrorKind::Interrupted {
-            return Err(e);
+            break Err(e);
         }
-    }
+    };
+    phase_trace::stamp(Phase::SendEnd);
+    r
 }
 
 pub(super) fn count_send_error(stats: &mut DriverStats, e: &io::Error, lost: usize) {

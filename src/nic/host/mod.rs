@@ -26,6 +26,7 @@ use rustc_hash::FxHashMap as HashMap;
 
 use crate::nic::gemini::{Completion, Initiator};
 use crate::nic::memory::Endpoints;
+use crate::phase_trace::{self, Phase};
 use crate::shm::{Command, CqEntry};
 use crate::transport::{Transport, TransportConfig, TransportEvent};
 
@@ -228,6 +229,7 @@ impl HostCore {
     /// A datagram from the network (from whom is proven by its authentication tag, not by
     /// where it came from), decrypted in place. Anything invalid is counted and dropped.
     pub fn handle_datagram(&mut self, now: u64, d: &mut [u8]) {
+        phase_trace::stamp(Phase::DatagramIn);
         self.now = now;
         let r = match self.transport.on_datagram(now, d) {
             Ok(r) => r,
@@ -236,6 +238,7 @@ impl HostCore {
                 return;
             }
         };
+        phase_trace::stamp(Phase::DatagramOpened);
         let peer = r.peer;
         if let Some(body) = r.body {
             self.on_body(now, peer, body);
@@ -244,6 +247,7 @@ impl HostCore {
             self.on_body(now, peer, &b);
             self.transport.give_back(b);
         }
+        phase_trace::stamp(Phase::DatagramDone);
     }
 
     /// Runs timers (retransmission, liveness, delayed acks), fails what was pending on dead or

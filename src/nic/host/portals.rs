@@ -13,6 +13,7 @@ use crate::nic::portals::{
     CtEvent, GetStream, List, MatchEntry, NiFail, OpSpec, PortalsNi, ProcessId, PtlError,
     PutStream, Response, SearchOp, StatusRegister,
 };
+use crate::phase_trace::{self, Phase};
 use crate::shm::event_ring::{CtSlot, EventRing};
 use crate::shm::ptl_call::{status_of, MeArgs, PtlCall, MAX_NIS};
 use crate::shm::CqEntry;
@@ -1338,6 +1339,9 @@ impl HostCore {
             }
         }
         self.ptl_scratch = MirrorScratch { woken, cts, rooms };
+        if moved {
+            phase_trace::stamp(Phase::EventsMirrored);
+        }
         moved
     }
 }

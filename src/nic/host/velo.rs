@@ -8,6 +8,7 @@ use std::collections::VecDeque;
 
 use crate::nic::gemini::{reply_header, Pending, PendingKind, Reply};
 use crate::nic::velo::{Geometry, Mailbox};
+use crate::phase_trace::{self, Phase};
 use crate::shm::{Command, CMD_LAZY};
 use crate::wire::{OpHeader, OpRef, Status};
 
@@ -168,6 +169,7 @@ impl HostCore {
             return Err((Status::BadRequest, done));
         }
         if port.waiting.is_empty() && port.mailbox.deliver(src, tag, data) {
+            phase_trace::stamp(Phase::VeloWritten);
             self.wake_process(job, dst);
             if let Done::Local { .. } = done {
                 self.velo_done(done, Status::Ok);
