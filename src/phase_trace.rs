@@ -133,11 +133,15 @@ mod on {
         }
     }
 
-    /// Writes every stamp as a line "ns cpu code"; a failure is only reported.
+    /// Writes every stamp as a line "ns cpu code"; a failure is only reported. A slot another
+    /// thread took but has not filled yet (its tag still 0: no phase has code 0) is left out.
     fn write(dir: &std::path::Path) {
         let mut text = String::with_capacity(CAPACITY * 24);
         for (t, tag) in TIMES.iter().zip(&TAGS) {
             let (t, tag) = (t.load(Ordering::Relaxed), tag.load(Ordering::Relaxed));
+            if tag == 0 {
+                continue;
+            }
             text.push_str(&format!("{t} {} {}\n", tag >> 8, tag & 0xff));
         }
         let path = dir.join(format!("{}.phases", std::process::id()));

@@ -6,6 +6,7 @@
 
 use std::collections::HashMap;
 
+use anyhow::Context;
 use softnic::phase_trace::Phase;
 
 /// One stamp of one process.
@@ -21,7 +22,8 @@ pub struct Stamp {
 /// Reads every `*.phases` file in `dir`; returns the stamps of all, merged by time and cut
 /// to the span every process was recording, and each process's role name.
 pub fn load(dir: &std::path::Path) -> anyhow::Result<(Vec<Stamp>, Vec<String>)> {
-    let mut files: Vec<_> = std::fs::read_dir(dir)?
+    let mut files: Vec<_> = std::fs::read_dir(dir)
+        .with_context(|| format!("reading the stamps in {}", dir.display()))?
         .filter_map(|e| e.ok().map(|e| e.path()))
         .filter(|p| p.extension().is_some_and(|x| x == "phases"))
         .collect();
