@@ -5,6 +5,7 @@
 use std::time::Instant;
 
 use softnic::mpi::{Comm, LockType, LongProtocol, Op, Win};
+use softnic::phase_trace::{stamp, Phase};
 
 use crate::report::Row;
 use crate::Ctx;
@@ -74,13 +75,17 @@ pub fn pingpong(ctx: &Ctx, w: &Comm, size: usize) -> anyhow::Result<Option<Row>>
             }
             let t = Instant::now();
             if w.rank() == 0 {
+                stamp(Phase::RankPost);
                 w.send(&out, peer, 1)?;
                 w.recv(&mut inn, peer, 1)?;
+                stamp(Phase::RankArrived);
                 if i >= warm {
                     samples.push(t.elapsed().as_secs_f64() * 1e6 / 2.0);
                 }
             } else {
                 w.recv(&mut inn, peer, 1)?;
+                stamp(Phase::RankArrived);
+                stamp(Phase::RankPost);
                 w.send(&out, peer, 1)?;
             }
             if size >= 8 {
