@@ -133,8 +133,13 @@ fn wait_for_an_end(still: &[usize], pidfds: &[Option<OwnedFd>]) {
         .collect();
     match fds {
         Some(mut fds) => {
-            // An error (EINTR) only ends this wait early.
-            let _ = poll(&mut fds, LOOK_EVERY.as_millis() as i32);
+            // A signal (EINTR) only ends this wait early; any other refusal must not turn the
+            // loop into a spin.
+            if let Err(e) = poll(&mut fds, LOOK_EVERY.as_millis() as i32) {
+                if e != rustix::io::Errno::INTR {
+                    std::thread::sleep(POLL_EVERY);
+                }
+            }
         }
         None => std::thread::sleep(POLL_EVERY),
     }
