@@ -121,8 +121,8 @@ pub fn one_ways(stamps: &[Stamp]) -> Vec<&[Stamp]> {
     out
 }
 
-/// The path a trip took: each stamp's process, phase and CPU.
-type Path = Vec<(usize, Phase, u8)>;
+/// The way a trip went: each stamp's process, phase and CPU.
+type Route = Vec<(usize, Phase, u8)>;
 
 fn median(v: &mut [f64]) -> f64 {
     v.sort_by(f64::total_cmp);
@@ -149,8 +149,8 @@ pub fn report(stamps: &[Stamp], names: &[String], groups: usize) -> String {
         trips.len(),
         median(&mut all)
     );
-    let key = |t: &[Stamp]| -> Path { t.iter().map(|s| (s.proc_index, s.phase, s.cpu)).collect() };
-    let mut by_key: HashMap<Path, Vec<&[Stamp]>> = HashMap::new();
+    let key = |t: &[Stamp]| -> Route { t.iter().map(|s| (s.proc_index, s.phase, s.cpu)).collect() };
+    let mut by_key: HashMap<Route, Vec<&[Stamp]>> = HashMap::new();
     for t in &trips {
         by_key.entry(key(t)).or_default().push(t);
     }

@@ -66,7 +66,9 @@ pub fn supervise(
         .iter()
         .map(|(_, c)| crate::shm::process_memory::pidfd(c.id() as libc::pid_t).ok())
         .collect();
-    let mut still = Vec::with_capacity(children.len());
+    // The running children's pidfds; `None` for one without a pidfd or whose state could
+    // not be read (looked at again soon instead of waited on).
+    let mut still: Vec<Option<&OwnedFd>> = Vec::with_capacity(children.len());
     loop {
         if INTERRUPTED.swap(false, Ordering::SeqCst) {
             let running = children
@@ -80,8 +82,6 @@ pub fn supervise(
         }
         let mut failed = news();
         still.clear();
-        // A child whose state could not be read is looked at again soon, not waited on.
-        let mut unknown = false;
         for (i, (r, c)) in children.iter_mut().enumerate() {
             if failed.is_some() {
                 break;
@@ -92,11 +92,8 @@ pub fn supervise(
                     failed = Some((*r, code.max(1), what));
                 }
                 Ok(Some(_)) => {}
-                Ok(None) => still.push(i),
-                Err(_) => {
-                    unknown = true;
-                    still.push(i);
-                }
+                Ok(None) => still.push(pidfds[i].as_ref()),
+                Err(_) => still.push(None),
             }
         }
         if let Some((r, code, what)) = failed {
@@ -109,10 +106,7 @@ pub fn supervise(
         if still.is_empty() {
             return 0;
         }
-        match unknown {
-            true => std::thread::sleep(POLL_EVERY),
-            false => wait_for_an_end(&still, &pidfds),
-        }
+        wait_for_an_end(&still);
     }
 }
 
@@ -123,13 +117,13 @@ const POLL_EVERY: Duration = Duration::from_millis(5);
 /// (~390 `wait4` a second in a two-rank job).
 const LOOK_EVERY: Duration = Duration::from_millis(50);
 
-/// Waits until one of the running children (indices `still`) ends or [`LOOK_EVERY`] passes;
-/// [`POLL_EVERY`] when one of them has no pidfd.
-fn wait_for_an_end(still: &[usize], pidfds: &[Option<OwnedFd>]) {
+/// Waits until one of the running children (their pidfds, `still`) ends or [`LOOK_EVERY`]
+/// passes; [`POLL_EVERY`] when one of them has none.
+fn wait_for_an_end(still: &[Option<&OwnedFd>]) {
     use rustix::event::{poll, PollFd, PollFlags};
     let fds: Option<Vec<PollFd<'_>>> = still
         .iter()
-        .map(|&i| pidfds[i].as_ref().map(|f| PollFd::new(f, PollFlags::IN)))
+        .map(|f| f.map(|f| PollFd::new(f, PollFlags::IN)))
         .collect();
     match fds {
         Some(mut fds) => {
