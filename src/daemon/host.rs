@@ -126,6 +126,9 @@ pub struct HostNic {
     keys_line: String,
     /// The session whose commands go first this turn (rotates).
     first_session: usize,
+    /// The last turn ended when a command's message went out at once (see
+    /// [`HostNic::run_commands`]): this one does everything.
+    cut_short: bool,
     /// Where this host's transport sends and receives: address, interface, selection.
     link_line: String,
     /// The time of the last turn, and when it was: `now` between turns.
@@ -288,6 +291,7 @@ impl HostNic {
             names: cfg.hosts.iter().map(|h| h.name.clone()).collect(),
             keys_line,
             first_session: 0,
+            cut_short: false,
             link_line,
             last_now: (0, std::time::Instant::now()),
             ears: Default::default(),
@@ -344,9 +348,17 @@ impl HostNic {
         // of non-blocking puts) cannot keep the others' commands behind its own.
         let n = self.sessions.len();
         self.first_session = (self.first_session + 1) % n.max(1);
-        for k in 0..n {
-            busy |= self.drain_commands(now, (self.first_session + k) % n);
+        let may_cut = !std::mem::take(&mut self.cut_short);
+        let (did, sent) = self.drain_all(now, may_cut);
+        if sent {
+            // A message is on its way: the turn ends here, so that the host it went to
+            // (served by this thread, in the local default) opens it before this one goes on
+            // with what does not wait for it (the receive its process posted next, the send
+            // event); the next turn does everything.
+            self.cut_short = true;
+            return true;
         }
+        busy |= did;
         let counting = matches!(self.driver, Driver::Udp(_));
         // A packet ring is looked at every turn: a look is a read of memory, not a syscall.
         let ring = matches!(self.driver, Driver::Packet(_));
@@ -377,15 +389,38 @@ impl HostNic {
         // 436 → 343 cycles). What the rest of the turn produces goes out at its end.
         busy |= self.core.deliver_events();
         self.core.handle_timeout(now);
-        while let Some((to, d)) = self.core.poll_transmit(now) {
-            self.driver.send(to, d);
-            self.sent_to.push(to);
-            busy = true;
-        }
-        self.driver.flush();
+        busy |= self.transmit(now);
         busy |= self.core.deliver_events();
         busy |= self.post_completions();
         busy
+    }
+
+    /// Drains every session's commands, from the one whose turn it is to go first; stops
+    /// when a command's message was sent at once (`may_cut`, see [`HostNic::run_commands`]).
+    /// Returns whether anything was done and whether it stopped so.
+    fn drain_all(&mut self, now: u64, may_cut: bool) -> (bool, bool) {
+        let n = self.sessions.len();
+        let mut busy = false;
+        for k in 0..n {
+            let (did, sent) = self.drain_commands(now, (self.first_session + k) % n, may_cut);
+            busy |= did;
+            if sent {
+                return (true, true);
+            }
+        }
+        (busy, false)
+    }
+
+    /// Sends every datagram that is due; returns whether any was.
+    fn transmit(&mut self, now: u64) -> bool {
+        let mut sent = false;
+        while let Some((to, d)) = self.core.poll_transmit(now) {
+            self.driver.send(to, d);
+            self.sent_to.push(to);
+            sent = true;
+        }
+        self.driver.flush();
+        sent
     }
 
     /// Posts the core's completions into the sessions' queues and rings the doorbells of
@@ -449,8 +484,8 @@ impl HostNic {
 
     /// Hands a session's published commands to the core, in order, until the ring is empty,
     /// the budget is spent or the core pushes back.
-    fn drain_commands(&mut self, now: u64, slot: usize) -> bool {
-        let did = self.run_commands(now, slot);
+    fn drain_commands(&mut self, now: u64, slot: usize, may_send: bool) -> (bool, bool) {
+        let (did, sent) = self.run_commands(now, slot, may_send);
         // The client gets the consumed ring space back once per drain, not per command; one
         // that sleeps on a full ring is woken once half of it is free.
         if let Some(Some(s)) = self.sessions.get_mut(slot) {
@@ -461,39 +496,45 @@ impl HostNic {
                 }
             }
         }
-        did
+        (did, sent)
     }
 
-    fn run_commands(&mut self, now: u64, slot: usize) -> bool {
+    /// [`HostNic::drain_commands`]'s loop. With `may_send`, what a command sends leaves at
+    /// once when nothing was queued behind it or nothing of this host's was on its way, and
+    /// the drain stops there: returns whether anything was done and whether it stopped so.
+    fn run_commands(&mut self, now: u64, slot: usize, may_send: bool) -> (bool, bool) {
         let mut did = false;
         for _ in 0..CMD_BUDGET {
             let Some(Some(s)) = self.sessions.get(slot) else {
-                return did;
+                return (did, false);
             };
             let Some(a) = s.attached.as_ref() else {
-                return did;
+                return (did, false);
             };
             let mut buf = std::mem::take(&mut self.cmd_buf);
             // Copied out of shared memory before it is checked: the client may scribble on it.
             let peeked = a.control.cmd_peek(&mut buf);
             let (id, rank) = (s.id, a.rank);
-            let len = match peeked {
+            let (len, alone) = match peeked {
                 Ok(Some(len)) => {
                     phase_trace::stamp(Phase::CommandTaken);
-                    len
+                    (len, a.control.cmd_alone(len))
                 }
                 Ok(None) => {
                     self.cmd_buf = buf;
-                    return did;
+                    return (did, false);
                 }
                 Err(e) => {
                     self.cmd_buf = buf;
                     self.counters.bad_commands += 1;
                     tracing::warn!(host = %self.core.name, rank, "bad command ring ({e}): disconnecting client");
                     self.detach(slot);
-                    return true;
+                    return (true, false);
                 }
             };
+            // Sent at once if nothing was queued behind it, or nothing of this host's is on
+            // its way (then it is the start of a stream, or a ping-pong's answer).
+            let at_once = may_send && (alone || self.core.quiet());
             let flow = match Command::decode(&buf) {
                 Ok((cmd, inline)) => {
                     let flow = self.core.handle_command(now, id, &cmd, inline);
@@ -505,7 +546,7 @@ impl HostNic {
                     tracing::warn!(host = %self.core.name, rank, "bad command ({e}): disconnecting client");
                     self.cmd_buf = buf;
                     self.detach(slot);
-                    return true;
+                    return (true, false);
                 }
             };
             self.cmd_buf = buf;
@@ -517,11 +558,22 @@ impl HostNic {
                         }
                     }
                     did = true;
+                    // What it sent leaves now: a process that sends and then posts its
+                    // receive (MPI's send, recv) would otherwise keep its message here while
+                    // the NIC handles the receive, and the send event would be mirrored
+                    // first. Commands that queue up behind each other while datagrams are
+                    // on their way still share datagrams.
+                    if at_once {
+                        self.core.flush_eager(now);
+                        if self.transmit(now) {
+                            return (true, true);
+                        }
+                    }
                 }
-                Flow::Backpressure => return did,
+                Flow::Backpressure => return (did, false),
             }
         }
-        did
+        (did, false)
     }
 
     // ------------------------------------------------------------------ attach socket
@@ -758,7 +810,7 @@ impl HostNic {
             .and_then(|s| s.as_ref()?.attached.as_ref())
             .is_some_and(|a| a.control.cmd_pending())
         {
-            if !self.drain_commands(now, slot) {
+            if !self.drain_commands(now, slot, false).0 {
                 break;
             }
         }

@@ -521,6 +521,12 @@ impl Control {
         }
     }
 
+    /// Whether the command just peeked (a record of `len` bytes) was the last one published
+    /// when the daemon last read the ring's tail: nothing queued behind it then.
+    pub fn cmd_alone(&self, len: u64) -> bool {
+        self.cmd_head.get().wrapping_add(len) == self.cmd_tail_seen.get()
+    }
+
     /// The record at ring position `at` with `avail` bytes published from there on: its
     /// offset in the ring, length and tag, checked to lie inside both.
     fn record_at(&self, at: u64, avail: u64) -> Result<(usize, u64, u32), ControlError> {
@@ -980,6 +986,7 @@ mod tests {
             };
             assert!(c.cmd_push(&cmd, &data));
             let len = d.cmd_peek(&mut buf).unwrap().unwrap();
+            assert!(d.cmd_alone(len), "nothing behind command {i}");
             let (got, inline) = Command::decode(&buf).unwrap();
             assert_eq!(got, cmd);
             assert_eq!(inline, &data[..]);
@@ -998,6 +1005,7 @@ mod tests {
         }
         let mut buf = Vec::new();
         let len = d.cmd_peek(&mut buf).unwrap().unwrap();
+        assert!(!d.cmd_alone(len), "a full ring behind it");
         d.cmd_advance(len);
         assert!(
             !c.cmd_push(&Command::default(), &[]),

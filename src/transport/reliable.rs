@@ -601,6 +601,14 @@ impl Transport {
             .any(|p| !p.dead && (p.has_outstanding() || p.open.is_some() || p.ack_due.is_some()))
     }
 
+    /// Whether no data waits to go or to be acknowledged, to any peer: an op pushed now would
+    /// travel alone.
+    pub fn quiet(&self) -> bool {
+        self.peers
+            .iter()
+            .all(|p| p.dead || (!p.has_outstanding() && p.open.is_none()))
+    }
+
     /// Whether `peer` accepts another op now (not dead, queue not full).
     pub fn can_push(&self, peer: u16) -> Result<(), PushError> {
         let p = self
@@ -1705,23 +1713,30 @@ mod tests {
         );
     }
 
+    /// Settled: nothing unacknowledged either way. Quiet (an op pushed now would travel
+    /// alone): nothing of ours waits to go or to be acknowledged, whatever we owe the peer.
     #[test]
-    fn settled_once_data_is_acked_and_acks_are_sent() {
+    fn settled_once_data_is_acked_and_acks_are_sent_quiet_once_ours_is() {
         let [mut a, mut b] = pair();
         assert!(!a.unsettled() && !b.unsettled());
+        assert!(a.quiet() && b.quiet());
         a.push_op(1, &op(1)).unwrap();
         assert!(a.unsettled(), "queued, not yet sent");
+        assert!(!a.quiet(), "an open datagram");
         a.flush(0);
         let mut d = a.poll_transmit(0).unwrap().1.to_vec();
         assert!(a.unsettled(), "sent, not yet acknowledged");
+        assert!(!a.quiet(), "in flight");
         assert!(b.on_datagram(0, &mut d).unwrap().body.is_some());
         assert!(b.unsettled(), "b owes an acknowledgement");
+        assert!(b.quiet(), "an acknowledgement owed is not b's data");
         let later = cfg().ack_delay;
         b.flush(later);
         let mut ack = b.poll_transmit(later).unwrap().1.to_vec();
         assert!(!b.unsettled());
         a.on_datagram(later, &mut ack).unwrap();
         assert!(!a.unsettled());
+        assert!(a.quiet(), "acknowledged");
     }
 
     #[test]
