@@ -534,7 +534,7 @@ impl HostNic {
             };
             // Sent at once if nothing was queued behind it, or nothing of this host's is on
             // its way (then it is the start of a stream, or a ping-pong's answer).
-            let at_once = may_send && (alone || self.core.quiet());
+            let at_once = may_send && (alone || self.core.transport.quiet());
             let flow = match Command::decode(&buf) {
                 Ok((cmd, inline)) => {
                     let flow = self.core.handle_command(now, id, &cmd, inline);

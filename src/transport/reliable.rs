@@ -342,6 +342,11 @@ impl Peer {
         !self.inflight.is_empty() || !self.queued.is_empty() || !self.ready.is_empty()
     }
 
+    /// Data of ours to this peer not yet acknowledged, sent or even closed into a datagram.
+    fn holds_data(&self) -> bool {
+        self.has_outstanding() || self.open.is_some()
+    }
+
     fn is_open(&self) -> bool {
         self.peer_epoch.is_some()
     }
@@ -598,15 +603,13 @@ impl Transport {
     pub fn unsettled(&self) -> bool {
         self.peers
             .iter()
-            .any(|p| !p.dead && (p.has_outstanding() || p.open.is_some() || p.ack_due.is_some()))
+            .any(|p| !p.dead && (p.holds_data() || p.ack_due.is_some()))
     }
 
     /// Whether no data waits to go or to be acknowledged, to any peer: an op pushed now would
     /// travel alone.
     pub fn quiet(&self) -> bool {
-        self.peers
-            .iter()
-            .all(|p| p.dead || (!p.has_outstanding() && p.open.is_none()))
+        self.peers.iter().all(|p| p.dead || !p.holds_data())
     }
 
     /// Whether `peer` accepts another op now (not dead, queue not full).

@@ -275,12 +275,6 @@ impl HostCore {
         self.flush_eager(now);
     }
 
-    /// Whether nothing this host sent is in flight or waiting to go (see
-    /// [`Transport::quiet`]).
-    pub fn quiet(&self) -> bool {
-        self.transport.quiet()
-    }
-
     /// Closes the datagrams that hold ops in a hurry so that [`HostCore::poll_transmit`]
     /// sends them now, without running the timers (those wait for `handle_timeout`).
     pub fn flush_eager(&mut self, now: u64) {
