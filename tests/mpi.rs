@@ -311,6 +311,70 @@ fn long_receives_into_private_memory_wait_their_turn_for_the_staging_ring() {
     }
 }
 
+/// Long sends from ordinary memory are copied into the send ring (4 MiB here): more than it
+/// holds wait for room, in order; and a receiver that takes a later message first (so the
+/// ring gives nothing back) does not deadlock its sender: after the ring's patience the
+/// waiting bodies go from where they are.
+#[test]
+fn long_sends_from_private_memory_wait_for_the_send_ring_but_never_deadlock() {
+    if !in_job() {
+        return launch_ok_env(
+            "long_sends_from_private_memory_wait_for_the_send_ring_but_never_deadlock",
+            2,
+            2,
+            &[],
+            &[
+                ("SOFTNIC_MPI_LONG", "rendezvous"),
+                ("SOFTNIC_MPI_SEND_STAGE", "4194304"),
+            ],
+        );
+    }
+    const MIB: usize = 1 << 20;
+    let world = Mpi::init().unwrap();
+    // Twelve bodies of 1 MiB, received in order: four fit at once, the others wait.
+    if world.rank() == 0 {
+        let before = world.stats();
+        let msgs: Vec<Vec<u8>> = (0..12).map(|k| msg(0, k, MIB)).collect();
+        let reqs: Vec<_> = msgs.iter().map(|m| world.isend(m, 1, 1).unwrap()).collect();
+        wait_all(reqs).unwrap();
+        let s = world.stats();
+        assert!(s.stage_waits > before.stage_waits, "none waited for room");
+        assert!(
+            s.staged_sends - before.staged_sends >= 4,
+            "{} staged",
+            s.staged_sends - before.staged_sends
+        );
+    } else {
+        for k in 0..12 {
+            let mut b = vec![0u8; MIB];
+            world.recv(&mut b, 0, 1).unwrap();
+            assert!(b == msg(0, k, MIB), "message {k}");
+        }
+    }
+    world.barrier().unwrap();
+    // Five bodies with tag 2 fill the ring and one waits; a blocking send with tag 3 queues
+    // behind it (same receiver: order), and the receiver wants tag 3 first.
+    if world.rank() == 0 {
+        let before = world.stats();
+        let msgs: Vec<Vec<u8>> = (0..5).map(|k| msg(0, k, MIB)).collect();
+        let reqs: Vec<_> = msgs.iter().map(|m| world.isend(m, 1, 2).unwrap()).collect();
+        world.send(&msg(0, 99, MIB), 1, 3).unwrap();
+        wait_all(reqs).unwrap();
+        let staged = world.stats().staged_sends - before.staged_sends;
+        assert!(staged <= 4, "{staged} staged: the ring holds four");
+    } else {
+        let mut b = vec![0u8; MIB];
+        let st = world.recv(&mut b, 0, 3).unwrap();
+        assert_eq!(st.count, MIB);
+        assert!(b == msg(0, 99, MIB), "the blocking send's bytes");
+        for k in 0..5 {
+            world.recv(&mut b, 0, 2).unwrap();
+            assert!(b == msg(0, k, MIB), "message {k} with tag 2");
+        }
+    }
+    world.barrier().unwrap();
+}
+
 /// A rank sends to itself (periodic boundaries, collectives on one rank): short, staged and
 /// in-place long messages, the receive posted before and after the send, both protocols.
 #[test]

@@ -21,6 +21,7 @@ use crate::portals::{
 };
 
 use super::error::MpiError;
+use super::stage::Staging;
 use super::state::{State, OVF_MAX, RECV_PT};
 
 pub const FC_PT: u32 = 23;
@@ -40,6 +41,8 @@ pub struct Msg {
     pub len: u64,
     pub bits: u64,
     pub hdr: u64,
+    /// A long body still to be copied into the send ring (`md`/`offset` not set yet).
+    pub unstaged: bool,
 }
 
 #[derive(Default)]
@@ -150,8 +153,9 @@ fn tell(st: &mut State, to: u32, kind: u64, epoch: u64) -> Result<(), MpiError> 
 }
 
 /// Sends `m` now, or queues it behind its destination's recovery, the messages queued
-/// before it, or (static credits) until a credit for it comes back.
-pub fn send(st: &mut State, m: Msg) -> Result<(), MpiError> {
+/// before it, (static credits) until a credit for it comes back, or until the send ring has
+/// room for its body (see `stage::Out`).
+pub fn send(st: &mut State, mut m: Msg) -> Result<(), MpiError> {
     let credit = st
         .flow
         .credit
@@ -160,15 +164,35 @@ pub fn send(st: &mut State, m: Msg) -> Result<(), MpiError> {
     let p = st.flow.peers.entry(m.dest).or_default();
     let seq = p.next_seq;
     p.next_seq += 1;
-    if p.stalled || !p.queue.is_empty() || !credit {
+    let held = p.stalled || !p.queue.is_empty() || !credit;
+    if held {
         if !credit && !p.stalled && p.queue.is_empty() {
             st.stats.credit_waits += 1;
         }
-        p.queue.push_back((seq, m));
-        st.flow.queued += 1;
-        return Ok(());
+        return enqueue(st, seq, m);
+    }
+    if m.unstaged {
+        match st.stage_body(&mut m) {
+            Staging::Ready => {}
+            Staging::Dropped => return Ok(()),
+            Staging::NoRoom => {
+                st.stats.stage_waits += 1;
+                return enqueue(st, seq, m);
+            }
+        }
     }
     go(st, seq, m)
+}
+
+fn enqueue(st: &mut State, seq: u64, m: Msg) -> Result<(), MpiError> {
+    st.flow
+        .peers
+        .entry(m.dest)
+        .or_default()
+        .queue
+        .push_back((seq, m));
+    st.flow.queued += 1;
+    Ok(())
 }
 
 fn go(st: &mut State, seq: u64, m: Msg) -> Result<(), MpiError> {
@@ -198,9 +222,25 @@ fn pump(st: &mut State) -> Result<(), MpiError> {
             if st.flow.credit.as_ref().is_some_and(|c| c.available(d) == 0) {
                 break;
             }
-            let Some((seq, m)) = st.flow.peers.get_mut(&d).and_then(|p| p.queue.pop_front()) else {
+            let Some((seq, mut m)) = st.flow.peers.get_mut(&d).and_then(|p| p.queue.pop_front())
+            else {
                 break;
             };
+            if m.unstaged {
+                match st.stage_body(&mut m) {
+                    Staging::Ready => {}
+                    Staging::Dropped => {
+                        st.flow.queued -= 1;
+                        continue;
+                    }
+                    Staging::NoRoom => {
+                        if let Some(p) = st.flow.peers.get_mut(&d) {
+                            p.queue.push_front((seq, m));
+                        }
+                        break;
+                    }
+                }
+            }
             st.flow.queued -= 1;
             go(st, seq, m)?;
         }

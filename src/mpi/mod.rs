@@ -17,7 +17,8 @@
 //!
 //! Environment: `SOFTNIC_MPI_EAGER_LIMIT` (bytes sent eagerly as SHORT, default 64 KiB),
 //! `SOFTNIC_MPI_LONG=rendezvous|eager` (the protocol beyond it; rendezvous by default), `SOFTNIC_MPI_REGCACHE` (bytes
-//! of user buffers kept registered).
+//! of user buffers kept registered), `SOFTNIC_MPI_SEND_STAGE` (bytes of the ring rendezvous
+//! bodies in private memory are copied into for the NIC, default 4 MiB).
 
 mod bits;
 mod coll;

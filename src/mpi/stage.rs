@@ -1,14 +1,18 @@
-//! Staged long receives. The NIC reaches a receive buffer in ordinary (private) memory only
-//! through the kernel (`process_vm_writev`: a page walk and a copy into cold memory, on the
-//! daemon's one thread, which serves every rank of the host). So a get that fetches the body
-//! of a long message into such a buffer lands instead in a registered ring this rank shares
-//! with its NIC, and the rank copies it out when the reply event comes: the daemon stores into
-//! memory it maps (kept warm as the ring turns) and the copy into the user's buffer runs in
-//! the receiving rank, beside its wait. Buffers the NIC maps (`alloc_mem`) are fetched into
-//! directly, and so are bodies above [`STAGE_MAX`] (a sender's `read` entry serves one get,
-//! so a body is fetched whole).
+//! Staged long messages. The NIC reaches ordinary (private) memory only through the kernel
+//! (`process_vm_readv`/`writev`: a page walk and a copy, on the daemon's one thread, which
+//! serves every rank of the host). So long bodies pass through registered rings each rank
+//! shares with its NIC, and the rank makes the copy beside its own work:
+//! - receives: a get that fetches a body into private memory lands in the receive ring, and
+//!   the rank copies it out when the reply event comes (the daemon stores into memory it maps,
+//!   kept warm as the ring turns);
+//! - sends: a body is copied into the send ring as its message goes, and exposed there on
+//!   `read` (see [`Out`]).
+//!
+//! Buffers the NIC maps (`alloc_mem`) are used in place, and so are bodies above
+//! [`STAGE_MAX`] (a sender's `read` entry serves one get, so a body is fetched whole).
 
 use std::collections::VecDeque;
+use std::time::{Duration, Instant};
 
 use rustc_hash::FxHashMap as HashMap;
 
@@ -18,6 +22,7 @@ use crate::nic::memory::Perms;
 use crate::portals::{md_opt, EventKind, Md, NiFail, NiHandle, Portals, ProcessId, Target};
 
 use super::error::MpiError;
+use super::flow::Msg;
 use super::state::State;
 
 /// The ring: a few 1 MiB bodies in flight (the daemon fills one while the rank empties
@@ -41,6 +46,8 @@ pub(super) struct Stage {
     region: MemRegion,
     md: u32,
     ring: Ring,
+    /// The send side: long messages' bodies copied out of private memory for the NIC.
+    pub(super) out: Out,
     /// Gets waiting for room in the ring, in arrival order.
     waiting: VecDeque<StagedGet>,
     /// Gets in the NIC, by their offset in the ring.
@@ -62,10 +69,28 @@ impl Stage {
                 ct: None,
             },
         )?;
+        let out_len = super::state::env_size("SOFTNIC_MPI_SEND_STAGE")?.unwrap_or(STAGE_LEN);
+        let out_region = p.endpoint().mem_register(out_len, Perms::READ)?;
+        let out_md = p.md_bind(
+            ni,
+            &Md {
+                region: out_region.handle,
+                segments: vec![(0, out_len as u64)],
+                options: md_opt::EVENT_SEND_DISABLE,
+                eq: Some(eq),
+                ct: None,
+            },
+        )?;
         Ok(Stage {
             region,
             md,
             ring: Ring::new(STAGE_LEN),
+            out: Out {
+                region: out_region,
+                md: out_md,
+                ring: Ring::new(out_len),
+                waiting_since: None,
+            },
             waiting: VecDeque::new(),
             live: HashMap::default(),
         })
@@ -76,7 +101,82 @@ impl Stage {
     }
 }
 
+/// Where long sends' bodies in private memory are copied for the NIC to read: the sending
+/// rank's `memcpy` instead of the daemon's `process_vm_readv` on its one thread (~5–9 GB/s,
+/// the rendezvous stream's bottleneck). A send waits for room behind the ones to the same
+/// rank (order) only while the ring is giving room back; once a send has waited
+/// [`PATIENCE`] with none coming back, bodies are exposed where they are, as without the ring: staged bodies wait for
+/// receives their ranks may post only after something of ours, so waiting longer could
+/// deadlock.
+pub(super) struct Out {
+    region: MemRegion,
+    pub(super) md: u32,
+    ring: Ring,
+    /// Since when a send has waited for room without any coming back.
+    waiting_since: Option<Instant>,
+}
+
+/// How long a send waits for room while none comes back.
+pub(super) const PATIENCE: Duration = Duration::from_millis(5);
+
+/// What became of a send waiting to be staged.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Staging {
+    /// Exposed (staged, or where it is): the put may go.
+    Ready,
+    /// No room yet: it waits.
+    NoRoom,
+    /// Its request failed meanwhile: nothing goes.
+    Dropped,
+}
+
+impl Out {
+    pub(super) fn free(&mut self, at: u64) {
+        self.ring.free(at);
+        self.waiting_since = None;
+    }
+}
+
 impl State {
+    /// Stages a waiting long send's body if the ring has room, or exposes it in place if the
+    /// ring ran out of patience, and then exposes it on `read`.
+    pub(super) fn stage_body(&mut self, m: &mut Msg) -> Staging {
+        let Some((addr, len)) = self.send_body(m.req) else {
+            return Staging::Dropped;
+        };
+        let out = &mut self.stage.out;
+        let placed = match out.ring.alloc(len) {
+            Some(at) => {
+                // SAFETY: the request's buffer is valid for len bytes while it is pending;
+                // `at..at+len` lies in the ring's region and is ours until given back.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        addr as *const u8,
+                        out.region.as_ptr().add(at as usize),
+                        len,
+                    )
+                };
+                let placed = (out.region.handle, out.md, at);
+                self.set_staged(m.req, at);
+                Ok(placed)
+            }
+            None => {
+                let since = *out.waiting_since.get_or_insert_with(Instant::now);
+                if since.elapsed() < PATIENCE {
+                    return Staging::NoRoom;
+                }
+                self.set_cached(m.req)
+            }
+        };
+        match placed.and_then(|(region, md, off)| self.expose_body(m, region, md, off)) {
+            Ok(()) => Staging::Ready,
+            Err(e) => {
+                self.finish(m.req, Some(e));
+                Staging::Dropped
+            }
+        }
+    }
+
     /// Fetches a long message's body through the ring; the request stays busy until its reply
     /// has been copied out (or it failed).
     pub(super) fn stage_get(&mut self, g: StagedGet) -> Result<(), MpiError> {

@@ -110,6 +110,8 @@ pub(super) struct Req {
     slot: Option<u32>,
     cached: Option<u64>,
     read_me: Option<u32>,
+    /// A long send's body copied into the send ring at this offset (see `stage::Out`).
+    staged: Option<u64>,
     /// A LONG/RNDV send: its whole length (an ACK of all of it ends it).
     total: u64,
     /// Internal events still to come (a short send's ACK after the user saw it done, a
@@ -136,6 +138,7 @@ impl Req {
             slot: None,
             cached: None,
             read_me: None,
+            staged: None,
             total: 0,
             busy: 0,
             orphan: false,
@@ -171,6 +174,10 @@ pub struct Stats {
     pub long_gets: u64,
     /// Long bodies fetched through the staging ring (into private memory; see `stage`).
     pub staged_gets: u64,
+    /// Long sends whose bodies were copied into the send ring (from private memory).
+    pub staged_sends: u64,
+    /// Long sends that found the send ring full and waited for room.
+    pub stage_waits: u64,
     pub pt_disabled: u64,
     pub resent: u64,
     /// Static credits: sends that waited for one; batches this rank gave back.
@@ -527,6 +534,11 @@ impl State {
                     r.err = e;
                 }
             }
+            // A long send is done once its receiver has fetched the body (or it failed):
+            // the NIC reads its staged copy no more.
+            if let Some(at) = r.staged.take() {
+                self.stage.out.free(at);
+            }
         }
         self.maybe_free(i);
     }
@@ -664,6 +676,7 @@ impl State {
                 len: len as u64,
                 bits: bits::encode(bits::SHORT, ctx, src, tag),
                 hdr: 0,
+                unstaged: false,
             };
             super::flow::send(self, m)?;
             return Ok(i);
@@ -672,49 +685,106 @@ impl State {
             LongProtocol::Eager => bits::LONG,
             LongProtocol::Rendezvous => bits::RNDV,
         };
-        let (reg, off, id) = self.cached(addr, len as u64)?;
-        r.cached = Some(id);
+        // Rendezvous bodies in private memory up to the staging limit are copied into the
+        // send ring as they go (see `stage::Out`); others are exposed where they are (an eager
+        // long message's put carries its whole body at once: a copy first only delays it).
+        let stageable = proto == bits::RNDV
+            && len as u64 <= super::stage::STAGE_MAX
+            && !self
+                .alloc
+                .iter()
+                .any(|a| addr >= a.start && addr.saturating_add(len as u64) <= a.end);
+        let direct = if stageable {
+            None
+        } else {
+            let (reg, off, id) = self.cached(addr, len as u64)?;
+            r.cached = Some(id);
+            Some((reg, off))
+        };
         r.total = len as u64;
         // It may wait for the receiver's get.
         r.peer = Some(dest);
         let send_id = self.next_send_id;
         self.next_send_id = (self.next_send_id + 1) & 0xff_ffff;
         let i = self.new_req(r);
-        // The buffer is exposed on `read` for this receiver under the send id before the put.
-        let mut me = Me::new(
-            Buffer {
-                region: MemHandle(reg.region),
-                offset: off,
-                len: len as u64,
-            },
-            send_id as u64,
-        );
-        me.options = me_opt::OP_GET
-            | me_opt::USE_ONCE
-            | me_opt::EVENT_LINK_DISABLE
-            | me_opt::EVENT_UNLINK_DISABLE;
-        me.match_id = ProcessId::Logical { rank: dest };
-        let h = self
-            .p
-            .me_append(self.ni, READ_PT, &me, List::Priority, T_READ | i as u64)?;
-        let r = self.req(i).expect("new");
-        r.read_me = Some(h);
         let first = if proto == bits::RNDV {
             self.eager_limit as u64
         } else {
             len as u64
         };
-        let m = super::flow::Msg {
+        let mut m = super::flow::Msg {
             req: i,
             dest,
-            md: reg.md,
-            offset: off,
+            md: 0,
+            offset: 0,
             len: first,
             bits: bits::encode(proto, ctx, src, tag),
             hdr: bits::hdr(send_id, len as u64),
+            unstaged: stageable,
         };
+        if let Some((reg, off)) = direct {
+            self.expose_body(&mut m, MemHandle(reg.region), reg.md, off)?;
+        }
         super::flow::send(self, m)?;
         Ok(i)
+    }
+
+    /// Exposes a long send's body — `region` at `offset`, the put's MD `md` — on `read` for
+    /// its receiver under the send id, before the put goes.
+    pub(super) fn expose_body(
+        &mut self,
+        m: &mut super::flow::Msg,
+        region: MemHandle,
+        md: u32,
+        offset: u64,
+    ) -> Result<(), MpiError> {
+        let len = self.req_ref(m.req).map_or(0, |r| r.total);
+        let mut me = Me::new(
+            Buffer {
+                region,
+                offset,
+                len,
+            },
+            bits::hdr_send_id(m.hdr) as u64,
+        );
+        me.options = me_opt::OP_GET
+            | me_opt::USE_ONCE
+            | me_opt::EVENT_LINK_DISABLE
+            | me_opt::EVENT_UNLINK_DISABLE;
+        me.match_id = ProcessId::Logical { rank: m.dest };
+        let h = self
+            .p
+            .me_append(self.ni, READ_PT, &me, List::Priority, T_READ | m.req as u64)?;
+        if let Some(r) = self.req(m.req) {
+            r.read_me = Some(h);
+        }
+        m.md = md;
+        m.offset = offset;
+        m.unstaged = false;
+        Ok(())
+    }
+
+    /// A long send's body in private memory, for `stage::Out`: its address and length.
+    pub(super) fn send_body(&self, i: u32) -> Option<(u64, usize)> {
+        self.req_ref(i).filter(|r| !r.done).map(|r| (r.addr, r.len))
+    }
+
+    /// Records that request `i`'s body sits in the send ring at `at`.
+    pub(super) fn set_staged(&mut self, i: u32, at: u64) {
+        if let Some(r) = self.req(i) {
+            r.staged = Some(at);
+        }
+        self.stats.staged_sends += 1;
+    }
+
+    /// Exposes request `i`'s body where it is (the registration cache).
+    pub(super) fn set_cached(&mut self, i: u32) -> Result<(MemHandle, u32, u64), MpiError> {
+        let (addr, len) = self.send_body(i).unwrap_or((0, 0));
+        let (reg, off, id) = self.cached(addr, len as u64)?;
+        if let Some(r) = self.req(i) {
+            r.cached = Some(id);
+        }
+        Ok((MemHandle(reg.region), reg.md, off))
     }
 
     /// The Portals put of one point-to-point message (first sending or a resend).
@@ -877,6 +947,12 @@ impl State {
             return Ok(());
         }
         let eqs = self.eqs();
+        // Queued sends may be waiting for the send ring's patience to run out.
+        let max = if self.flow.busy() {
+            max.min(super::stage::PATIENCE)
+        } else {
+            max
+        };
         match self.p.eq_poll(self.ni, &eqs, Some(max)) {
             Ok((e, _, _)) => self.handle(e)?,
             Err(crate::portals::PortalsError::Ptl(PtlError::EqEmpty)) => {}
