@@ -375,6 +375,24 @@ fn long_sends_from_private_memory_wait_for_the_send_ring_but_never_deadlock() {
     world.barrier().unwrap();
 }
 
+/// A send ring smaller than the largest staged body would make every such send wait out its
+/// patience: init refuses it.
+#[test]
+fn a_send_ring_too_small_for_a_staged_body_is_refused() {
+    if !in_job() {
+        return launch_ok_env(
+            "a_send_ring_too_small_for_a_staged_body_is_refused",
+            2,
+            1,
+            &[],
+            &[("SOFTNIC_MPI_SEND_STAGE", "1000")],
+        );
+    }
+    let e = Mpi::init().err().expect("init with a 1000-byte send ring");
+    assert_eq!(e.class(), ErrorClass::Arg, "{e}");
+    assert!(e.to_string().contains("SOFTNIC_MPI_SEND_STAGE"), "{e}");
+}
+
 /// A rank sends to itself (periodic boundaries, collectives on one rank): short, staged and
 /// in-place long messages, the receive posted before and after the send, both protocols.
 #[test]

@@ -21,7 +21,7 @@ use crate::client::MemRegion;
 use crate::nic::memory::Perms;
 use crate::portals::{md_opt, EventKind, Md, NiFail, NiHandle, Portals, ProcessId, Target};
 
-use super::error::MpiError;
+use super::error::{ErrorClass, MpiError};
 use super::flow::Msg;
 use super::state::State;
 
@@ -55,32 +55,23 @@ pub(super) struct Stage {
 }
 
 impl Stage {
-    /// Registers the ring (local access only: it is the target of this rank's own gets) and
-    /// binds its MD, whose replies go to `eq`.
+    /// Registers the rings and binds their MDs, whose events go to `eq`: the receive ring for
+    /// local access only (the target of this rank's own gets), the send ring for remote reads.
     pub fn open(p: &mut Portals, ni: NiHandle, eq: u32) -> Result<Stage, MpiError> {
-        let region = p.endpoint().mem_register(STAGE_LEN, Perms(0))?;
-        let md = p.md_bind(
-            ni,
-            &Md {
-                region: region.handle,
-                segments: vec![(0, STAGE_LEN as u64)],
-                options: md_opt::EVENT_SEND_DISABLE,
-                eq: Some(eq),
-                ct: None,
-            },
-        )?;
-        let out_len = super::state::env_size("SOFTNIC_MPI_SEND_STAGE")?.unwrap_or(STAGE_LEN);
-        let out_region = p.endpoint().mem_register(out_len, Perms::READ)?;
-        let out_md = p.md_bind(
-            ni,
-            &Md {
-                region: out_region.handle,
-                segments: vec![(0, out_len as u64)],
-                options: md_opt::EVENT_SEND_DISABLE,
-                eq: Some(eq),
-                ct: None,
-            },
-        )?;
+        let out_len = match super::state::env_size("SOFTNIC_MPI_SEND_STAGE")? {
+            None => STAGE_LEN,
+            Some(n) if n as u64 >= STAGE_MAX => n,
+            Some(n) => {
+                return Err(MpiError::new(
+                    ErrorClass::Arg,
+                    format!(
+                    "SOFTNIC_MPI_SEND_STAGE={n}: at least {STAGE_MAX} (the largest staged body)"
+                ),
+                ))
+            }
+        };
+        let (region, md) = bind_ring(p, ni, eq, STAGE_LEN, Perms(0))?;
+        let (out_region, out_md) = bind_ring(p, ni, eq, out_len, Perms::READ)?;
         Ok(Stage {
             region,
             md,
@@ -250,6 +241,28 @@ impl State {
             self.maybe_free(req);
         }
     }
+}
+
+/// A registered ring of `len` bytes with `perms` and its MD.
+fn bind_ring(
+    p: &mut Portals,
+    ni: NiHandle,
+    eq: u32,
+    len: usize,
+    perms: Perms,
+) -> Result<(MemRegion, u32), MpiError> {
+    let region = p.endpoint().mem_register(len, perms)?;
+    let md = p.md_bind(
+        ni,
+        &Md {
+            region: region.handle,
+            segments: vec![(0, len as u64)],
+            options: md_opt::EVENT_SEND_DISABLE,
+            eq: Some(eq),
+            ct: None,
+        },
+    )?;
+    Ok((region, md))
 }
 
 /// The target of a long message's body: the sender's `read` entry for this send id.
