@@ -96,9 +96,9 @@ impl Stage {
 /// rank's `memcpy` instead of the daemon's `process_vm_readv` on its one thread (~5–9 GB/s,
 /// the rendezvous stream's bottleneck). A send waits for room behind the ones to the same
 /// rank (order) only while the ring is giving room back; once a send has waited
-/// [`PATIENCE`] with none coming back, bodies are exposed where they are, as without the ring: staged bodies wait for
-/// receives their ranks may post only after something of ours, so waiting longer could
-/// deadlock.
+/// [`PATIENCE`] with none coming back, bodies are exposed where they are, as without the
+/// ring: staged bodies wait for receives their ranks may post only after something of ours,
+/// so waiting longer could deadlock.
 pub(super) struct Out {
     region: MemRegion,
     pub(super) md: u32,
