@@ -56,6 +56,13 @@ pub(super) struct AllocRange {
     pub md: Option<u32>,
 }
 
+impl AllocRange {
+    /// Whether `[addr, addr+len)` lies inside it.
+    fn holds(&self, addr: u64, len: u64) -> bool {
+        addr >= self.start && addr.saturating_add(len) <= self.end
+    }
+}
+
 /// Static credits: unexpected messages each rank may have at each receiver
 /// (`SOFTNIC_MPI_CREDITS`).
 const CREDITS: u64 = 64;
@@ -576,11 +583,7 @@ impl State {
         addr: u64,
         len: u64,
     ) -> Result<Option<(Registration, u64, u64)>, MpiError> {
-        let Some(a) = self
-            .alloc
-            .iter_mut()
-            .find(|a| addr >= a.start && addr.saturating_add(len) <= a.end)
-        else {
+        let Some(a) = self.alloc.iter_mut().find(|a| a.holds(addr, len)) else {
             return Ok(None);
         };
         let md = match a.md {
@@ -690,10 +693,7 @@ impl State {
         // long message's put carries its whole body at once: a copy first only delays it).
         let stageable = proto == bits::RNDV
             && len as u64 <= super::stage::STAGE_MAX
-            && !self
-                .alloc
-                .iter()
-                .any(|a| addr >= a.start && addr.saturating_add(len as u64) <= a.end);
+            && !self.alloc.iter().any(|a| a.holds(addr, len as u64));
         let direct = if stageable {
             None
         } else {
