@@ -891,3 +891,61 @@ fn an_event_queue_its_process_emptied_takes_a_full_queue_again() {
         c.run_until(1_000_000_000, |c| c.now >= until).unwrap();
     }
 }
+
+/// A put asking for no acknowledgement (PTL_NO_ACK_REQ) is complete once it has left: its MD
+/// can be released before the target has it, and the target sends nothing back for it —
+/// neither for one datagram nor for a put streamed in many.
+#[test]
+fn a_put_without_ack_is_complete_once_sent_and_never_answered() {
+    const LEN: usize = 256 << 10;
+    let mut c = clean_pair(12);
+    let (mut i, mut t) = matching_pair(&mut c);
+    let (teq, mut tring) = t.eq(&mut c);
+    let (imem, tmem) = (region(LEN), region(LEN));
+    let (ih, th) = (i.register(&mut c, &imem), t.register(&mut c, &tmem));
+    t.pt_alloc(&mut c, 0, 0, Some(teq));
+    t.append(&mut c, (th, 0, LEN as u64), 0, 1, 0);
+    let put_came = |c: &mut SimCluster, ring: &mut EventRing| {
+        let mut came = false;
+        c.run_until(1_000_000_000, |_| {
+            came |= std::iter::from_fn(|| ring.pop()).any(|(e, _)| e.kind == EventKind::Put);
+            came
+        })
+        .unwrap();
+    };
+    // The hosts' session opens (greetings both ways) with a first message.
+    let md = i.md_bind(&mut c, ih, 8, 0, None);
+    i.start(&mut c, put8(md, 1, AckReq::Ack), None);
+    put_came(&mut c, &mut tring);
+    for (round, len) in [(1u8, 8usize), (2, LEN)] {
+        imem.write(0, &vec![round; len]).unwrap();
+        let until = c.now + 20 * SimConfig::default().delay_ns;
+        c.run_until(1_000_000_000, |c| c.now >= until).unwrap();
+        let md = i.md_bind(&mut c, ih, LEN as u64, 0, None);
+        let before = c.host(1).unwrap().op_datagrams_sent();
+        let put = OpSpec {
+            length: len as u64,
+            ..put8(md, 1, AckReq::NoAck)
+        };
+        i.start(&mut c, put, None);
+        if len == 8 {
+            // Sent with the command that started it: released at once, the target far away.
+            i.call(&mut c, PtlCall::MdRelease { ni: 0, md });
+            assert_ne!(tmem.to_vec(len as u64 - 1, 1), [round], "not delivered yet");
+        }
+        put_came(&mut c, &mut tring);
+        assert_eq!(tmem.to_vec(0, len), vec![round; len]);
+        if len != 8 {
+            // Its last fragment has left; no answer is on its way.
+            i.call(&mut c, PtlCall::MdRelease { ni: 0, md });
+        }
+        let until = c.now + 20 * SimConfig::default().delay_ns;
+        c.run_until(1_000_000_000, |c| c.now >= until).unwrap();
+        assert_eq!(
+            c.host(1).unwrap().op_datagrams_sent(),
+            before,
+            "{len} B: the target answered a put that asked for no acknowledgement"
+        );
+        assert_eq!(c.host(0).unwrap().outstanding(), 0);
+    }
+}

@@ -416,6 +416,14 @@ pub struct PtlHeader {
     pub rlength: u64,
     pub hdr_data: u64,
     pub uid: u32,
+    /// [`PtlHeader::NO_ANSWER`] or nothing.
+    pub flags: u8,
+}
+
+impl PtlHeader {
+    /// The initiator asked for no acknowledgement of this put or atomic (PTL_NO_ACK_REQ) and
+    /// completed it once sent: its target answers nothing, not even a failure.
+    pub const NO_ANSWER: u8 = 1;
 }
 
 impl<'a> OpRef<'a> {
@@ -672,7 +680,7 @@ impl<'a> OpRef<'a> {
                 put64(f, 32, m.hdr_data);
                 put32(f, 40, m.uid);
                 f[44..46].copy_from_slice(&(operand.len() as u16).to_le_bytes());
-                f[46..48].copy_from_slice(&[0, 0]);
+                f[46..48].copy_from_slice(&[m.flags, 0]);
                 f[48..48 + operand.len()].copy_from_slice(operand);
                 f[48 + operand.len()..].copy_from_slice(data);
             }
@@ -816,9 +824,10 @@ impl<'a> OpRef<'a> {
             }
             OpKind::PtlReq => {
                 let olen = u16::from_le_bytes([f[44], f[45]]) as usize;
-                if olen > data.len() || olen > 32 || f[1] > 4 {
+                if olen > data.len() || olen > 32 || f[1] > 4 || f[46] & !PtlHeader::NO_ANSWER != 0
+                {
                     return Err(WireError::BadField(
-                        "Portals request: bad kind or operand length",
+                        "Portals request: bad kind, flags or operand length",
                     ));
                 }
                 let m = PtlHeader {
@@ -832,6 +841,7 @@ impl<'a> OpRef<'a> {
                     rlength: get_u64(f, 24),
                     hdr_data: get_u64(f, 32),
                     uid: get_u32(f, 40),
+                    flags: f[46],
                 };
                 OpRef::PtlReq {
                     h,
@@ -1008,6 +1018,7 @@ mod tests {
                     rlength: 8,
                     hdr_data: 6,
                     uid: 5,
+                    flags: PtlHeader::NO_ANSWER,
                 },
                 last: true,
                 operand: &[1; 8],
@@ -1142,6 +1153,38 @@ mod tests {
         let mut buf = vec![0u8; short.encoded_len()];
         short.encode(&mut buf);
         assert!(matches!(OpRef::decode(&buf), Err(WireError::BadField(_))));
+    }
+
+    #[test]
+    fn a_portals_request_with_an_unknown_flag_is_refused() {
+        let data = [3u8; 8];
+        let op = samples(&data)
+            .into_iter()
+            .find(|o| matches!(o, OpRef::PtlReq { .. }))
+            .unwrap();
+        let OpRef::PtlReq { h, m, operand, .. } = op else {
+            unreachable!()
+        };
+        for (flags, ok) in [
+            (0, true),
+            (PtlHeader::NO_ANSWER, true),
+            (2, false),
+            (0x80, false),
+        ] {
+            let op = OpRef::PtlReq {
+                h,
+                m: PtlHeader { flags, ..m },
+                last: true,
+                operand,
+                data: &data,
+            };
+            let mut buf = vec![0u8; op.encoded_len()];
+            op.encode(&mut buf);
+            match OpRef::decode(&buf) {
+                Ok((back, _)) => assert!(ok && back == op, "flags {flags}: {back:?}"),
+                Err(e) => assert!(!ok && matches!(e, WireError::BadField(_)), "{flags}: {e:?}"),
+            }
+        }
     }
 
     #[test]

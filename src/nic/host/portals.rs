@@ -8,7 +8,7 @@ use crate::nic::memory::Region;
 use crate::nic::portals::initiator::{md as md_opt, PayloadSource};
 use crate::nic::portals::triggered::TriggeredAction;
 use crate::nic::portals::wire::{encode_kind, msg_key, request_ops, response_ops, Whole};
-use crate::nic::portals::ReqKind;
+use crate::nic::portals::{AckReq, ReqKind};
 use crate::nic::portals::{
     CtEvent, GetStream, List, MatchEntry, NiFail, OpSpec, PortalsNi, ProcessId, PtlError,
     PutStream, Response, SearchOp, StatusRegister,
@@ -667,6 +667,12 @@ impl HostCore {
         self.ptl_address(job, rank, ni, &spec);
         let host = host as u16;
         let (kind, aop, dt) = encode_kind(spec.kind);
+        // A put or atomic wanting no acknowledgement is complete once sent: its target is
+        // told not to answer (a datagram's op less each way, and no completion to process).
+        let unanswered = host != self.index
+            && spec.ack_req == AckReq::NoAck
+            && matches!(spec.kind, ReqKind::Put | ReqKind::Atomic(..));
+        let (length, remote_offset) = (spec.length, spec.remote_offset);
         let m = PtlHeader {
             ni,
             kind,
@@ -678,6 +684,7 @@ impl HostCore {
             rlength: spec.length,
             hdr_data: spec.hdr_data,
             uid: 0,
+            flags: if unanswered { PtlHeader::NO_ANSWER } else { 0 },
         };
         let header = |id: u32| OpHeader {
             job,
@@ -745,6 +752,10 @@ impl HostCore {
             let body = self.transport.body_capacity();
             for op in request_ops(h, m, &operand, &payload, body) {
                 self.send_owned(host, &op, None);
+            }
+            if unanswered {
+                let resp = Response::in_full(length, remote_offset);
+                self.ptl_complete(job, rank, ni, id, &resp);
             }
         }
         // Kept for the next start, unless a large transfer grew it.
@@ -954,6 +965,10 @@ impl HostCore {
                 if let Ok(s) = self.ni_state(job, rank, ni) {
                     s.ni.sent(id);
                 }
+                if ps.m.flags & PtlHeader::NO_ANSWER != 0 {
+                    let resp = Response::in_full(ps.m.rlength, ps.m.remote_offset);
+                    self.ptl_complete(job, rank, ni, id, &resp);
+                }
             }
             StreamEnd::Unreadable(_) => {
                 // The target holds a partial message it never completes (bounded in bytes);
@@ -1026,7 +1041,11 @@ impl HostCore {
     /// A Portals op from a peer.
     pub(super) fn ptl_on_op(&mut self, now: u64, peer: u16, op: &OpRef<'_>) {
         match op {
-            OpRef::PtlReq { h, last, data, .. } => {
+            OpRef::PtlReq {
+                h, m, last, data, ..
+            } => {
+                // What its initiator completed when it sent it is served, never answered.
+                let answer = m.flags & PtlHeader::NO_ANSWER == 0;
                 let key = msg_key(peer, h);
                 // Most messages are one fragment and no put streams in: no lookup then.
                 let streaming = !self.ptl_put_in.is_empty();
@@ -1038,7 +1057,9 @@ impl HostCore {
                     }
                     let notified = self.ptl_put_end(&pin);
                     let in_full = pin.resp == Response::in_full(pin.rlength, pin.remote_offset);
-                    self.ptl_answer(now, peer, pin.h, &pin.resp, notified, in_full);
+                    if answer {
+                        self.ptl_answer(now, peer, pin.h, &pin.resp, notified, in_full);
+                    }
                     return;
                 }
                 if !*last && !self.ptl_asm.has_request(peer, h) {
@@ -1099,7 +1120,9 @@ impl HostCore {
                     self.drain_out(peer);
                     return;
                 }
-                self.ptl_answer(now, peer, h, &resp, notified, in_full);
+                if answer {
+                    self.ptl_answer(now, peer, h, &resp, notified, in_full);
+                }
             }
             OpRef::PtlResp { h, .. } => {
                 // A long reply goes straight into the initiator's MD, fragment by fragment.

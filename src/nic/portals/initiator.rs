@@ -3,7 +3,8 @@
 //!
 //! SEND means the payload has left the MD (the NIC copied it), so the buffer may be reused. A
 //! put's ACK follows `ack_req`: ACK posts a full event, CT_ACK and OC_ACK only count, NO_ACK
-//! neither — and none comes when the target entry has PTL_ME_ACK_DISABLE. Gets, fetching
+//! neither — and none comes when the target entry has PTL_ME_ACK_DISABLE. A NO_ACK put or
+//! atomic to another host is complete once sent: its target is told to answer nothing. Gets, fetching
 //! atomics and swaps complete with REPLY once the data is in the MD. Failures arrive in the
 //! ACK/REPLY event's `ni_fail` and as failure counts.
 

@@ -96,7 +96,8 @@ impl PortalsConduit {
             dest,
             len,
             hdr,
-            acked: false,
+            // Credited, it always finds room: its reply says all (see `put_request`).
+            acked: self.credits_on,
             answered: false,
             refused: 0,
         });
@@ -137,7 +138,8 @@ impl PortalsConduit {
                 .map_err(err);
         };
         let (len, in_place) = wire_len(am, long)?;
-        // A reply slot frees on its ACK, which the requester's NIC sends by itself.
+        // A reply slot frees on its SEND event: the reply is the answer, so nothing answers it
+        // (and its requester's NIC sends nothing back for it).
         let r = loop {
             if let Some(r) = self.free_rep.pop() {
                 break r;
@@ -153,10 +155,10 @@ impl PortalsConduit {
         self.p
             .put(
                 self.ni,
-                self.sb_md,
+                self.rep_md,
                 at as u64,
                 len as u64,
-                AckReq::Ack,
+                AckReq::NoAck,
                 t,
                 REP_TAG | r as u64,
                 grant,
@@ -225,13 +227,19 @@ impl PortalsConduit {
             remote_offset: 0,
         };
         let at = (slot * MAX_AM) as u64;
+        // A credited request always finds room in a ReqRB (see `credit`), so no ACK is asked:
+        // its reply frees the slot. Without credits the ACK says whether it must go again.
+        let ack = match self.credits_on {
+            true => AckReq::NoAck,
+            false => AckReq::Ack,
+        };
         self.p
             .put(
                 self.ni,
                 self.sb_md,
                 at,
                 s.len as u64,
-                AckReq::Ack,
+                ack,
                 t,
                 slot as u64,
                 s.hdr,
@@ -277,9 +285,7 @@ impl PortalsConduit {
                 }
             } else if up & REP_TAG != 0 {
                 let r = (up & !REP_TAG) as usize;
-                if e.kind == EventKind::Ack && r < REP_SLOTS {
-                    // Refused only by a requester that broke the protocol (or is gone).
-                    self.protocol_errors += (e.ni_fail != NiFail::Ok) as u64;
+                if e.kind == EventKind::Send && r < REP_SLOTS {
                     self.free_rep.push(r);
                 }
             } else if e.kind == EventKind::Ack {

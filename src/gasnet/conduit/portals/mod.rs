@@ -5,17 +5,18 @@
 //! - ReqRB: two locally managed receive buffers on the AM portal (`MANAGE_LOCAL`, `min_free`
 //!   = one maximal AM) reporting to AM_EQ. Requests pack into them; a full one unlinks itself
 //!   and is re-posted once its events are handled, so one is always linked (double buffering).
-//! - ReqSB: request slots and reply slots in one region. A request is a put with ACK from its
-//!   slot; the slot is also exposed on the reply portal, where the target puts its reply (or
-//!   an empty implicit one), so a reply always has room and lands on SAFE_EQ — never among
-//!   requests, so waiting for a reply never runs request handlers. A request slot is a send
-//!   token until its reply; a reply slot until its ACK.
+//! - ReqSB: request slots and reply slots in one region. A request is a put from its slot,
+//!   without ACK while credits are on (a credited request always finds room); the slot is also
+//!   exposed on the reply portal, where the target puts its reply (or an empty implicit one),
+//!   so a reply always has room and lands on SAFE_EQ — never among requests, so waiting for a
+//!   reply never runs request handlers. A request slot is a send token until its reply; a
+//!   reply slot until its SEND event (replies ask no ACK).
 //! - Flow control (see `credit`): credits bound each sender's unanswered request bytes at a
 //!   target by a share of its ReqRB; a sender running short asks for a loan, lent in the reply.
 //!   Behind it, a catch-basin (an overflow entry that truncates to nothing and keeps no header)
 //!   takes what finds no ReqRB linked, and PTL_PT_FLOWCTRL disables the AM portal before
-//!   AM_EQ could overflow; the sender learns either from its ACK and sends again after a
-//!   back-off.
+//!   AM_EQ could overflow; with credits off (`SOFTNIC_PORTALS_CREDITS=off`) requests ask for
+//!   an ACK, which tells the sender of either, and it sends again after a back-off.
 //! - Request fields in `hdr_data`: slot | ask << 16 | repaid credit << 32; a reply's
 //!   `hdr_data` is the credit it grants.
 //! - RAR: the segment, exposed on its own portal (ignore-all match bits, puts and gets, no
@@ -186,6 +187,8 @@ pub struct PortalsConduit {
     catch_ct: u32,
     sb: MemRegion,
     sb_md: u32,
+    /// ReqSB again, with SEND events: a reply slot is free once its reply has left it.
+    rep_md: u32,
     req: Vec<Option<ReqSlot>>,
     free_req: Vec<usize>,
     free_rep: Vec<usize>,
@@ -301,6 +304,7 @@ impl PortalsConduit {
         };
         let quiet = md_opt::EVENT_SEND_DISABLE;
         let sb_md = md(&mut p, &sb, quiet).map_err(err)?;
+        let rep_md = md(&mut p, &sb, 0).map_err(err)?;
         let seg_md = md(&mut p, &seg, quiet).map_err(err)?;
         let seg_send_md = md(&mut p, &seg, 0).map_err(err)?;
         let bounce_md = md(&mut p, &bounce, quiet).map_err(err)?;
@@ -360,6 +364,7 @@ impl PortalsConduit {
             catch_ct,
             sb,
             sb_md,
+            rep_md,
             req: vec![None; REQ_SLOTS],
             free_req: (0..REQ_SLOTS).rev().collect(),
             free_rep: (0..REP_SLOTS).rev().collect(),
