@@ -97,7 +97,8 @@ pub(super) fn send_all(
     stats: &mut DriverStats,
 ) -> Result<(), (io::Error, usize)> {
     if lens.is_empty() {
-        return send_batch(fd, data, lens, gso, stats);
+        // An idle turn's flush: nothing to set up.
+        return Ok(());
     }
     phase_trace::stamp(Phase::SendStart);
     let r = send_batch(fd, data, lens, gso, stats);
