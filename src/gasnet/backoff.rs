@@ -22,6 +22,10 @@ use super::GasnetError;
 const SPIN_POLLS: u32 = 4;
 /// How long a wait yields before it sleeps.
 const YIELD_FOR: Duration = Duration::from_micros(200);
+/// A wait for one operation yields at least as long as its bytes take at this rate (bytes
+/// per µs: 1 GB/s), so that a bulk transfer's waiter is awake when it completes: a blocking
+/// wake-up costs ~30 µs here, and a 1 MiB put takes 300–600 µs.
+const YIELD_BYTES_PER_US: u64 = 1000;
 /// Longest single sleep (the conduit wakes earlier on news).
 const SLEEP_MAX: Duration = Duration::from_millis(1);
 /// How long a wait for one operation spins when the NIC works on another core (a blocking
@@ -43,6 +47,8 @@ pub(crate) struct Backoff {
     op_spinning: bool,
     /// Sleeps without yielding first (see [`Backoff::for_room`]).
     no_yield: bool,
+    /// Yields this long past [`YIELD_FOR`] (see [`YIELD_BYTES_PER_US`]).
+    yield_more: Duration,
     /// Reached the sleeping phase at least once.
     slept: bool,
 }
@@ -51,8 +57,10 @@ impl Backoff {
     /// For a wait on one operation (blocking put, get, atomic) moving `bytes`: a large one
     /// never spins so (see [`crate::client::SPIN_BELOW_BYTES`]).
     pub(crate) fn one_op(bytes: usize) -> Backoff {
+        let for_bytes = Duration::from_micros(bytes as u64 / YIELD_BYTES_PER_US);
         Backoff {
             one_op: (bytes as u64) < crate::client::SPIN_BELOW_BYTES,
+            yield_more: for_bytes.saturating_sub(YIELD_FOR),
             ..Backoff::default()
         }
     }
@@ -123,7 +131,7 @@ impl Backoff {
         self.op_spinning = self.one_op && waited < OP_SPIN && nic_elsewhere;
         if self.op_spinning {
             Step::Spin
-        } else if waited < YIELD_FOR && !self.no_yield {
+        } else if waited < YIELD_FOR + self.yield_more && !self.no_yield {
             Step::Yield
         } else {
             self.slept = true;
@@ -159,5 +167,17 @@ mod tests {
         assert_eq!(op.past_spin(zero, true), Step::Spin);
         assert_eq!(op.past_spin(zero, false), Step::Yield);
         assert_eq!(op.past_spin(OP_SPIN, true), Step::Yield);
+        assert_eq!(op.past_spin(YIELD_FOR, true), Step::Sleep);
+        // A bulk one yields for as long as its bytes take at 1 GB/s before it sleeps.
+        let mut bulk = Backoff::one_op(1 << 20);
+        assert_eq!(bulk.past_spin(zero, true), Step::Yield, "never spins");
+        assert_eq!(
+            bulk.past_spin(Duration::from_micros(1000), true),
+            Step::Yield
+        );
+        assert_eq!(
+            bulk.past_spin(Duration::from_micros(1049), true),
+            Step::Sleep
+        );
     }
 }
