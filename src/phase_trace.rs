@@ -32,10 +32,12 @@ pub enum Phase {
     VeloWritten = 16,
     /// Portals events or counts were mirrored into a process's rings.
     EventsMirrored = 17,
+    /// The engines are done with a command (what it sends is queued, not yet sealed).
+    CommandDone = 18,
 }
 
 impl Phase {
-    pub const ALL: [Phase; 10] = [
+    pub const ALL: [Phase; 11] = [
         Phase::RankPost,
         Phase::RankArrived,
         Phase::CommandTaken,
@@ -46,6 +48,7 @@ impl Phase {
         Phase::DatagramDone,
         Phase::VeloWritten,
         Phase::EventsMirrored,
+        Phase::CommandDone,
     ];
 
     pub fn from_code(code: u8) -> Option<Phase> {

@@ -538,6 +538,7 @@ impl HostNic {
             let flow = match Command::decode(&buf) {
                 Ok((cmd, inline)) => {
                     let flow = self.core.handle_command(now, id, &cmd, inline);
+                    phase_trace::stamp(Phase::CommandDone);
                     self.tell_addressees();
                     flow
                 }
