@@ -3,6 +3,7 @@
 //! between a pair of NIs are matched in the order they were sent, exactly once, whatever the
 //! network loses, duplicates or reorders; fragmented messages arrive whole.
 
+use softnic::nic::host::ANNOUNCE_MAX_BYTES;
 use softnic::nic::memory::{HeapBacking, Perms, Region};
 use softnic::nic::portals::initiator::md;
 use softnic::nic::portals::types::{me, RANK_ANY};
@@ -795,6 +796,21 @@ fn a_portals_put_names_its_target_a_get_does_not() {
         Some((1, tag, 1)),
         "fired"
     );
+    // A put longer than its target would spin for is not named either.
+    let long_len = ANNOUNCE_MAX_BYTES + 8;
+    let big = region(long_len as usize);
+    let big_handle = i.register(&mut c, &big);
+    let big_md = i.md_bind(&mut c, big_handle, long_len, 0, None);
+    for (length, named) in [(ANNOUNCE_MAX_BYTES, true), (long_len, false)] {
+        let op = OpSpec {
+            md: big_md,
+            length,
+            ..put.clone()
+        };
+        i.start(&mut c, op, None);
+        let want = named.then_some((1, tag, 1));
+        assert_eq!(c.host_mut(0).unwrap().poll_addressed(), want, "{length} B");
+    }
     // An MD whose puts nobody waits for (softnic's QUIET option, MPI's windows).
     let quiet = i.md_bind(&mut c, handle, 64, md::QUIET, None);
     let op = OpSpec { md: quiet, ..put };

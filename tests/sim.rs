@@ -9,6 +9,7 @@ use std::sync::atomic::Ordering;
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
+use softnic::nic::host::ANNOUNCE_MAX_BYTES;
 use softnic::nic::memory::{HeapBacking, Perms, Region};
 use softnic::nic::sim::SimCluster;
 use softnic::shm::{Command, CommandKind, CqEntry, FailedOp, PeerFailure};
@@ -888,6 +889,15 @@ fn the_nic_names_the_addressee_of_puts_not_of_gets_or_atomics() {
     c.submit(HOST_OF[0], session(0), put, &[1u8; 8]);
     assert_eq!(take(&mut c), Some((HOST_OF[2], tag, 2)), "a put to rank 2");
     assert_eq!(take(&mut c), None, "told once");
+    // A put from memory as long as a kept core waits for is named; a longer one is not (it
+    // lands later than its target would spin for it).
+    for (len, named) in [(ANNOUNCE_MAX_BYTES, true), (ANNOUNCE_MAX_BYTES + 8, false)] {
+        let mut long = cmd(CommandKind::PutFrom, 10 + len, 2);
+        (long.local_off, long.len, long.remote_off) = (0, len, 0);
+        c.submit(HOST_OF[0], session(0), long, &[]);
+        let want = named.then_some((HOST_OF[2], tag, 2));
+        assert_eq!(take(&mut c), want, "a put of {len} bytes");
+    }
     let mut get = cmd(CommandKind::Get, 2, 3);
     get.local_off = GET_AT;
     get.remote_off = SRC;
@@ -899,8 +909,8 @@ fn the_nic_names_the_addressee_of_puts_not_of_gets_or_atomics() {
     amo.len = 8;
     c.submit(HOST_OF[0], session(0), amo, &[]);
     assert_eq!(take(&mut c), None, "an AMO");
-    c.run_until(1_000_000_000, |c| c.completions(session(0)).len() == 3)
-        .expect("all three complete");
+    c.run_until(1_000_000_000, |c| c.completions(session(0)).len() == 5)
+        .expect("all five complete");
 }
 
 /// Nobody waits for an RMA put's acknowledgement (its notifications are raised without it),

@@ -92,6 +92,13 @@ pub enum Flow {
 /// Messages noted for [`HostCore::poll_addressed`] between two polls, at most.
 const ADDRESSED_MAX: usize = 1024;
 
+/// A put longer than this is not announced to its target ([`HostCore::poll_addressed`]): at
+/// the few GB/s a NIC thread moves, it lands later than a waiter keeps its core for a message
+/// on its way (`shm::control::KEEP_CORE_FOR`, 20 µs), so the news would only have the target
+/// spin beside the transfer. The extoll conduit's Long payloads (128 KiB–1 MiB RMA puts) had
+/// its target spin ~15% of a core that the stream's other threads needed.
+pub const ANNOUNCE_MAX_BYTES: u64 = 64 * 1024;
+
 /// One host's soft NIC; see the module doc.
 pub struct HostCore {
     pub index: u16,
@@ -201,10 +208,13 @@ impl HostCore {
         let (job, rank) = (s.job, s.rank);
         self.now = now;
         use crate::shm::CommandKind::*;
-        if matches!(
-            cmd.kind,
-            PutInline | PutFrom | PutV | VeloSend | RmaPut | RmaImmediate
-        ) {
+        let announced = match cmd.kind {
+            // Their data is in the command: small.
+            PutInline | PutV | VeloSend | RmaImmediate => true,
+            PutFrom | RmaPut => cmd.len <= ANNOUNCE_MAX_BYTES,
+            _ => false,
+        };
+        if announced {
             self.address((cmd.host, job, cmd.rank));
         }
         self.command(now, session, job, rank, cmd, inline)

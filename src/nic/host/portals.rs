@@ -1007,11 +1007,15 @@ impl HostCore {
     }
 
     /// Notes whom a put about to start sends a message to (`HostCore::poll_addressed`),
-    /// unless its MD says nobody waits for it (`md_opt::QUIET`).
+    /// unless its MD says nobody waits for it (`md_opt::QUIET`) or it is too long to be
+    /// waited for by spinning (`ANNOUNCE_MAX_BYTES`).
     fn ptl_address(&mut self, job: u32, rank: u32, ni: u8, spec: &OpSpec) {
         let (ReqKind::Put, ProcessId::Physical { nid, pid }) = (spec.kind, spec.target) else {
             return;
         };
+        if spec.length > super::ANNOUNCE_MAX_BYTES {
+            return;
+        }
         let quiet = self
             .ni_state(job, rank, ni)
             .ok()
