@@ -264,8 +264,12 @@ impl PortalsConduit {
     pub(super) fn poll_safe(&mut self) -> Result<bool, GasnetError> {
         let mut any = false;
         while let Some(e) = self.next_event(self.safe_eq, "SAFE_EQ (sized for all in flight)")? {
-            any = true;
             let up = e.user_ptr;
+            // A reply slot coming free is bookkeeping, not news a wait is waiting for: counted
+            // as progress, it kept a rank that had just replied spinning on the core its
+            // requester shared with it, whose answer had already arrived.
+            let slot_freed = up & (RMA_TAG | LONG_TAG) == 0 && up != REPLY_ME && up & REP_TAG != 0;
+            any |= !slot_freed;
             if up & RMA_TAG != 0 {
                 self.rma_event(up, e.kind, e.ni_fail);
             } else if up & LONG_TAG != 0 {
