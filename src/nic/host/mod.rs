@@ -208,14 +208,11 @@ impl HostCore {
         let (job, rank) = (s.job, s.rank);
         self.now = now;
         use crate::shm::CommandKind::*;
-        let announced = match cmd.kind {
+        match cmd.kind {
             // Their data is in the command: small.
-            PutInline | PutV | VeloSend | RmaImmediate => true,
-            PutFrom | RmaPut => cmd.len <= ANNOUNCE_MAX_BYTES,
-            _ => false,
-        };
-        if announced {
-            self.address((cmd.host, job, cmd.rank));
+            PutInline | PutV | VeloSend | RmaImmediate => self.address((cmd.host, job, cmd.rank)),
+            PutFrom | RmaPut => self.address_put((cmd.host, job, cmd.rank), cmd.len),
+            _ => {}
         }
         self.command(now, session, job, rank, cmd, inline)
     }
@@ -233,6 +230,14 @@ impl HostCore {
     pub(super) fn address(&mut self, to: (u16, u32, u32)) {
         if self.addressed.len() < ADDRESSED_MAX {
             self.addressed.push(to);
+        }
+    }
+
+    /// [`HostCore::address`] for a put of `len` bytes read from memory: only one short
+    /// enough to land while its target spins for it (`ANNOUNCE_MAX_BYTES`).
+    pub(super) fn address_put(&mut self, to: (u16, u32, u32), len: u64) {
+        if len <= ANNOUNCE_MAX_BYTES {
+            self.address(to);
         }
     }
 

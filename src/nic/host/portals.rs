@@ -1013,16 +1013,14 @@ impl HostCore {
         let (ReqKind::Put, ProcessId::Physical { nid, pid }) = (spec.kind, spec.target) else {
             return;
         };
-        if spec.length > super::ANNOUNCE_MAX_BYTES {
-            return;
-        }
+        // A look, not a change: `ni_lookup` leaves the mirror alone.
         let quiet = self
-            .ni_state(job, rank, ni)
+            .ni_lookup(job, rank, ni)
             .ok()
             .and_then(|s| s.ni.md_options(spec.md))
             .is_some_and(|o| o & md_opt::QUIET != 0);
         if !quiet {
-            self.address((nid as u16, job, pid));
+            self.address_put((nid as u16, job, pid), spec.length);
         }
     }
 

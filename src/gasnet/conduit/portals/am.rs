@@ -265,11 +265,6 @@ impl PortalsConduit {
         let mut any = false;
         while let Some(e) = self.next_event(self.safe_eq, "SAFE_EQ (sized for all in flight)")? {
             let up = e.user_ptr;
-            // A reply slot coming free is bookkeeping, not news a wait is waiting for: counted
-            // as progress, it kept a rank that had just replied spinning on the core its
-            // requester shared with it, whose answer had already arrived.
-            let slot_freed = up & (RMA_TAG | LONG_TAG) == 0 && up != REPLY_ME && up & REP_TAG != 0;
-            any |= !slot_freed;
             if up & RMA_TAG != 0 {
                 self.rma_event(up, e.kind, e.ni_fail);
             } else if up & LONG_TAG != 0 {
@@ -292,9 +287,14 @@ impl PortalsConduit {
                 if e.kind == EventKind::Send && r < REP_SLOTS {
                     self.free_rep.push(r);
                 }
+                // A reply slot coming free is bookkeeping, not news a wait is waiting for:
+                // counted as progress, it kept a rank that had just replied spinning on the
+                // core its requester shared with it, whose answer had already arrived.
+                continue;
             } else if e.kind == EventKind::Ack {
                 self.request_acked(&e);
             }
+            any = true;
         }
         if !self.resend.is_empty() {
             let now = Instant::now();
