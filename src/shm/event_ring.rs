@@ -1,8 +1,13 @@
 //! Portals event queues and counting events in the process's memory.
 //!
-//! An event ring lives in a region the process registered: a producer index (written by the
-//! daemon) and a consumer index (written by the process) on separate cache lines, then
-//! fixed-size event records. Each side keeps its own index privately and validates the other's.
+//! An event ring lives in a region the process registered: the consumer index (written by the
+//! process) on its own cache line, then records of two cache lines each. A record's first word
+//! is its mark: the event's number plus one, stored last (release). The process polls the mark
+//! of the record it expects next, so an event reaches it as two line transfers and nothing
+//! else (a producer index beside the records would be a third line each side touches per
+//! event, and 96-byte records shared lines with their neighbours). The ring's memory starts
+//! zeroed (a fresh registration is): a zero mark is no event. The daemon reads the consumer
+//! index only to count room, and validates it.
 //! A counting event is a 16-byte slot (success, failure) the daemon stores after each change.
 
 use std::sync::atomic::{fence, AtomicU64, Ordering};
@@ -14,9 +19,11 @@ use crate::nic::portals::{CtEvent, Event, EventKind, ProcessId};
 use crate::wire::{get_u32, get_u64};
 
 const HEAD: u64 = 0; // consumer (process)
-const TAIL: u64 = 64; // producer (daemon)
 const FIRST: u64 = 128;
-pub const EVENT_LEN: u64 = 96;
+/// A record: the mark word, then the encoded event ([`BODY_LEN`] bytes).
+pub const EVENT_LEN: u64 = 128;
+/// An event's encoding, after the record's mark.
+const BODY_LEN: usize = 80;
 
 /// Bytes an event ring of `count` events takes.
 pub fn ring_bytes(count: usize) -> usize {
@@ -42,8 +49,7 @@ const KINDS: [EventKind; 16] = [
     EventKind::Search,
 ];
 
-fn encode(e: &Event, dropped: bool, b: &mut [u8; EVENT_LEN as usize]) {
-    b.fill(0);
+fn encode(e: &Event, dropped: bool, b: &mut [u8; BODY_LEN]) {
     b[0] = KINDS.iter().position(|k| *k == e.kind).unwrap_or(0) as u8;
     b[1] = e.ni_fail as u8;
     if let Some((o, d)) = e.atomic {
@@ -132,6 +138,7 @@ unsafe impl Send for EventRing {}
 
 impl EventRing {
     /// Checks that `len` bytes at `base` hold a ring of at least one event, 8-aligned.
+    /// The memory must start zeroed (see the module's doc).
     pub fn new(region: Region, base: u64, len: u64) -> Option<EventRing> {
         if !base.is_multiple_of(64) || len < FIRST + EVENT_LEN {
             return None;
@@ -153,17 +160,22 @@ impl EventRing {
         self.cap as usize
     }
 
-    fn index(&self, at: u64) -> &AtomicU64 {
-        // SAFETY: `at` is HEAD or TAIL, inside the ring checked at `new`, and 8-aligned (the
-        // ring's first byte is, checked at `new`); `_region` keeps the mapping alive.
+    fn word(&self, at: u64) -> &AtomicU64 {
+        // SAFETY: `at` is HEAD or a record's mark, inside the ring checked at `new`, and
+        // 8-aligned (the ring's first byte is, checked at `new`); `_region` keeps the mapping
+        // alive.
         unsafe { &*(self.ring.as_ptr().add(at as usize) as *const AtomicU64) }
     }
 
-    /// The record of event number `n` (modulo the capacity).
-    fn record(&self, n: u64) -> *mut u8 {
-        let at = FIRST + (n % self.cap) * EVENT_LEN;
+    /// The offset of event number `n`'s record (modulo the capacity).
+    fn at(&self, n: u64) -> u64 {
+        FIRST + (n % self.cap) * EVENT_LEN
+    }
+
+    /// The body of event number `n`'s record (modulo the capacity), after its mark.
+    fn body(&self, n: u64) -> *mut u8 {
         // SAFETY: inside the ring checked at `new` (`cap` records fit after FIRST).
-        unsafe { self.ring.as_ptr().add(at as usize) }
+        unsafe { self.ring.as_ptr().add(self.at(n) as usize + 8) }
     }
 
     // ---- producer (daemon) ----
@@ -171,7 +183,7 @@ impl EventRing {
     /// Events written and not yet consumed, or `None` if the consumer's index is nonsense
     /// (the ring then counts as full).
     pub fn backlog(&mut self) -> Option<u64> {
-        let head = self.index(HEAD).load(Ordering::Acquire);
+        let head = self.word(HEAD).load(Ordering::Acquire);
         let used = self.mine.wrapping_sub(head);
         let ok = used <= self.cap;
         self.seen = if ok { used } else { self.cap };
@@ -199,14 +211,15 @@ impl EventRing {
                 _ => return false,
             }
         }
-        let mut b = [0u8; EVENT_LEN as usize];
+        let mut b = [0u8; BODY_LEN];
         encode(e, dropped, &mut b);
-        // SAFETY: the record is inside the ring (see `record`); the process reads it only
-        // after the release store of the tail below.
-        unsafe { std::ptr::copy_nonoverlapping(b.as_ptr(), self.record(self.mine), b.len()) };
+        // SAFETY: the body is inside the ring (see `body`); the process reads it only after
+        // the release store of its mark below.
+        unsafe { std::ptr::copy_nonoverlapping(b.as_ptr(), self.body(self.mine), b.len()) };
         self.mine += 1;
         self.seen += 1;
-        self.index(TAIL).store(self.mine, Ordering::Release);
+        self.word(self.at(self.mine - 1))
+            .store(self.mine, Ordering::Release);
         true
     }
 
@@ -214,22 +227,20 @@ impl EventRing {
 
     /// The next event and whether events were dropped before it (PTL_EQ_DROPPED).
     pub fn pop(&mut self) -> Option<(Event, bool)> {
-        let tail = self.index(TAIL).load(Ordering::Acquire);
-        if tail == self.mine || tail.wrapping_sub(self.mine) > self.cap {
+        if !self.pending() {
             return None;
         }
-        // SAFETY: the record is inside the ring (see `record`) and was written before the
-        // tail that the acquire load above saw.
-        let r = decode(unsafe {
-            std::slice::from_raw_parts(self.record(self.mine), EVENT_LEN as usize)
-        });
+        // SAFETY: the body is inside the ring (see `body`) and was written before the mark
+        // that the acquire load in `pending` saw.
+        let r = decode(unsafe { std::slice::from_raw_parts(self.body(self.mine), BODY_LEN) });
         self.mine += 1;
-        self.index(HEAD).store(self.mine, Ordering::Release);
+        self.word(HEAD).store(self.mine, Ordering::Release);
         Some(r)
     }
 
+    /// Is the next event there: its record marked with its number (plus one)?
     pub fn pending(&self) -> bool {
-        self.index(TAIL).load(Ordering::Acquire) != self.mine
+        self.word(self.at(self.mine)).load(Ordering::Acquire) == self.mine + 1
     }
 }
 
@@ -338,6 +349,24 @@ mod tests {
         assert!(p.push(&e, false), "a full ring looks again");
         assert_eq!(p.seen_backlog(), 2);
         assert_eq!(p.backlog(), Some(2));
+    }
+
+    #[test]
+    fn a_record_of_an_earlier_lap_is_not_an_event() {
+        let r = Region::new(HeapBacking::new(4096), Perms(0));
+        let mut p = EventRing::new(r.clone(), 0, ring_bytes(2) as u64).unwrap();
+        let mut c = EventRing::new(r, 0, ring_bytes(2) as u64).unwrap();
+        let e = Event::bare(EventKind::Put, 1, 2, NiFail::Ok);
+        assert!(!c.pending(), "zeroed memory holds no event");
+        for i in 0..7 {
+            assert!(p.push(&Event { user_ptr: i, ..e }, false));
+            assert!(c.pending());
+            assert_eq!(c.pop(), Some((Event { user_ptr: i, ..e }, false)));
+            // The slot the consumer looks at next holds an event of the lap before (once
+            // the ring has wrapped).
+            assert!(!c.pending(), "lap {i}: an old record must not count");
+            assert_eq!(c.pop(), None);
+        }
     }
 
     #[test]
