@@ -7,7 +7,9 @@
 //! else (a producer index beside the records would be a third line each side touches per
 //! event, and 96-byte records shared lines with their neighbours). The ring's memory starts
 //! zeroed (a fresh registration is): a zero mark is no event. The daemon reads the consumer
-//! index only to count room, and validates it.
+//! index only when the events it handed out since its last look would fill the queue (the
+//! engine's EQ counts them against its capacity, see `nic::portals::events`), and validates
+//! it.
 //! A counting event is a 16-byte slot (success, failure) the daemon stores after each change.
 
 use std::sync::atomic::{fence, AtomicU64, Ordering};
@@ -15,7 +17,7 @@ use std::sync::atomic::{fence, AtomicU64, Ordering};
 use crate::nic::memory::Region;
 use crate::nic::portals::atomic::{AtomicOp, Datatype};
 use crate::nic::portals::wire::ni_fail_from;
-use crate::nic::portals::{CtEvent, Event, EventKind, ProcessId};
+use crate::nic::portals::{Consumed, CtEvent, Event, EventKind, ProcessId};
 use crate::wire::{get_u32, get_u64};
 
 const HEAD: u64 = 0; // consumer (process)
@@ -180,6 +182,15 @@ impl EventRing {
 
     // ---- producer (daemon) ----
 
+    /// The consumer's index, for the engine's queue to read when it looks full (see
+    /// [`Consumed`]).
+    pub fn consumer(&self) -> ConsumerIndex {
+        ConsumerIndex {
+            _region: self._region.clone(),
+            ring: self.ring,
+        }
+    }
+
     /// Events written and not yet consumed, or `None` if the consumer's index is nonsense
     /// (the ring then counts as full).
     pub fn backlog(&mut self) -> Option<u64> {
@@ -241,6 +252,31 @@ impl EventRing {
     /// Is the next event there: its record marked with its number (plus one)?
     pub fn pending(&self) -> bool {
         self.word(self.at(self.mine)).load(Ordering::Acquire) == self.mine + 1
+    }
+}
+
+/// A ring's consumer index as the daemon reads it: how many events the process consumed.
+pub struct ConsumerIndex {
+    /// Keeps the mapping that `ring` points into alive.
+    _region: Region,
+    ring: std::ptr::NonNull<u8>,
+}
+
+// SAFETY: as for `EventRing`: `ring` points into the mapping `_region` keeps alive.
+unsafe impl Send for ConsumerIndex {}
+
+impl std::fmt::Debug for ConsumerIndex {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "ConsumerIndex({:p})", self.ring)
+    }
+}
+
+impl Consumed for ConsumerIndex {
+    fn consumed(&self) -> u64 {
+        // SAFETY: HEAD is the ring's first word, checked at `EventRing::new` (8-aligned and
+        // mapped); `_region` keeps the mapping alive.
+        unsafe { &*(self.ring.as_ptr().add(HEAD as usize) as *const AtomicU64) }
+            .load(Ordering::Acquire)
     }
 }
 

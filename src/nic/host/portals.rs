@@ -260,29 +260,9 @@ pub struct NiState {
     eq_rings: HashMap<u32, EventRing>,
     ct_slots: HashMap<u32, CtSlot>,
     /// The engine's notice count when its events and counts were last mirrored, and whether
-    /// a ring then still held events (whose consumption frees room the engine must learn
-    /// of, before it next posts one: see [`NiState::refresh_room`]).
+    /// events then waited for room in a ring (the next pass looks again).
     mirrored: u64,
     backlog: bool,
-}
-
-impl NiState {
-    /// Tells the engine how many events its process still holds unconsumed in each ring that
-    /// held some at the last look (an EQ counts them against its capacity). Asked before the
-    /// engine may post events, not every turn: the consumer's index is a cache line the
-    /// process writes, and re-reading it on every idle turn of a spinning daemon cost a
-    /// cross-core miss each time.
-    fn refresh_room(&mut self) {
-        for (&eq, ring) in self.eq_rings.iter_mut() {
-            if ring.seen_backlog() == 0 {
-                continue;
-            }
-            let used = ring.used();
-            if let Some(q) = self.ni.eq_mut(eq) {
-                q.set_external(used as usize);
-            }
-        }
-    }
 }
 
 #[derive(Default)]
@@ -302,11 +282,7 @@ impl HostCore {
     /// pass looks at it.
     fn ni_state(&mut self, job: u32, rank: u32, ni: u8) -> Result<&mut NiState, PtlError> {
         self.ptl_dirty = true;
-        let s = self.ni_lookup(job, rank, ni)?;
-        if s.backlog {
-            s.refresh_room();
-        }
-        Ok(s)
+        self.ni_lookup(job, rank, ni)
     }
 
     /// (job, rank)'s interface `ni`, for what changes no event or count.
@@ -413,6 +389,9 @@ impl HostCore {
                 }
                 let s = self.ni_state(job, rank, ni)?;
                 let eq = s.ni.eq_alloc(count as usize)?;
+                if let Some(q) = s.ni.eq_mut(eq) {
+                    q.set_consumer(Box::new(er.consumer()));
+                }
                 s.eq_rings.insert(eq, er);
                 Ok(eq as u64)
             }
@@ -1265,9 +1244,6 @@ impl HostCore {
         }
         for p in self.portals.values_mut() {
             for s in p.nis.iter_mut().flatten() {
-                if s.backlog {
-                    s.refresh_room();
-                }
                 s.ni.fail_outgoing(|spec| matches!(spec.target, ProcessId::Physical { nid, .. } if nid == host as u32), NiFail::Undeliverable);
             }
         }
@@ -1296,12 +1272,16 @@ impl HostCore {
                 rooms.clear();
                 for (&eq, ring) in s.eq_rings.iter_mut() {
                     let Some(q) = s.ni.eq_mut(eq) else { continue };
-                    // Nothing to move and nothing left unconsumed: the process's index (a
-                    // cache line it writes) needs no look this turn.
-                    if q.is_empty() && ring.seen_backlog() == 0 {
+                    if q.is_empty() {
                         continue;
                     }
-                    rooms.push((eq, ring.used(), ring.capacity() as u64));
+                    // The process's index (a cache line it writes) is read only when the
+                    // events counted since the last look would fill the ring: a read before
+                    // each push kept the event from its process for a cross-core miss.
+                    let cap = ring.capacity() as u64;
+                    let seen = ring.seen_backlog();
+                    let used = if seen < cap { seen } else { ring.used() };
+                    rooms.push((eq, used, cap));
                 }
                 cts.clear();
                 s.ni.take_dirty_cts(&mut cts);
@@ -1345,12 +1325,10 @@ impl HostCore {
                 // Events wait for ring room: look again next turn (the process frees it
                 // without a word).
                 let mut waiting = false;
-                for &(eq, used, _) in &rooms {
-                    let Some(q) = s.ni.eq_mut(eq) else { continue };
-                    q.set_external(used as usize);
-                    s.backlog |= used > 0 || !q.is_empty();
-                    waiting |= !q.is_empty();
+                for &(eq, _, _) in &rooms {
+                    waiting |= s.ni.eq_mut(eq).is_some_and(|q| !q.is_empty());
                 }
+                s.backlog = waiting;
                 self.ptl_dirty |= waiting;
             }
             if any {

@@ -3,9 +3,16 @@
 //! A full EQ drops the event and remembers it: the next event read reports PTL_EQ_DROPPED
 //! (PtlEQGet's semantics). Counting events count successes and failures separately.
 
+use std::cell::Cell;
 use std::collections::VecDeque;
 
 use super::types::{Event, PtlError};
+
+/// How many events the process has consumed of those handed to it, as it publishes the count
+/// (its event ring's consumer index, in memory it writes: hostile, validated by the reader).
+pub trait Consumed: Send + std::fmt::Debug {
+    fn consumed(&self) -> u64;
+}
 
 #[derive(Debug)]
 pub struct EventQueue {
@@ -14,9 +21,13 @@ pub struct EventQueue {
     /// the daemon publishes counts and events to the process in the order they changed.
     events: VecDeque<(Event, u64)>,
     dropped: bool,
-    /// Events already handed to the process and not yet consumed by it (the daemon mirrors
-    /// the queue into shared memory); they take room too.
-    external: usize,
+    /// Events handed to the process (taken by the daemon for its ring) since the queue began.
+    handed: u64,
+    /// Of those, the ones the process may still hold: they take room too. An upper bound,
+    /// made exact from `consumer` only when the bound says the queue is full, so that the
+    /// daemon reads the cache line the process writes once in a ring's lap, not per event.
+    external: Cell<usize>,
+    consumer: Option<Box<dyn Consumed>>,
 }
 
 impl EventQueue {
@@ -25,28 +36,49 @@ impl EventQueue {
             cap,
             events: VecDeque::with_capacity(cap.min(4096)),
             dropped: false,
-            external: 0,
+            handed: 0,
+            external: Cell::new(0),
+            consumer: None,
         }
+    }
+
+    /// Where the process publishes what it consumed of the events handed to it.
+    pub fn set_consumer(&mut self, c: Box<dyn Consumed>) {
+        self.consumer = Some(c);
     }
 
     /// Room for `n` more events.
     pub fn has_room(&self, n: usize) -> bool {
-        self.events.len() + self.external + n <= self.cap
+        let fits = || self.events.len() + self.external.get() + n <= self.cap;
+        fits() || (self.refresh() && fits())
     }
 
-    /// Records how many events the process holds unconsumed (see `external`).
-    pub fn set_external(&mut self, n: usize) {
-        self.external = n;
+    /// Re-reads what the process consumed; a count it could not have (more than it was
+    /// handed, or further back than the queue holds) leaves no room. Says whether it read.
+    fn refresh(&self) -> bool {
+        let Some(c) = &self.consumer else {
+            return false;
+        };
+        let held = self.handed.wrapping_sub(c.consumed());
+        self.external.set(if held <= self.cap as u64 {
+            held as usize
+        } else {
+            self.cap
+        });
+        true
     }
 
     /// Takes the next event for the process, with the dropped flag.
     pub fn take(&mut self) -> Option<(Event, bool)> {
-        self.get().ok()
+        let r = self.get().ok()?;
+        self.handed += 1;
+        self.external.set(self.external.get() + 1);
+        Some(r)
     }
 
     /// Posts an event, stamped `stamp`; a full queue drops it (and says so on the next read).
     pub fn push(&mut self, e: Event, stamp: u64) -> bool {
-        if self.events.len() + self.external >= self.cap {
+        if !self.has_room(1) {
             self.dropped = true;
             return false;
         }
@@ -148,6 +180,44 @@ mod tests {
         assert_eq!(q.get().unwrap(), (e(1), true));
         assert_eq!(q.get().unwrap(), (e(2), false));
         assert_eq!(q.get(), Err(PtlError::EqEmpty));
+    }
+
+    /// The process's consumption is read only when the queue looks full, and a nonsense
+    /// count leaves no room.
+    #[test]
+    fn handed_events_are_counted_until_the_process_says_it_consumed_them() {
+        #[derive(Debug)]
+        struct Index(
+            std::sync::Arc<std::sync::atomic::AtomicU64>,
+            std::sync::Arc<std::sync::atomic::AtomicU64>,
+        );
+        impl Consumed for Index {
+            fn consumed(&self) -> u64 {
+                self.1.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                self.0.load(std::sync::atomic::Ordering::Relaxed)
+            }
+        }
+        let (done, reads) = (std::sync::Arc::default(), std::sync::Arc::default());
+        let mut q = EventQueue::new(2);
+        q.set_consumer(Box::new(Index(
+            std::sync::Arc::clone(&done),
+            std::sync::Arc::clone(&reads),
+        )));
+        let e = |p| Event::bare(EventKind::Link, 0, p, NiFail::Ok);
+        let reads_now = || reads.load(std::sync::atomic::Ordering::Relaxed);
+        assert!(q.push(e(1), 0) && q.push(e(2), 1));
+        assert_eq!(reads_now(), 0, "room known without a look");
+        assert!(q.take().is_some() && q.take().is_some());
+        assert!(!q.push(e(3), 2), "both still held by the process");
+        assert_eq!(reads_now(), 1);
+        done.store(1, std::sync::atomic::Ordering::Relaxed);
+        assert!(q.push(e(4), 3), "one consumed: room for one");
+        assert!(!q.has_room(1));
+        done.store(7, std::sync::atomic::Ordering::Relaxed);
+        assert!(!q.has_room(1), "more consumed than handed: no room");
+        done.store(2, std::sync::atomic::Ordering::Relaxed);
+        assert!(q.has_room(1));
+        assert_eq!(q.get().unwrap(), (e(4), true), "e(3) was dropped");
     }
 
     #[test]

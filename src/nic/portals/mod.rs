@@ -15,7 +15,7 @@ pub mod triggered;
 pub mod types;
 pub mod wire;
 
-pub use events::{CtEvent, EventQueue, Limits};
+pub use events::{Consumed, CtEvent, EventQueue, Limits};
 pub use initiator::{AckReq, OpSpec};
 pub use matching::{MatchEntry, ReqKind};
 pub use ni::{GetStream, PortalsNi, PutStream, Request, Response};
