@@ -163,10 +163,9 @@ impl EventRing {
     }
 
     fn word(&self, at: u64) -> &AtomicU64 {
-        // SAFETY: `at` is HEAD or a record's mark, inside the ring checked at `new`, and
-        // 8-aligned (the ring's first byte is, checked at `new`); `_region` keeps the mapping
-        // alive.
-        unsafe { &*(self.ring.as_ptr().add(at as usize) as *const AtomicU64) }
+        // SAFETY: `at` is HEAD or a record's mark, inside the ring checked at `new`; `self`
+        // keeps the mapping alive.
+        unsafe { word_at(self.ring, at) }
     }
 
     /// The offset of event number `n`'s record (modulo the capacity).
@@ -201,9 +200,13 @@ impl EventRing {
         ok.then_some(used)
     }
 
-    /// The room the process's unconsumed events take: the backlog, or the whole ring if the
-    /// consumer's index is nonsense.
-    pub fn used(&mut self) -> u64 {
+    /// The events the process may still hold: an upper bound, exact (from the consumer's
+    /// index, a line the process writes) only once the bound fills the ring; the whole ring
+    /// if that index is nonsense.
+    pub fn held(&mut self) -> u64 {
+        if self.seen < self.cap {
+            return self.seen;
+        }
         self.backlog().unwrap_or(self.cap)
     }
 
@@ -216,21 +219,18 @@ impl EventRing {
     /// Appends an event; `false` when the ring is full (or its consumer index is corrupt).
     /// The consumer's index is read only when the last look showed the ring full.
     pub fn push(&mut self, e: &Event, dropped: bool) -> bool {
-        if self.seen >= self.cap {
-            match self.backlog() {
-                Some(used) if used < self.cap => {}
-                _ => return false,
-            }
+        if self.held() >= self.cap {
+            return false;
         }
         let mut b = [0u8; BODY_LEN];
         encode(e, dropped, &mut b);
         // SAFETY: the body is inside the ring (see `body`); the process reads it only after
         // the release store of its mark below.
         unsafe { std::ptr::copy_nonoverlapping(b.as_ptr(), self.body(self.mine), b.len()) };
+        let mark = self.at(self.mine);
         self.mine += 1;
         self.seen += 1;
-        self.word(self.at(self.mine - 1))
-            .store(self.mine, Ordering::Release);
+        self.word(mark).store(self.mine, Ordering::Release);
         true
     }
 
@@ -273,11 +273,20 @@ impl std::fmt::Debug for ConsumerIndex {
 
 impl Consumed for ConsumerIndex {
     fn consumed(&self) -> u64 {
-        // SAFETY: HEAD is the ring's first word, checked at `EventRing::new` (8-aligned and
-        // mapped); `_region` keeps the mapping alive.
-        unsafe { &*(self.ring.as_ptr().add(HEAD as usize) as *const AtomicU64) }
-            .load(Ordering::Acquire)
+        // SAFETY: HEAD is inside the ring checked at `EventRing::new`; `_region` keeps the
+        // mapping alive.
+        unsafe { word_at(self.ring, HEAD) }.load(Ordering::Acquire)
     }
+}
+
+/// The word at offset `at` of the ring starting at `ring`.
+///
+/// # Safety
+/// `at` is 8-aligned and inside a ring checked by [`EventRing::new`] (whose first byte is
+/// 8-aligned), and the mapping outlives `'a`.
+unsafe fn word_at<'a>(ring: std::ptr::NonNull<u8>, at: u64) -> &'a AtomicU64 {
+    // SAFETY: the caller's contract.
+    unsafe { &*(ring.as_ptr().add(at as usize) as *const AtomicU64) }
 }
 
 /// A counting event's slot: `success u64 | failure u64 | wake_at u64 | reserved u64`.

@@ -1275,13 +1275,9 @@ impl HostCore {
                     if q.is_empty() {
                         continue;
                     }
-                    // The process's index (a cache line it writes) is read only when the
-                    // events counted since the last look would fill the ring: a read before
-                    // each push kept the event from its process for a cross-core miss.
-                    let cap = ring.capacity() as u64;
-                    let seen = ring.seen_backlog();
-                    let used = if seen < cap { seen } else { ring.used() };
-                    rooms.push((eq, used, cap));
+                    // An upper bound: a read of the process's index (a cache line it writes)
+                    // before each push kept the event from its process for a cross-core miss.
+                    rooms.push((eq, ring.held(), ring.capacity() as u64));
                 }
                 cts.clear();
                 s.ni.take_dirty_cts(&mut cts);

@@ -23,10 +23,11 @@ pub struct EventQueue {
     dropped: bool,
     /// Events handed to the process (taken by the daemon for its ring) since the queue began.
     handed: u64,
-    /// Of those, the ones the process may still hold: they take room too. An upper bound,
-    /// made exact from `consumer` only when the bound says the queue is full, so that the
-    /// daemon reads the cache line the process writes once in a ring's lap, not per event.
-    external: Cell<usize>,
+    /// How many of those the process had consumed when `consumer` was last read. The ones it
+    /// may still hold (`handed - consumed`, an upper bound) take room too; the index is read
+    /// only when that bound says the queue is full, so that the daemon reads the cache line
+    /// the process writes once in a ring's lap, not per event.
+    consumed: Cell<u64>,
     consumer: Option<Box<dyn Consumed>>,
 }
 
@@ -37,7 +38,7 @@ impl EventQueue {
             events: VecDeque::with_capacity(cap.min(4096)),
             dropped: false,
             handed: 0,
-            external: Cell::new(0),
+            consumed: Cell::new(0),
             consumer: None,
         }
     }
@@ -49,7 +50,10 @@ impl EventQueue {
 
     /// Room for `n` more events.
     pub fn has_room(&self, n: usize) -> bool {
-        let fits = || self.events.len() + self.external.get() + n <= self.cap;
+        let fits = || {
+            let held = self.handed.wrapping_sub(self.consumed.get());
+            self.events.len() as u64 + held + n as u64 <= self.cap as u64
+        };
         fits() || (self.refresh() && fits())
     }
 
@@ -59,11 +63,12 @@ impl EventQueue {
         let Some(c) = &self.consumer else {
             return false;
         };
-        let held = self.handed.wrapping_sub(c.consumed());
-        self.external.set(if held <= self.cap as u64 {
-            held as usize
+        let done = c.consumed();
+        let held = self.handed.wrapping_sub(done);
+        self.consumed.set(if held <= self.cap as u64 {
+            done
         } else {
-            self.cap
+            self.handed.wrapping_sub(self.cap as u64)
         });
         true
     }
@@ -72,7 +77,6 @@ impl EventQueue {
     pub fn take(&mut self) -> Option<(Event, bool)> {
         let r = self.get().ok()?;
         self.handed += 1;
-        self.external.set(self.external.get() + 1);
         Some(r)
     }
 
