@@ -280,6 +280,83 @@ fn get_fetch_atomic_and_swap() {
     s.p.endpoint().barrier().unwrap();
 }
 
+/// PTL_MD_VOLATILE: the bytes a put sends are the ones its MD held when PtlPut returned (the
+/// process overwrites them at once); a longer send from such an MD, or one over memory the
+/// library cannot read, is refused.
+#[test]
+fn volatile_md_sends_what_it_held_when_put_returned() {
+    if !in_job() {
+        return launch_ok(
+            "volatile_md_sends_what_it_held_when_put_returned",
+            2,
+            2,
+            &[],
+        );
+    }
+    const N: usize = 200;
+    const LEN: usize = 64;
+    let mut s = setup();
+    let me = my_rank(&s);
+    let max = s.p.ni_init(true, true).unwrap().1.max_volatile_size;
+    assert!(max >= LEN as u64);
+    let dst =
+        s.p.endpoint()
+            .mem_register(N * LEN, Perms::READ_WRITE)
+            .unwrap();
+    let pt = catch_all_at_rank_1(&mut s, me, &dst);
+    if me == 0 {
+        let src =
+            s.p.endpoint()
+                .mem_register(4096, Perms::READ_WRITE)
+                .unwrap();
+        let md = md_all(
+            &mut s,
+            &src,
+            md_opt::VOLATILE | md_opt::EVENT_SEND_DISABLE,
+            None,
+        );
+        for i in 0..N {
+            src.bytes()[..LEN].fill(i as u8);
+            let t = target(1, pt, 0, (i * LEN) as u64);
+            s.p.put(s.ni, md, 0, LEN as u64, AckReq::Ack, t, 0, 0)
+                .unwrap();
+            src.bytes()[..LEN].fill(0xee);
+        }
+        for _ in 0..N {
+            assert_eq!(wait_kind(&mut s, EventKind::Ack).ni_fail, NiFail::Ok);
+        }
+        let t = target(1, pt, 0, 0);
+        assert!(
+            matches!(
+                s.p.put(s.ni, md, 0, max + 1, AckReq::Ack, t, 0, 0),
+                Err(PortalsError::Ptl(PtlError::ArgInvalid))
+            ),
+            "longer than max_volatile_size"
+        );
+        let unknown = Md {
+            region: softnic::client::MemHandle(u32::MAX),
+            segments: vec![(0, 8)],
+            options: md_opt::VOLATILE,
+            eq: Some(s.eq),
+            ct: None,
+        };
+        assert!(
+            matches!(
+                s.p.md_bind(s.ni, &unknown),
+                Err(PortalsError::Ptl(PtlError::ArgInvalid))
+            ),
+            "memory the library cannot read"
+        );
+    }
+    s.p.endpoint().barrier().unwrap();
+    if me == 1 {
+        for i in 0..N {
+            let got = &dst.bytes()[i * LEN..(i + 1) * LEN];
+            assert!(got.iter().all(|&b| b == i as u8), "put {i} sent {got:?}");
+        }
+    }
+}
+
 // ---------------------------------------------------------------- overflow, unexpected, search
 
 #[test]

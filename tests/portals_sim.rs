@@ -189,6 +189,7 @@ fn matching_order_and_exactly_once_under_loss_duplication_reordering() {
             user_ptr: offset,
             hdr_data: 0,
             operand: Vec::new(),
+            inline: Vec::new(),
         };
         for k in 0..300u64 {
             i.start(&mut c, put(1, k * 8, 8), None);
@@ -321,6 +322,7 @@ fn a_put_cut_off_by_its_initiators_crash_fails_the_delivery_it_streamed_into() {
         user_ptr: 0,
         hdr_data: 0,
         operand: Vec::new(),
+        inline: Vec::new(),
     };
     i.start(&mut c, put, None);
     c.run_until(1_000_000_000, |c| {
@@ -519,6 +521,7 @@ fn send_requests(
             user_ptr: k,
             hdr_data: k,
             operand: Vec::new(),
+            inline: Vec::new(),
         };
         let call = PtlCall::Op {
             ni: 0,
@@ -756,6 +759,7 @@ fn put8(md: u32, nid: u32, ack_req: AckReq) -> OpSpec {
         user_ptr: 0,
         hdr_data: 0,
         operand: Vec::new(),
+        inline: Vec::new(),
     }
 }
 

@@ -184,6 +184,11 @@ impl Endpoint {
             .find_map(|r| r.contains(p, len).map(|off| (r, off)))
     }
 
+    /// The region registered here under `h`.
+    pub fn region(&self, h: MemHandle) -> Option<&MemRegion> {
+        self.regions.iter().find(|r| r.handle == h)
+    }
+
     /// The bounce region (no remote access) for buffers outside registered memory.
     pub fn bounce(&self) -> &MemRegion {
         &self.bounce

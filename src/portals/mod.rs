@@ -110,11 +110,18 @@ struct NiInfo {
     cts: HashMap<u32, CtSlot>,
     ct_mem: MemRegion,
     free_ct_slots: Vec<u64>,
-    mds: HashMap<u32, (u64, u32)>,
+    mds: HashMap<u32, MdInfo>,
     /// Allocated portal table entries and their event queues.
     pts: HashMap<u32, Option<u32>>,
     /// PtlSetMap's mapping (logical index → physical id), if one was set.
     map: Option<Vec<ProcessId>>,
+}
+
+/// What the library keeps of a bound MD.
+struct MdInfo {
+    len: u64,
+    /// A `PTL_MD_VOLATILE` MD's memory and segments: sends from it are copied into the call.
+    volatile: Option<(MemRegion, Vec<(u64, u64)>)>,
 }
 
 const CT_SLOTS: usize = 4096;
@@ -129,6 +136,8 @@ pub struct Portals {
     nis: Vec<Option<NiInfo>>,
     /// Where calls are encoded (kept: an operation allocates nothing).
     scratch: Vec<u8>,
+    /// Where a volatile MD's bytes are copied for the call (kept likewise).
+    inline: Vec<u8>,
 }
 
 impl Portals {
@@ -143,6 +152,7 @@ impl Portals {
             ep,
             nis: (0..crate::shm::ptl_call::MAX_NIS).map(|_| None).collect(),
             scratch: Vec::with_capacity(256),
+            inline: Vec::new(),
         }
     }
 
@@ -831,9 +841,25 @@ impl Portals {
     // ------------------------------------------------------------------ memory descriptors
 
     /// PtlMDBind.
+    /// A `PTL_MD_VOLATILE` MD must lie in memory registered through this library's endpoint
+    /// (its sends are copied from there before the call returns): elsewhere, ArgInvalid.
     pub fn md_bind(&mut self, ni: NiHandle, md: &Md) -> Result<u32, PortalsError> {
         let wni = self.wire_ni(ni)?;
         let len: u64 = md.segments.iter().map(|s| s.1).sum();
+        let volatile = match md.options & md_opt::VOLATILE {
+            0 => None,
+            _ => {
+                let r = self.ep.region(md.region).ok_or(PtlError::ArgInvalid)?;
+                let inside = md
+                    .segments
+                    .iter()
+                    .all(|&(at, n)| at.checked_add(n).is_some_and(|end| end <= r.len() as u64));
+                if !inside {
+                    return Err(PtlError::ArgInvalid.into());
+                }
+                Some((r.clone(), md.segments.clone()))
+            }
+        };
         let h = self.call(&PtlCall::MdBind {
             ni: wni,
             region: md.region.0,
@@ -842,7 +868,7 @@ impl Portals {
             eq: md.eq,
             ct: md.ct,
         })? as u32;
-        self.info_mut(ni)?.mds.insert(h, (len, md.options));
+        self.info_mut(ni)?.mds.insert(h, MdInfo { len, volatile });
         Ok(h)
     }
 
@@ -895,18 +921,28 @@ impl Portals {
         mut op: OpSpec,
         trigger: Option<(u32, u64)>,
     ) -> Result<(), PortalsError> {
+        // Kept between calls (an error drops it: the next call allocates anew).
+        let mut inline = std::mem::take(&mut self.inline);
         let wni = self.wire_ni(ni)?;
         let info = self.info(ni)?;
         let (host, rank) = self.locate(ni, op.target)?;
-        let (mdlen, _) = *info.mds.get(&op.md).ok_or(PtlError::ArgInvalid)?;
+        let md = info.mds.get(&op.md).ok_or(PtlError::ArgInvalid)?;
         let sends = op.kind != ReqKind::Get;
         if op.length > info.limits.max_msg_size
-            || (sends && op.offset.checked_add(op.length).is_none_or(|e| e > mdlen))
+            || (sends && op.offset.checked_add(op.length).is_none_or(|e| e > md.len))
         {
             return Err(PtlError::ArgInvalid.into());
         }
+        inline.clear();
+        if let (true, Some((region, segments))) = (sends, &md.volatile) {
+            if op.length > info.limits.max_volatile_size {
+                return Err(PtlError::ArgInvalid.into());
+            }
+            copy_out(region, segments, op.offset, op.length, &mut inline);
+        }
+        op.inline = inline;
         if let Some(g) = op.get_md {
-            let (glen, _) = *info.mds.get(&g).ok_or(PtlError::ArgInvalid)?;
+            let glen = info.mds.get(&g).ok_or(PtlError::ArgInvalid)?.len;
             if op
                 .get_offset
                 .checked_add(op.length)
@@ -945,7 +981,11 @@ impl Portals {
                 return Err(PtlError::ArgInvalid.into());
             }
         }
-        self.oneway(&call)
+        let r = self.oneway(&call);
+        if let PtlCall::Op { op, .. } = call {
+            self.inline = op.inline;
+        }
+        r
     }
 
     /// PtlPut.
@@ -1258,6 +1298,34 @@ fn movement(
         user_ptr: tags.0,
         hdr_data: tags.1,
         operand: Vec::new(),
+        inline: Vec::new(),
+    }
+}
+
+/// Appends `len` bytes at offset `off` of the buffer `segments` of `region` make out (the
+/// segments were checked to lie inside it at bind, the range against the MD's length).
+fn copy_out(
+    region: &MemRegion,
+    segments: &[(u64, u64)],
+    mut off: u64,
+    len: u64,
+    out: &mut Vec<u8>,
+) {
+    let mut left = len;
+    let bytes = region.bytes();
+    for &(start, slen) in segments {
+        if left == 0 {
+            break;
+        }
+        if off >= slen {
+            off -= slen;
+            continue;
+        }
+        let n = (slen - off).min(left);
+        let at = (start + off) as usize;
+        out.extend_from_slice(&bytes[at..at + n as usize]);
+        left -= n;
+        off = 0;
     }
 }
 

@@ -411,6 +411,9 @@ impl PtlCall {
                 let (ct, th) = trigger.unwrap_or((NONE, 0));
                 w.u32(ct).u64(th).u8(op.operand.len() as u8);
                 w.0.extend_from_slice(&op.operand);
+                // Volatile bytes last, their length in a u32 (the call's own length bounds it).
+                w.u32(op.inline.len() as u32);
+                w.0.extend_from_slice(&op.inline);
                 &mut w
             }
         };
@@ -547,13 +550,20 @@ impl PtlCall {
                     user_ptr: r.u64()?,
                     hdr_data: r.u64()?,
                     operand: Vec::new(),
+                    inline: Vec::new(),
                 };
                 let (ct, th) = (r.u32()?, r.u64()?);
                 let n = r.u8()? as usize;
                 let operand = r.take(n)?.to_vec();
+                let k = r.u32()? as usize;
+                let inline = r.take(k)?.to_vec();
                 PtlCall::Op {
                     ni,
-                    op: OpSpec { operand, ..op },
+                    op: OpSpec {
+                        operand,
+                        inline,
+                        ..op
+                    },
                     trigger: (ct != NONE).then_some((ct, th)),
                 }
             }
@@ -604,6 +614,7 @@ mod tests {
             user_ptr: 9,
             hdr_data: 10,
             operand: vec![1; 8],
+            inline: Vec::new(),
         };
         for c in [
             PtlCall::NiInit {
@@ -669,6 +680,7 @@ mod tests {
                     kind: ReqKind::Put,
                     target: ProcessId::Logical { rank: 3 },
                     operand: Vec::new(),
+                    inline: vec![1, 2, 3, 4, 5, 6, 7, 8],
                     ..op
                 },
                 trigger: None,

@@ -148,6 +148,9 @@ pub struct Limits {
     pub max_atomic_size: u64,
     pub max_fetch_atomic_size: u64,
     pub max_ordered_size: u64,
+    /// Most bytes a put or atomic from a `PTL_MD_VOLATILE` MD may send: the library copies
+    /// them into the call (see `OpSpec::inline`).
+    pub max_volatile_size: u64,
 }
 
 impl Default for Limits {
@@ -166,6 +169,7 @@ impl Default for Limits {
             max_atomic_size: 512,
             max_fetch_atomic_size: 512,
             max_ordered_size: 1 << 30,
+            max_volatile_size: 512,
         }
     }
 }

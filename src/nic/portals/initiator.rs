@@ -182,6 +182,11 @@ pub struct OpSpec {
     pub user_ptr: u64,
     pub hdr_data: u64,
     pub operand: Vec<u8>,
+    /// The bytes a put or atomic sends, carried in the call itself: a `PTL_MD_VOLATILE` MD's,
+    /// which the library copied before PtlPut returned (the process may reuse the buffer at
+    /// once, and the NIC reads no memory the process just wrote on another core). Empty: the
+    /// NIC reads them from the MD as the operation starts.
+    pub inline: Vec<u8>,
 }
 
 /// An operation in flight.
@@ -338,8 +343,19 @@ impl PortalsNi {
                 return Err(PtlError::ArgInvalid);
             }
         }
+        if !spec.inline.is_empty()
+            && (!sends
+                || spec.inline.len() as u64 != spec.length
+                || spec.length > self.limits.max_volatile_size)
+        {
+            return Err(PtlError::ArgInvalid);
+        }
         let streamed = payload.is_none();
         let gathered = match payload {
+            Some(p) if sends && !spec.inline.is_empty() => {
+                p.extend_from_slice(&spec.inline);
+                Ok(())
+            }
             Some(p) if sends => pay.gather(spec.offset, spec.length, p),
             _ => Ok(()),
         };
@@ -375,6 +391,11 @@ impl PortalsNi {
         if sends && !streamed {
             self.post_send(&spec);
         }
+        // Sent: the copy need not wait for the answer.
+        let spec = OpSpec {
+            inline: Vec::new(),
+            ..spec
+        };
         Ok(self.outgoing.insert(Outgoing { spec }))
     }
 

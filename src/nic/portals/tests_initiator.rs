@@ -69,6 +69,7 @@ fn spec(kind: ReqKind, md: u32, length: u64, ack_req: AckReq) -> OpSpec {
         user_ptr: 77,
         hdr_data: 5,
         operand: Vec::new(),
+        inline: Vec::new(),
     }
 }
 
@@ -133,6 +134,44 @@ fn put_event_sequences_for_every_ack_request() {
         assert_eq!(tr.to_vec(0, 16), b"sixteen bytes!!!");
         assert_eq!(p.a_kinds(), want_events, "{ack:?}");
         assert_eq!(p.a.ct_get(p.a_ct).unwrap().success, counted, "{ack:?}");
+    }
+}
+
+/// A volatile MD's bytes come with the call: the NIC sends those, whatever its memory holds
+/// by the time it starts the operation, and refuses inline bytes that do not fit the call.
+#[test]
+fn inline_bytes_are_sent_instead_of_the_md_memory() {
+    let tr = region(64);
+    let mut p = pair(&tr, 0);
+    let src = region(1024);
+    src.write(0, b"overwritten.....").unwrap();
+    let m = p.bind(src, 1024, md::VOLATILE);
+    let mut s = spec(ReqKind::Put, m, 16, AckReq::Ack);
+    s.inline = b"as it was called".to_vec();
+    p.run(s.clone());
+    assert_eq!(tr.to_vec(0, 16), b"as it was called");
+    assert_eq!(p.a_kinds(), [EventKind::Send, EventKind::Ack]);
+    let limit = Limits::default().max_volatile_size;
+    for bad in [
+        OpSpec {
+            length: 8,
+            ..s.clone()
+        },
+        OpSpec {
+            kind: ReqKind::Get,
+            ..s.clone()
+        },
+        OpSpec {
+            length: limit + 1,
+            inline: vec![0; limit as usize + 1],
+            ..s.clone()
+        },
+    ] {
+        assert_eq!(
+            p.a.start(bad, &mut Vec::new()),
+            Err(PtlError::ArgInvalid),
+            "inline bytes that are not the whole send, or longer than max_volatile_size"
+        );
     }
 }
 
