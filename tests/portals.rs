@@ -333,8 +333,15 @@ fn volatile_md_sends_what_it_held_when_put_returned() {
             ),
             "longer than max_volatile_size"
         );
+        // Process memory the NIC reaches by copy: bound without VOLATILE, refused with it.
+        let private = [0u8; 64];
+        let r =
+            s.p.endpoint()
+                .client()
+                .register_process(private.as_ptr() as u64, 64, Perms(0))
+                .unwrap();
         let unknown = Md {
-            region: softnic::client::MemHandle(u32::MAX),
+            region: softnic::client::MemHandle(r),
             segments: vec![(0, 8)],
             options: md_opt::VOLATILE,
             eq: Some(s.eq),
@@ -347,6 +354,11 @@ fn volatile_md_sends_what_it_held_when_put_returned() {
             ),
             "memory the library cannot read"
         );
+        let plain = Md {
+            options: 0,
+            ..unknown
+        };
+        assert!(s.p.md_bind(s.ni, &plain).is_ok());
     }
     s.p.endpoint().barrier().unwrap();
     if me == 1 {
