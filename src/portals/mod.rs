@@ -13,7 +13,7 @@ use rustc_hash::FxHashMap as HashMap;
 use std::time::{Duration, Instant};
 
 use crate::client::{Endpoint, MemHandle, MemRegion, NicError};
-use crate::nic::memory::Perms;
+use crate::nic::memory::{Perms, Region};
 use crate::nic::portals::{OpSpec, ReqKind};
 use crate::shm::event_ring::{ring_bytes, CtSlot, EventRing, CT_SLOT_LEN};
 use crate::shm::ptl_call::{result_of, Buf, MeArgs, PtlCall};
@@ -121,7 +121,7 @@ struct NiInfo {
 struct MdInfo {
     len: u64,
     /// A `PTL_MD_VOLATILE` MD's memory and segments: sends from it are copied into the call.
-    volatile: Option<(MemRegion, Vec<(u64, u64)>)>,
+    volatile: Option<(Region, Vec<(u64, u64)>)>,
 }
 
 const CT_SLOTS: usize = 4096;
@@ -857,7 +857,7 @@ impl Portals {
                 if !inside {
                     return Err(PtlError::ArgInvalid.into());
                 }
-                Some((r.clone(), md.segments.clone()))
+                Some((region_of(r), md.segments.clone()))
             }
         };
         let h = self.call(&PtlCall::MdBind {
@@ -938,7 +938,15 @@ impl Portals {
             if op.length > info.limits.max_volatile_size {
                 return Err(PtlError::ArgInvalid.into());
             }
-            copy_out(region, segments, op.offset, op.length, &mut inline);
+            // The segments lie inside the region (checked at bind), the range inside the MD.
+            crate::nic::portals::initiator::gather(
+                region,
+                segments,
+                op.offset,
+                op.length,
+                &mut inline,
+            )
+            .map_err(|_| PtlError::ArgInvalid)?;
         }
         op.inline = inline;
         if let Some(g) = op.get_md {
@@ -1302,34 +1310,8 @@ fn movement(
     }
 }
 
-/// Appends `len` bytes at offset `off` of the buffer `segments` of `region` make out (the
-/// segments were checked to lie inside it at bind, the range against the MD's length).
-fn copy_out(
-    region: &MemRegion,
-    segments: &[(u64, u64)],
-    mut off: u64,
-    len: u64,
-    out: &mut Vec<u8>,
-) {
-    let mut left = len;
-    let bytes = region.bytes();
-    for &(start, slen) in segments {
-        if left == 0 {
-            break;
-        }
-        if off >= slen {
-            off -= slen;
-            continue;
-        }
-        let n = (slen - off).min(left);
-        let at = (start + off) as usize;
-        out.extend_from_slice(&bytes[at..at + n as usize]);
-        left -= n;
-        off = 0;
-    }
-}
-
-/// The NIC-memory view of a registered region, for reading rings this process shares.
-fn region_of(m: &MemRegion) -> crate::nic::memory::Region {
+/// The NIC-memory view of a registered region, for reading rings this process shares and
+/// copying a volatile MD's bytes.
+fn region_of(m: &MemRegion) -> Region {
     m.nic_region()
 }

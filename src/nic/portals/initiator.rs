@@ -113,8 +113,9 @@ impl PayloadSource {
     }
 }
 
-/// Copies `len` bytes at offset `off` of the buffer `segments` of `region` make out (gather).
-fn gather(
+/// Copies `len` bytes at offset `off` of the buffer `segments` of `region` make out (gather;
+/// the Portals library copies a volatile MD's bytes into its call with it too).
+pub(crate) fn gather(
     region: &Region,
     segments: &[(u64, u64)],
     mut off: u64,
