@@ -90,16 +90,32 @@ pub struct PayloadSource {
     /// Where the payload starts in the MD, and its length.
     offset: u64,
     pub length: u64,
+    /// The call's own bytes (a volatile MD's, see [`OpSpec::inline`]): read instead of the MD.
+    inline: Option<Vec<u8>>,
 }
 
 impl PayloadSource {
     /// Appends payload bytes `[off, off + len)` to `out`.
     pub fn gather(&self, off: u64, len: u64, out: &mut Vec<u8>) -> Result<(), Status> {
-        gather(&self.region, &self.segments, self.offset + off, len, out)
+        match &self.inline {
+            Some(b) => {
+                let part = usize::try_from(off + len)
+                    .ok()
+                    .and_then(|end| b.get(off as usize..end))
+                    .ok_or(Status::OutOfBounds)?;
+                out.extend_from_slice(part);
+                Ok(())
+            }
+            None => gather(&self.region, &self.segments, self.offset + off, len, out),
+        }
     }
 
-    /// Where payload bytes `[off, off + len)` are mapped, if in one segment of mapped memory.
+    /// Where payload bytes `[off, off + len)` are mapped, if in one segment of mapped memory
+    /// (never for the call's own bytes: they are gathered).
     pub fn mapped(&self, off: u64, len: u64) -> Option<*const u8> {
+        if self.inline.is_some() {
+            return None;
+        }
         let mut off = self.offset + off;
         for &(start, slen) in &self.segments {
             if off < slen {
@@ -269,6 +285,8 @@ impl PortalsNi {
             return Err(PtlError::ArgInvalid);
         }
         let (md, offset, length) = (spec.md, spec.offset, spec.length);
+        // Checked by `begin`, which keeps no copy of them.
+        let inline = (!spec.inline.is_empty()).then(|| spec.inline.clone());
         let id = self.begin(spec, None)?;
         let m = self.mds.get(md).expect("begin checked the MD");
         Ok((
@@ -278,6 +296,7 @@ impl PortalsNi {
                 segments: m.segments.clone(),
                 offset,
                 length,
+                inline,
             },
         ))
     }

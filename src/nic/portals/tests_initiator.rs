@@ -175,6 +175,38 @@ fn inline_bytes_are_sent_instead_of_the_md_memory() {
     }
 }
 
+/// A put too long for one datagram streams from its MD; one from a volatile MD (a small MTU
+/// makes a fragment shorter than max_volatile_size) streams the call's bytes instead.
+#[test]
+fn a_streamed_put_reads_the_calls_bytes_not_the_md() {
+    let tr = region(64);
+    let mut p = pair(&tr, 0);
+    let src = region(1024);
+    src.write(0, b"overwritten.....").unwrap();
+    let m = p.bind(src.clone(), 1024, md::VOLATILE);
+    let mut s = spec(ReqKind::Put, m, 16, AckReq::Ack);
+    s.inline = b"as it was called".to_vec();
+    let (_, from) = p.a.start_streamed(s.clone()).unwrap();
+    let mut got = Vec::new();
+    from.gather(0, 10, &mut got).unwrap();
+    from.gather(10, 6, &mut got).unwrap();
+    assert_eq!(got, b"as it was called");
+    assert!(
+        from.mapped(0, 16).is_none(),
+        "the call's bytes are not read in place"
+    );
+    assert_eq!(
+        from.gather(10, 7, &mut got),
+        Err(crate::wire::Status::OutOfBounds)
+    );
+    // Without inline bytes the stream reads the MD.
+    s.inline.clear();
+    let (_, from) = p.a.start_streamed(s).unwrap();
+    let mut got = Vec::new();
+    from.gather(0, 16, &mut got).unwrap();
+    assert_eq!(got, b"overwritten.....");
+}
+
 #[test]
 fn ack_disabled_at_the_target_means_no_ack() {
     let tr = region(64);
