@@ -518,7 +518,10 @@ impl HostNic {
             let (len, alone) = match peeked {
                 Ok(Some(len)) => {
                     phase_trace::stamp(Phase::CommandTaken);
-                    (len, a.control.cmd_alone(len))
+                    // Nothing that sends queued behind it (a receive posted after a send:
+                    // MPI's send, recv) counts as nothing.
+                    let c = &a.control;
+                    (len, c.cmd_alone(len) || c.cmd_next_stays_local(len))
                 }
                 Ok(None) => {
                     self.cmd_buf = buf;

@@ -527,6 +527,32 @@ impl Control {
         self.cmd_head.get().wrapping_add(len) == self.cmd_tail_seen.get()
     }
 
+    /// Whether the command published behind the one just peeked (a record of `len` bytes)
+    /// surely sends nothing: it opens or frees something, or is a Portals call that only
+    /// changes local state (`ptl_call::stays_local`). A hint for when to send (false when
+    /// nothing is there or it cannot tell), read from memory the client may still scribble on.
+    pub fn cmd_next_stays_local(&self, len: u64) -> bool {
+        let at = self.cmd_head.get().wrapping_add(len);
+        let avail = self.cmd_tail_seen.get().wrapping_sub(at);
+        if avail == 0 || avail > self.cmd_cap {
+            return false;
+        }
+        let Ok((pos, rlen, REC_CMD)) = self.record_at(at, avail) else {
+            return false;
+        };
+        if rlen <= (8 + COMMAND_LEN) as u64 {
+            return false;
+        }
+        let mut b = [0u8; 2];
+        // SAFETY: the record lies inside the ring (`record_at` checked) and is longer than
+        // its header and command, so both bytes are in it.
+        unsafe {
+            b[0] = *self.ring().add(pos + 8);
+            b[1] = *self.ring().add(pos + 8 + COMMAND_LEN);
+        }
+        b[0] == CommandKind::Portals as u8 && crate::shm::ptl_call::stays_local(b[1])
+    }
+
     /// The record at ring position `at` with `avail` bytes published from there on: its
     /// offset in the ring, length and tag, checked to lie inside both.
     fn record_at(&self, at: u64, avail: u64) -> Result<(usize, u64, u32), ControlError> {
@@ -997,6 +1023,55 @@ mod tests {
     }
 
     #[test]
+    fn only_local_portals_calls_behind_a_command_count_as_nothing() {
+        use crate::shm::ptl_call::{MeArgs, PtlCall};
+        let (d, c) = pair();
+        let portals = |call: PtlCall| {
+            let mut b = Vec::new();
+            call.encode_into(&mut b);
+            let cmd = Command {
+                kind: CommandKind::Portals,
+                len: b.len() as u64,
+                ..Default::default()
+            };
+            assert!(c.cmd_push(&cmd, &b));
+        };
+        let mut buf = Vec::new();
+        let mut next = |d: &Control| {
+            let len = d.cmd_peek(&mut buf).unwrap().unwrap();
+            let local = d.cmd_next_stays_local(len);
+            d.cmd_advance(len);
+            local
+        };
+        c.cmd_push(&Command::default(), &[]);
+        let append = PtlCall::Append {
+            ni: 0,
+            pt: 0,
+            overflow: false,
+            user_ptr: 0,
+            me: MeArgs::default(),
+        };
+        portals(append.clone());
+        let inc = PtlCall::CtInc {
+            ni: 0,
+            ct: 0,
+            success: 1,
+            failure: 0,
+        };
+        portals(inc);
+        c.cmd_push(&Command::default(), &[]);
+        portals(PtlCall::MdRelease { ni: 0, md: 0 });
+        assert!(next(&d), "a put, then a receive posted");
+        assert!(
+            !next(&d),
+            "the receive, then a count that may fire triggered ops"
+        );
+        assert!(!next(&d), "the count, then a put");
+        assert!(next(&d), "the put, then a release");
+        assert!(!next(&d), "nothing behind the release");
+    }
+
+    #[test]
     fn consumed_space_returns_only_when_published() {
         let (d, c) = pair();
         let mut n = 0;
@@ -1078,7 +1153,7 @@ mod tests {
             let mut buf = Vec::new();
             for _ in 0..100 {
                 match d.cmd_peek(&mut buf) {
-                    Ok(Some(len)) => { let _ = Command::decode(&buf); d.cmd_advance(len); }
+                    Ok(Some(len)) => { let _ = (Command::decode(&buf), d.cmd_next_stays_local(len)); d.cmd_advance(len); }
                     _ => break,
                 }
             }

@@ -152,6 +152,13 @@ pub enum PtlCall {
     },
 }
 
+/// Whether a call with this code only changes its interface's state and sends nothing:
+/// everything but data movements, counting-event changes (which may fire triggered
+/// operations) and PtlNIFini.
+pub fn stays_local(code: u8) -> bool {
+    matches!(code, 1..=5 | 8 | 10..=17 | 19 | 21)
+}
+
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 #[error("malformed Portals call")]
 pub struct BadCall;
