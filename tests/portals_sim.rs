@@ -877,6 +877,50 @@ fn a_silent_deliverys_ack_rides_on_the_targets_answer() {
     );
 }
 
+/// A message that rides with the answer to one of its receiver's own requests (a ping-pong's
+/// reply carrying the acknowledgement of the message before: MPI's send, recv) reaches its
+/// process first: its event is queued before that acknowledgement's.
+#[test]
+fn a_message_is_told_before_the_acknowledgement_that_rode_with_it() {
+    let mut c = clean_pair(11);
+    let (mut i, mut t) = matching_pair(&mut c);
+    let (ieq, mut iring) = i.eq(&mut c);
+    let (teq, mut tring) = t.eq(&mut c);
+    let (imem, tmem) = (region(64), region(64));
+    let (ih, th) = (i.register(&mut c, &imem), t.register(&mut c, &tmem));
+    i.pt_alloc(&mut c, 0, 0, Some(ieq));
+    t.pt_alloc(&mut c, 0, 0, Some(teq));
+    // Each exposes bytes 32..64 with full events; each sends from bytes 0..8.
+    i.append(&mut c, (ih, 32, 32), 0, 1, 0);
+    t.append(&mut c, (th, 32, 32), 0, 1, 0);
+    let imd = i.md_bind(&mut c, ih, 64, md::EVENT_SEND_DISABLE, Some(ieq));
+    let tmd = t.md_bind(&mut c, th, 64, md::EVENT_SEND_DISABLE, None);
+    for round in 1..=3u64 {
+        i.start(&mut c, put8(imd, 1, AckReq::Ack), None);
+        c.run_until(1_000_000_000, |_| {
+            std::iter::from_fn(|| tring.pop()).any(|(e, _)| e.kind == EventKind::Put)
+        })
+        .unwrap();
+        let before = c.host(1).unwrap().op_datagrams_sent();
+        t.start(&mut c, put8(tmd, 0, AckReq::NoAck), None);
+        let mut told = Vec::new();
+        c.run_until(1_000_000_000, |_| {
+            told.extend(std::iter::from_fn(|| iring.pop()).map(|(e, _)| e.kind));
+            told.len() >= 2
+        })
+        .unwrap();
+        // Round 1 also opens the hosts' session (greetings).
+        if round > 1 {
+            assert_eq!(
+                c.host(1).unwrap().op_datagrams_sent() - before,
+                1,
+                "round {round}: the answer carries the ACK"
+            );
+            assert_eq!(told, [EventKind::Put, EventKind::Ack], "round {round}");
+        }
+    }
+}
+
 /// An event queue counts the events its process has not yet consumed against its capacity;
 /// once the process has consumed them, the queue takes as many again, without a drop, however
 /// long the daemon idled in between (it learns of the room before it next posts an event,

@@ -810,15 +810,34 @@ impl HostCore {
     pub(super) fn on_body(&mut self, now: u64, peer: u16, body: &[u8]) {
         // Atomics a few ops ahead have their target words loaded while this one is served.
         let mut ahead = OpIter::new(body).skip(PREFETCH_AHEAD);
+        // Portals answers (acknowledgements, replies) wait for the rest: a message that rode
+        // with them reaches its process first, as in a ping-pong whose answer carries the
+        // acknowledgement of the message before (the answers complete this host's own
+        // requests; nothing orders those completions against events of arrivals).
+        let (mut answers, mut arrivals) = (false, false);
         for op in OpIter::new(body) {
             if let Some(Ok(next)) = ahead.next() {
                 self.ptl_prefetch(&next);
             }
             match op {
-                Ok(op) => self.on_op(now, peer, &op),
+                Ok(OpRef::PtlAcks { .. } | OpRef::PtlResp { .. }) => answers = true,
+                Ok(op) => {
+                    arrivals |= matches!(op, OpRef::PtlReq { .. });
+                    self.on_op(now, peer, &op)
+                }
                 Err(e) => {
                     self.stats.malformed_ops += 1;
                     tracing::warn!(host = %self.name, peer, "malformed op from an authenticated peer: {e}");
+                }
+            }
+        }
+        if answers {
+            if arrivals {
+                self.ptl_mirror();
+            }
+            for op in OpIter::new(body).flatten() {
+                if matches!(op, OpRef::PtlAcks { .. } | OpRef::PtlResp { .. }) {
+                    self.on_op(now, peer, &op);
                 }
             }
         }
