@@ -528,9 +528,9 @@ impl Control {
     }
 
     /// Whether the command published behind the one just peeked (a record of `len` bytes)
-    /// surely sends nothing: it opens or frees something, or is a Portals call that only
-    /// changes local state (`ptl_call::stays_local`). A hint for when to send (false when
-    /// nothing is there or it cannot tell), read from memory the client may still scribble on.
+    /// surely sends nothing: a Portals call that only changes local state
+    /// (`ptl_call::stays_local`). A hint for when to send (false when nothing is there or it
+    /// cannot tell), read from memory the client may still scribble on.
     pub fn cmd_next_stays_local(&self, len: u64) -> bool {
         let at = self.cmd_head.get().wrapping_add(len);
         let avail = self.cmd_tail_seen.get().wrapping_sub(at);
@@ -1044,21 +1044,19 @@ mod tests {
             local
         };
         c.cmd_push(&Command::default(), &[]);
-        let append = PtlCall::Append {
+        portals(PtlCall::Append {
             ni: 0,
             pt: 0,
             overflow: false,
             user_ptr: 0,
             me: MeArgs::default(),
-        };
-        portals(append.clone());
-        let inc = PtlCall::CtInc {
+        });
+        portals(PtlCall::CtInc {
             ni: 0,
             ct: 0,
             success: 1,
             failure: 0,
-        };
-        portals(inc);
+        });
         c.cmd_push(&Command::default(), &[]);
         portals(PtlCall::MdRelease { ni: 0, md: 0 });
         assert!(next(&d), "a put, then a receive posted");
