@@ -518,10 +518,7 @@ impl HostNic {
             let (len, alone) = match peeked {
                 Ok(Some(len)) => {
                     phase_trace::stamp(Phase::CommandTaken);
-                    // Nothing that sends queued behind it (a receive posted after a send:
-                    // MPI's send, recv) counts as nothing.
-                    let c = &a.control;
-                    (len, c.cmd_alone(len) || c.cmd_next_stays_local(len))
+                    (len, a.control.cmd_alone(len))
                 }
                 Ok(None) => {
                     self.cmd_buf = buf;
@@ -536,8 +533,10 @@ impl HostNic {
                 }
             };
             // Sent at once if nothing was queued behind it, or nothing of this host's is on
-            // its way (then it is the start of a stream, or a ping-pong's answer).
-            let at_once = may_send && (alone || self.core.transport.quiet());
+            // its way (then it is the start of a stream, or a ping-pong's answer), or only a
+            // call that sends nothing is (a receive posted after a send: MPI's send, recv).
+            let at_once = may_send
+                && (alone || self.core.transport.quiet() || a.control.cmd_next_stays_local(len));
             let flow = match Command::decode(&buf) {
                 Ok((cmd, inline)) => {
                     let flow = self.core.handle_command(now, id, &cmd, inline);

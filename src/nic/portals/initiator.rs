@@ -99,9 +99,9 @@ impl PayloadSource {
     pub fn gather(&self, off: u64, len: u64, out: &mut Vec<u8>) -> Result<(), Status> {
         match &self.inline {
             Some(b) => {
-                let part = usize::try_from(off + len)
-                    .ok()
-                    .and_then(|end| b.get(off as usize..end))
+                let part = off
+                    .checked_add(len)
+                    .and_then(|end| b.get(usize::try_from(off).ok()?..usize::try_from(end).ok()?))
                     .ok_or(Status::OutOfBounds)?;
                 out.extend_from_slice(part);
                 Ok(())

@@ -139,15 +139,22 @@ fn put_event_sequences_for_every_ack_request() {
 
 /// A volatile MD's bytes come with the call: the NIC sends those, whatever its memory holds
 /// by the time it starts the operation, and refuses inline bytes that do not fit the call.
-#[test]
-fn inline_bytes_are_sent_instead_of_the_md_memory() {
-    let tr = region(64);
-    let mut p = pair(&tr, 0);
+/// A pair whose initiator has a volatile MD over memory that no longer holds what the put
+/// of 16 B it returns was called with (its inline bytes).
+fn volatile_put(tr: &Region) -> (Pair, OpSpec) {
+    let mut p = pair(tr, 0);
     let src = region(1024);
     src.write(0, b"overwritten.....").unwrap();
     let m = p.bind(src, 1024, md::VOLATILE);
     let mut s = spec(ReqKind::Put, m, 16, AckReq::Ack);
     s.inline = b"as it was called".to_vec();
+    (p, s)
+}
+
+#[test]
+fn inline_bytes_are_sent_instead_of_the_md_memory() {
+    let tr = region(64);
+    let (mut p, s) = volatile_put(&tr);
     p.run(s.clone());
     assert_eq!(tr.to_vec(0, 16), b"as it was called");
     assert_eq!(p.a_kinds(), [EventKind::Send, EventKind::Ack]);
@@ -180,12 +187,7 @@ fn inline_bytes_are_sent_instead_of_the_md_memory() {
 #[test]
 fn a_streamed_put_reads_the_calls_bytes_not_the_md() {
     let tr = region(64);
-    let mut p = pair(&tr, 0);
-    let src = region(1024);
-    src.write(0, b"overwritten.....").unwrap();
-    let m = p.bind(src.clone(), 1024, md::VOLATILE);
-    let mut s = spec(ReqKind::Put, m, 16, AckReq::Ack);
-    s.inline = b"as it was called".to_vec();
+    let (mut p, mut s) = volatile_put(&tr);
     let (_, from) = p.a.start_streamed(s.clone()).unwrap();
     let mut got = Vec::new();
     from.gather(0, 10, &mut got).unwrap();
