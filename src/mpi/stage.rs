@@ -32,6 +32,11 @@ pub(super) const STAGE_LEN: usize = 4 << 20;
 pub(super) const STAGE_MAX: u64 = 2 << 20;
 /// The user_ptr tag of a staged get (the rest is its offset in the ring).
 pub(super) const T_STAGE: u64 = 11 << 60;
+/// Bodies at least this long are copied out of the ring with stores that bypass the caches:
+/// a rendezvous stream's receive buffers are cold, and ordinary stores read each line before
+/// writing it. 1 MiB rendezvous from private memory, ABBA 36 rows a side: medians 2178 →
+/// 2468 MB/s (the copy into the send ring stays cached: the NIC reads it next).
+const STREAM_OUT_MIN: usize = 512 << 10;
 
 /// A get of a long message's body into the ring, for request `req`, copied to `dst`.
 #[derive(Debug, Clone, Copy)]
@@ -221,7 +226,7 @@ impl State {
             // says they are there); `dst` is the receive buffer, valid for them while the
             // request is pending.
             unsafe {
-                std::ptr::copy_nonoverlapping(
+                copy_out(
                     self.stage.region.as_ptr().add(at as usize),
                     g.dst as *mut u8,
                     n,
@@ -272,5 +277,83 @@ pub(super) fn body_target(rank: u32, send_id: u64, remote_offset: u64) -> Target
         pt_index: super::state::READ_PT,
         match_bits: send_id,
         remote_offset,
+    }
+}
+
+/// Copies `n` bytes of a staged body to its receive buffer, long ones by streaming stores.
+///
+/// # Safety
+/// `src` readable and `dst` writable for `n` bytes, not overlapping.
+unsafe fn copy_out(src: *const u8, dst: *mut u8, n: usize) {
+    #[cfg(target_arch = "x86_64")]
+    if n >= STREAM_OUT_MIN {
+        return stream_copy(src, dst, n);
+    }
+    std::ptr::copy_nonoverlapping(src, dst, n)
+}
+
+/// `copy_nonoverlapping` with non-temporal stores (SSE2, part of x86_64), fenced so that the
+/// bytes are visible before anything this thread stores after it (the request's completion).
+///
+/// # Safety
+/// As [`copy_out`].
+#[cfg(target_arch = "x86_64")]
+unsafe fn stream_copy(src: *const u8, dst: *mut u8, n: usize) {
+    use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_sfence, _mm_stream_si128};
+    let head = dst.align_offset(16).min(n);
+    std::ptr::copy_nonoverlapping(src, dst, head);
+    let mut i = head;
+    while i + 64 <= n {
+        let s = src.add(i) as *const __m128i;
+        let d = dst.add(i) as *mut __m128i;
+        let (a, b, c, e) = (
+            _mm_loadu_si128(s),
+            _mm_loadu_si128(s.add(1)),
+            _mm_loadu_si128(s.add(2)),
+            _mm_loadu_si128(s.add(3)),
+        );
+        _mm_stream_si128(d, a);
+        _mm_stream_si128(d.add(1), b);
+        _mm_stream_si128(d.add(2), c);
+        _mm_stream_si128(d.add(3), e);
+        i += 64;
+    }
+    _mm_sfence();
+    std::ptr::copy_nonoverlapping(src.add(i), dst.add(i), n - i);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every byte arrives, whatever the destination's alignment and the length's remainder,
+    /// and nothing around the destination is touched.
+    #[test]
+    fn a_streamed_copy_out_is_exact() {
+        let src: Vec<u8> = (0..STREAM_OUT_MIN + 300)
+            .map(|i| (i * 7 + i / 251) as u8)
+            .collect();
+        for len in [
+            0,
+            1,
+            15,
+            63,
+            64,
+            65,
+            4097,
+            STREAM_OUT_MIN - 1,
+            STREAM_OUT_MIN,
+            STREAM_OUT_MIN + 77,
+        ] {
+            for (s_off, d_off) in [(0, 0), (1, 3), (5, 16), (13, 9)] {
+                let mut dst = vec![0xAAu8; len + 64];
+                let n = len.min(src.len() - s_off);
+                // SAFETY: both ranges are inside their vectors and distinct allocations.
+                unsafe { copy_out(src.as_ptr().add(s_off), dst.as_mut_ptr().add(d_off), n) };
+                assert_eq!(&dst[d_off..d_off + n], &src[s_off..s_off + n], "len {len}");
+                assert!(dst[..d_off].iter().all(|&b| b == 0xAA));
+                assert!(dst[d_off + n..].iter().all(|&b| b == 0xAA));
+            }
+        }
     }
 }
