@@ -348,12 +348,16 @@ mod tests {
         ] {
             for (s_off, d_off) in [(0, 0), (1, 3), (5, 16), (13, 9)] {
                 let mut dst = vec![0xAAu8; len + 64];
-                let n = len.min(src.len() - s_off);
-                // SAFETY: both ranges are inside their vectors and distinct allocations.
-                unsafe { copy_out(src.as_ptr().add(s_off), dst.as_mut_ptr().add(d_off), n) };
-                assert_eq!(&dst[d_off..d_off + n], &src[s_off..s_off + n], "len {len}");
+                // SAFETY: both ranges are inside their vectors (src has 300 bytes to spare)
+                // and distinct allocations.
+                unsafe { copy_out(src.as_ptr().add(s_off), dst.as_mut_ptr().add(d_off), len) };
+                assert_eq!(
+                    &dst[d_off..d_off + len],
+                    &src[s_off..s_off + len],
+                    "len {len}"
+                );
                 assert!(dst[..d_off].iter().all(|&b| b == 0xAA));
-                assert!(dst[d_off + n..].iter().all(|&b| b == 0xAA));
+                assert!(dst[d_off + len..].iter().all(|&b| b == 0xAA));
             }
         }
     }
