@@ -943,6 +943,13 @@ impl State {
 
     /// Waits (adaptively) for the next event or `max`, and handles what came.
     pub fn wait_event(&mut self, max: Duration) -> Result<(), MpiError> {
+        self.wait_event_for(None, max)
+    }
+
+    /// [`State::wait_event`]; with `waited`, returns as soon as an event completes that
+    /// request: what else came (a ping-pong's ACK rides with its answer) is handled at the
+    /// next call, after the caller's next message has left.
+    fn wait_event_for(&mut self, waited: Option<u32>, max: Duration) -> Result<(), MpiError> {
         if self.progress()? {
             return Ok(());
         }
@@ -958,6 +965,9 @@ impl State {
             Err(crate::portals::PortalsError::Ptl(PtlError::EqEmpty)) => {}
             Err(e) => return Err(e.into()),
         }
+        if waited.is_some_and(|i| self.is_done(i)) {
+            return Ok(());
+        }
         self.progress()?;
         Ok(())
     }
@@ -967,7 +977,7 @@ impl State {
     pub fn wait(&mut self, i: u32) -> Result<Status, MpiError> {
         let start = Instant::now();
         while !self.is_done(i) {
-            self.wait_event(Duration::from_millis(10))?;
+            self.wait_event_for(Some(i), Duration::from_millis(10))?;
             if start.elapsed() >= PING_AFTER {
                 if let Some(p) = self.reqs.get(i as usize).and_then(|r| r.as_ref()?.peer) {
                     self.ping(p)?;
