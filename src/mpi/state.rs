@@ -903,7 +903,7 @@ impl State {
             T_PROBE | i as u64,
         )?;
         while !self.is_done(i) {
-            self.wait_event(Duration::from_millis(10))?;
+            self.wait_event_for(Some(i), Duration::from_millis(10))?;
         }
         let found = self.req(i).expect("kept").probe_found;
         let st = self.take(i)?;
