@@ -33,6 +33,16 @@ const CLIENTS: usize = 576;
 const SPOKEN_TO: usize = 640;
 const REC_CMD: u32 = 1;
 const REC_PAD: u32 = 2;
+/// A VELO send in its short form ([`VELO_REC_HEAD`] bytes, then the message; the message's
+/// length in the tag word's upper half): EXTOLL's VELO requester takes a small message in one
+/// processor write, and so does this ring. A record of at most a cache line never straddles
+/// two, so the client writes, and the daemon reads, one line per message instead of the two
+/// or three of a full descriptor.
+const REC_VELO: u32 = 3;
+/// Bytes of a short VELO record before its message: record header, `client_req`, then host
+/// u16, VELO tag u8, flags u8, rank u32.
+const VELO_REC_HEAD: usize = 24;
+const LINE: u64 = 64;
 /// Bytes of a command descriptor (after the 8-byte record header).
 pub const COMMAND_LEN: usize = 72;
 pub const CQ_ENTRY_LEN: usize = 32;
@@ -423,8 +433,18 @@ impl Control {
     // ---- client side: command producer ----
 
     /// Appends a command (with `inline` payload for FMA puts); `false` when the ring is full.
+    /// A VELO send goes in its short record ([`REC_VELO`]).
     pub fn cmd_push(&self, cmd: &Command, inline: &[u8]) -> bool {
-        let need = (8 + COMMAND_LEN + inline.len()).next_multiple_of(8) as u64;
+        let short = cmd.kind == CommandKind::VeloSend
+            && cmd.operand <= u8::MAX as u64
+            && cmd.len == inline.len() as u64
+            && inline.len() <= u16::MAX as usize;
+        let head_len = if short {
+            VELO_REC_HEAD
+        } else {
+            8 + COMMAND_LEN
+        };
+        let need = (head_len + inline.len()).next_multiple_of(8) as u64;
         assert!(
             need <= self.cmd_cap / 4,
             "inline payload larger than max_inline"
@@ -432,7 +452,15 @@ impl Control {
         let mut tail = self.cmd_tail.get();
         let pos = tail % self.cmd_cap;
         let contiguous = self.cmd_cap - pos;
-        let pad = if need > contiguous { contiguous } else { 0 };
+        let in_line = LINE - pos % LINE;
+        let pad = if need > contiguous {
+            contiguous
+        } else if short && need <= LINE && need > in_line {
+            // Padded to the next line, so that the record is one line.
+            in_line
+        } else {
+            0
+        };
         let fits = |head: u64| self.cmd_cap - tail.wrapping_sub(head) >= pad + need;
         if !fits(self.cmd_head_seen.get()) {
             let head = self.atomic(CMD_HEAD).load(Ordering::Acquire);
@@ -452,10 +480,20 @@ impl Control {
             let p = self.ring().add((tail % self.cmd_cap) as usize);
             let mut rec = [0u8; 8 + COMMAND_LEN];
             rec[0..4].copy_from_slice(&(need as u32).to_le_bytes());
-            rec[4..8].copy_from_slice(&REC_CMD.to_le_bytes());
-            cmd.encode(&mut rec[8..]);
-            std::ptr::copy_nonoverlapping(rec.as_ptr(), p, rec.len());
-            std::ptr::copy_nonoverlapping(inline.as_ptr(), p.add(rec.len()), inline.len());
+            if short {
+                let tag = REC_VELO | (inline.len() as u32) << 16;
+                rec[4..8].copy_from_slice(&tag.to_le_bytes());
+                rec[8..16].copy_from_slice(&cmd.client_req.to_le_bytes());
+                rec[16..18].copy_from_slice(&cmd.host.to_le_bytes());
+                rec[18] = cmd.operand as u8;
+                rec[19] = cmd.flags;
+                rec[20..24].copy_from_slice(&cmd.rank.to_le_bytes());
+            } else {
+                rec[4..8].copy_from_slice(&REC_CMD.to_le_bytes());
+                cmd.encode(&mut rec[8..]);
+            }
+            std::ptr::copy_nonoverlapping(rec.as_ptr(), p, head_len);
+            std::ptr::copy_nonoverlapping(inline.as_ptr(), p.add(head_len), inline.len());
         }
         tail += need;
         self.cmd_tail.set(tail);
@@ -495,12 +533,12 @@ impl Control {
                 return Err(ControlError::BadIndex);
             }
             let (pos, len, tag) = self.record_at(head, avail)?;
-            match tag {
-                REC_PAD => {
+            match (tag & 0xffff, tag >> 16) {
+                (REC_PAD, 0) => {
                     self.cmd_advance(len);
                     continue;
                 }
-                REC_CMD => {
+                (REC_CMD, 0) => {
                     let n = len as usize - 8;
                     buf.clear();
                     buf.reserve(n);
@@ -516,9 +554,53 @@ impl Control {
                     }
                     return Ok(Some(len));
                 }
+                (REC_VELO, n) => {
+                    self.velo_body(pos, len, n as usize, buf)?;
+                    return Ok(Some(len));
+                }
                 _ => return Err(ControlError::BadRecord(len as usize)),
             }
         }
+    }
+
+    /// The short VELO record at `pos` (`len` bytes, an `n`-byte message) expanded to the body
+    /// of a full one: descriptor and message.
+    fn velo_body(
+        &self,
+        pos: usize,
+        len: u64,
+        n: usize,
+        buf: &mut Vec<u8>,
+    ) -> Result<(), ControlError> {
+        if (VELO_REC_HEAD + n).next_multiple_of(8) as u64 != len {
+            return Err(ControlError::BadRecord(len as usize));
+        }
+        let mut h = [0u8; VELO_REC_HEAD];
+        // SAFETY: the record lies inside the ring (`record_at` checked) and is at least
+        // `VELO_REC_HEAD` bytes long.
+        unsafe { std::ptr::copy_nonoverlapping(self.ring().add(pos), h.as_mut_ptr(), h.len()) };
+        let cmd = Command {
+            kind: CommandKind::VeloSend,
+            client_req: get_u64(&h, 8),
+            host: get_u16(&h, 16),
+            operand: h[18] as u64,
+            flags: h[19],
+            rank: get_u32(&h, 20),
+            len: n as u64,
+            ..Default::default()
+        };
+        buf.clear();
+        buf.resize(COMMAND_LEN + n, 0);
+        cmd.encode(&mut buf[..COMMAND_LEN]);
+        // SAFETY: as above; the message's `n` bytes follow the head inside the record.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                self.ring().add(pos + VELO_REC_HEAD),
+                buf.as_mut_ptr().add(COMMAND_LEN),
+                n,
+            )
+        };
+        Ok(())
     }
 
     /// Whether the command just peeked (a record of `len` bytes) was the last one published
@@ -1020,6 +1102,81 @@ mod tests {
             d.cmd_publish();
         }
         assert_eq!(d.cmd_peek(&mut buf), Ok(None));
+    }
+
+    #[test]
+    fn velo_sends_take_one_line_and_read_back_whole_between_full_records() {
+        let (d, c) = pair();
+        let mut buf = Vec::new();
+        for i in 0..400u64 {
+            // Full records of odd lengths move the short ones to every offset in a line.
+            let full = Command {
+                client_req: i,
+                len: (i % 5) * 8 + 3,
+                ..Default::default()
+            };
+            let fdata = vec![0xa5; full.len as usize];
+            let velo = Command {
+                kind: CommandKind::VeloSend,
+                host: (i % 3) as u16,
+                rank: 70_000 + i as u32,
+                client_req: 1 << 61 | i << 32 | i,
+                operand: i % 256,
+                flags: (i % 2) as u8,
+                len: i % 121,
+                ..Default::default()
+            };
+            let vdata: Vec<u8> = (0..velo.len).map(|b| (b ^ i) as u8).collect();
+            assert!(c.cmd_push(&full, &fdata));
+            let before = c.cmd_tail.get();
+            assert!(c.cmd_push(&velo, &vdata));
+            let rec = (VELO_REC_HEAD as u64 + velo.len).next_multiple_of(8);
+            let first = c.cmd_tail.get() - rec;
+            assert!(
+                first - before < LINE.max(rec),
+                "padded at most a line's rest or the ring's end"
+            );
+            if rec <= LINE {
+                assert_eq!(
+                    first / LINE,
+                    (first + rec - 1) / LINE,
+                    "{rec} bytes in one line"
+                );
+            }
+            for (want, data) in [(full, &fdata), (velo, &vdata)] {
+                let len = d.cmd_peek(&mut buf).unwrap().unwrap();
+                let (got, inline) = Command::decode(&buf).unwrap();
+                assert_eq!((got, inline), (want, &data[..]));
+                d.cmd_advance(len);
+                d.cmd_publish();
+            }
+        }
+        assert_eq!(d.cmd_peek(&mut buf), Ok(None));
+    }
+
+    #[test]
+    fn a_short_velo_record_that_lies_about_its_length_is_refused() {
+        let (d, c) = pair();
+        let velo = Command {
+            kind: CommandKind::VeloSend,
+            len: 8,
+            ..Default::default()
+        };
+        assert!(c.cmd_push(&velo, &[1; 8]));
+        // The message's length says 40 bytes in a 32-byte record.
+        let tag = REC_VELO | 40 << 16;
+        unsafe { std::ptr::copy_nonoverlapping(tag.to_le_bytes().as_ptr(), c.ring().add(4), 4) };
+        assert_eq!(
+            d.cmd_peek(&mut Vec::new()),
+            Err(ControlError::BadRecord(32))
+        );
+        // A full record's tag with a length in it is no record either.
+        let tag = REC_CMD | 1 << 16;
+        unsafe { std::ptr::copy_nonoverlapping(tag.to_le_bytes().as_ptr(), c.ring().add(4), 4) };
+        assert_eq!(
+            d.cmd_peek(&mut Vec::new()),
+            Err(ControlError::BadRecord(32))
+        );
     }
 
     #[test]
