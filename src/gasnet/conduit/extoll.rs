@@ -525,10 +525,10 @@ impl Conduit for ExtollConduit {
             }
             return Ok(false);
         }
-        // Notifications only when one is there, credits after the handlers: both go through
-        // the completion queue, a line the NIC wrote when it delivered our last send, so a
-        // look at it before the mailbox put a cross-core miss between a message's arrival
-        // and its handler.
+        // Notifications only when one is there; credits not here but in idle polls and when
+        // a send runs short: both go through the completion queue, a line the NIC wrote when
+        // it delivered our last send, so a look at it before the handlers (which run after
+        // this returns) put a cross-core miss between a message's arrival and its handler.
         let mut any = self.rma.has_notification() && self.take_notifications()?;
         let mut budget = POLL_BUDGET;
         while let Some((src, tag, data)) = self.stash.pop_front() {
@@ -552,7 +552,6 @@ impl Conduit for ExtollConduit {
             deliver(src, 0, b);
             any = true;
         }
-        self.velo.collect();
         Ok(any)
     }
 
