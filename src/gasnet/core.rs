@@ -28,6 +28,8 @@ pub struct Token<'a> {
     pub(crate) src: u32,
     pub(crate) request: bool,
     pub(crate) reply: Option<Encoded>,
+    /// A buffer the reply is encoded into (the Core's, lent: no allocation per reply).
+    pub(crate) spare: Vec<u8>,
     pub(crate) segment: &'a mut [u8],
     pub(crate) limits: Limits,
     /// The conduit's landing area (see [`Conduit::landing`]), which only the Extended API's
@@ -91,7 +93,17 @@ impl Token<'_> {
         if category == Category::Long && into_landing(self.landing, offset, payload.len()) {
             return Err(GasnetError::OutOfSegment(offset, payload.len() as u64));
         }
-        let bytes = encode(handler, category, true, args, payload, offset, self.limits)?;
+        let mut bytes = std::mem::take(&mut self.spare);
+        encode_into(
+            handler,
+            category,
+            true,
+            args,
+            payload,
+            offset,
+            self.limits,
+            &mut bytes,
+        )?;
         let long_payload =
             (category == Category::Long).then(|| LongPayload::Owned(payload.to_vec()));
         self.reply = Some(Encoded {
@@ -171,7 +183,8 @@ impl Token<'_> {
         };
         // Checked and encoded like any Long reply; the payload stays where it is.
         let payload = &self.segment[src_offset..end];
-        let bytes = encode(
+        let mut bytes = std::mem::take(&mut self.spare);
+        encode_into(
             handler,
             Category::Long,
             true,
@@ -179,6 +192,7 @@ impl Token<'_> {
             payload,
             dest_offset,
             self.limits,
+            &mut bytes,
         )?;
         self.reply = Some(Encoded {
             bytes,
@@ -193,8 +207,10 @@ impl Token<'_> {
 
 pub type Handler = Box<dyn FnMut(&mut Token<'_>, Msg<'_>)>;
 
-/// Encodes an AM; a Long's payload is left out (the caller sends it beside the header).
-pub(crate) fn encode(
+/// Encodes an AM into `out` (cleared first); a Long's payload is left out (the caller sends
+/// it beside the header).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn encode_into(
     handler: u8,
     category: Category,
     reply: bool,
@@ -202,7 +218,9 @@ pub(crate) fn encode(
     payload: &[u8],
     offset: u64,
     limits: Limits,
-) -> Result<Vec<u8>, GasnetError> {
+    out: &mut Vec<u8>,
+) -> Result<(), GasnetError> {
+    out.clear();
     if args.len() > MAX_ARGS {
         return Err(GasnetError::TooManyArgs(args.len()));
     }
@@ -227,9 +245,9 @@ pub(crate) fn encode(
         offset,
         in_place: false,
     };
-    let mut b = Vec::with_capacity(am::encoded_len(args.len(), payload.len()));
-    am::encode(&h, payload, &mut b);
-    Ok(b)
+    out.reserve(am::encoded_len(args.len(), payload.len()));
+    am::encode(&h, payload, out);
+    Ok(())
 }
 
 /// The Core layer: a conduit, a handler table, this node's segment.
@@ -243,6 +261,8 @@ pub struct Core {
     inbox: Vec<(u32, u64, Vec<u8>)>,
     /// Where a Long handler's view of its payload is copied (reused).
     long_scratch: Vec<u8>,
+    /// Where requests and replies are encoded (reused: no allocation per message).
+    spare: Vec<u8>,
     /// Handlers that never look at a Long's payload (it is in the segment): no copy for them.
     unviewed: Vec<bool>,
     pub(crate) dropped: u64,
@@ -259,6 +279,7 @@ impl Core {
             handlers: (0..256).map(|_| None).collect(),
             rma_done: Vec::new(),
             long_scratch: Vec::new(),
+            spare: Vec::new(),
             unviewed: vec![false; 256],
             inbox: Vec::new(),
             dropped: 0,
@@ -319,28 +340,35 @@ impl Core {
         {
             return Err(GasnetError::OutOfSegment(offset, payload.len() as u64));
         }
-        let bytes = encode(
-            handler,
-            category,
-            false,
-            args,
-            payload,
-            offset,
-            self.limits(),
+        let limits = self.limits();
+        let mut bytes = std::mem::take(&mut self.spare);
+        encode_into(
+            handler, category, false, args, payload, offset, limits, &mut bytes,
         )?;
         self.sent += 1;
         let long = (category == Category::Long).then_some(payload);
         // No room (credit, send buffers): run handlers — replies give credit back, and peers
         // waiting on us need our replies — then try again.
         let mut b = super::backoff::Backoff::default();
-        while !self.conduit.request(dest, &bytes, long)? {
-            if self.poll()? {
-                b.progressed();
-            } else {
-                b.idle(self.conduit.as_mut())?;
+        let r = loop {
+            match self.conduit.request(dest, &bytes, long) {
+                Ok(true) => break Ok(()),
+                Ok(false) => {}
+                Err(e) => break Err(e),
             }
-        }
-        Ok(())
+            let polled = self.poll();
+            match polled {
+                Ok(true) => b.progressed(),
+                Ok(false) => {
+                    if let Err(e) = b.idle(self.conduit.as_mut()) {
+                        break Err(e);
+                    }
+                }
+                Err(e) => break Err(e),
+            }
+        };
+        self.spare = bytes;
+        r
     }
 
     /// Where a Long's `len` bytes at `offset` land here: the segment, or the conduit's
@@ -376,8 +404,7 @@ impl Core {
         for (src, reply_to, b) in inbox.drain(..) {
             // Every request is answered — with the handler's reply or the implicit one —
             // and so is what cannot be read, so that its sender's credit comes back.
-            let answer = am::decode(&b).is_none_or(|(h, _)| !h.reply);
-            let reply = self.handle(src, &b);
+            let (answer, reply) = self.handle(src, &b);
             self.conduit.recycle(b);
             if answer {
                 if reply.is_some() {
@@ -400,19 +427,24 @@ impl Core {
                     (&r.bytes[..], long)
                 });
                 self.conduit.reply(src, reply_to, r)?;
+                if let Some(r) = reply {
+                    self.spare = r.bytes;
+                }
             }
         }
         self.inbox = inbox;
         Ok(any)
     }
 
-    /// Runs the handler of one message; returns the reply it made. Malformed messages, Longs
-    /// outside the segment and unregistered handlers are counted and dropped.
-    fn handle(&mut self, src: u32, b: &[u8]) -> Option<Encoded> {
+    /// Runs the handler of one message; returns whether it must be answered (a request, or
+    /// what cannot be read) and the reply it made. Malformed messages, Longs outside the
+    /// segment and unregistered handlers are counted and dropped.
+    fn handle(&mut self, src: u32, b: &[u8]) -> (bool, Option<Encoded>) {
         let Some((h, payload)) = am::decode(b) else {
             self.dropped += 1;
-            return None;
+            return (true, None);
         };
+        let answer = !h.reply;
         let offset = h.offset;
         // A Long's length: its payload's, or for one the conduit placed, the length it names.
         let long_len = match h.in_place {
@@ -429,7 +461,7 @@ impl Core {
             let Some(area) = self.long_area(offset, long_len) else {
                 self.long_scratch = scratch;
                 self.dropped += 1;
-                return None;
+                return (answer, None);
             };
             if !h.in_place {
                 area.copy_from_slice(&payload[..long_len]);
@@ -446,13 +478,15 @@ impl Core {
         else {
             self.long_scratch = scratch;
             self.dropped += 1;
-            return None;
+            return (answer, None);
         };
         let landing = self.conduit.landing();
+        let spare = std::mem::take(&mut self.spare);
         let mut token = Token {
             src,
             request: !h.reply,
             reply: None,
+            spare,
             segment: self.conduit.segment(),
             limits,
             landing,
@@ -472,8 +506,9 @@ impl Core {
             },
         );
         let reply = token.reply.take();
+        self.spare = std::mem::take(&mut token.spare);
         self.handlers[h.handler as usize] = Some(handler);
         self.long_scratch = scratch;
-        reply
+        (answer, reply)
     }
 }
