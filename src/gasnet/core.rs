@@ -347,28 +347,29 @@ impl Core {
         )?;
         self.sent += 1;
         let long = (category == Category::Long).then_some(payload);
-        // No room (credit, send buffers): run handlers — replies give credit back, and peers
-        // waiting on us need our replies — then try again.
-        let mut b = super::backoff::Backoff::default();
-        let r = loop {
-            match self.conduit.request(dest, &bytes, long) {
-                Ok(true) => break Ok(()),
-                Ok(false) => {}
-                Err(e) => break Err(e),
-            }
-            let polled = self.poll();
-            match polled {
-                Ok(true) => b.progressed(),
-                Ok(false) => {
-                    if let Err(e) = b.idle(self.conduit.as_mut()) {
-                        break Err(e);
-                    }
-                }
-                Err(e) => break Err(e),
-            }
-        };
+        let r = self.send_request(dest, &bytes, long);
         self.spare = bytes;
         r
+    }
+
+    /// Hands an encoded request to the conduit. No room (credit, send buffers): runs
+    /// handlers — replies give credit back, and peers waiting on us need our replies — then
+    /// tries again.
+    fn send_request(
+        &mut self,
+        dest: u32,
+        bytes: &[u8],
+        long: Option<&[u8]>,
+    ) -> Result<(), GasnetError> {
+        let mut b = super::backoff::Backoff::default();
+        while !self.conduit.request(dest, bytes, long)? {
+            if self.poll()? {
+                b.progressed();
+            } else {
+                b.idle(self.conduit.as_mut())?;
+            }
+        }
+        Ok(())
     }
 
     /// Where a Long's `len` bytes at `offset` land here: the segment, or the conduit's

@@ -1081,6 +1081,18 @@ mod tests {
         .unwrap();
     }
 
+    /// The daemon's side of one command: whether nothing was queued behind it, the command,
+    /// its inline bytes; its space published back.
+    fn take_next(d: &Control, buf: &mut Vec<u8>) -> (bool, Command, Vec<u8>) {
+        let len = d.cmd_peek(buf).unwrap().unwrap();
+        let alone = d.cmd_alone(len);
+        let (cmd, inline) = Command::decode(buf).unwrap();
+        let inline = inline.to_vec();
+        d.cmd_advance(len);
+        d.cmd_publish();
+        (alone, cmd, inline)
+    }
+
     #[test]
     fn commands_wrap_and_keep_order() {
         let (d, c) = pair();
@@ -1093,13 +1105,10 @@ mod tests {
                 ..Default::default()
             };
             assert!(c.cmd_push(&cmd, &data));
-            let len = d.cmd_peek(&mut buf).unwrap().unwrap();
-            assert!(d.cmd_alone(len), "nothing behind command {i}");
-            let (got, inline) = Command::decode(&buf).unwrap();
+            let (alone, got, inline) = take_next(&d, &mut buf);
+            assert!(alone, "nothing behind command {i}");
             assert_eq!(got, cmd);
-            assert_eq!(inline, &data[..]);
-            d.cmd_advance(len);
-            d.cmd_publish();
+            assert_eq!(inline, data);
         }
         assert_eq!(d.cmd_peek(&mut buf), Ok(None));
     }
@@ -1144,11 +1153,8 @@ mod tests {
                 );
             }
             for (want, data) in [(full, &fdata), (velo, &vdata)] {
-                let len = d.cmd_peek(&mut buf).unwrap().unwrap();
-                let (got, inline) = Command::decode(&buf).unwrap();
-                assert_eq!((got, inline), (want, &data[..]));
-                d.cmd_advance(len);
-                d.cmd_publish();
+                let (_, got, inline) = take_next(&d, &mut buf);
+                assert_eq!((got, &inline), (want, data));
             }
         }
         assert_eq!(d.cmd_peek(&mut buf), Ok(None));
