@@ -30,8 +30,12 @@ const BATCH: usize = 32;
 /// Where the kernel puts a frame's Ethernet header in a ring slot (TPACKET_V2: the 32-byte
 /// slot header and a sockaddr_ll, aligned to 16 bytes, minus the header length), with room.
 const SLOT_OVERHEAD: usize = 96;
-/// Kernel memory the receive ring may take.
-const RING_BYTES: usize = 16 << 20;
+/// Kernel memory the receive ring may take. The kernel fills the slots in turn, so the whole
+/// ring is the working set of its copy into it (and of the window, half the ring): 16 MiB of
+/// 64 KiB loopback slots spilled out of the caches, and that copy was the kernel's largest
+/// cost in a bulk stream. At 4 MiB it costs ~40% less (perf), and 1 MiB put_nbi runs 5–7%
+/// faster, 4 MiB over the portals conduit 9% (docs/performance.md, stop 75).
+const RING_BYTES: usize = 4 << 20;
 /// Fewest and most slots of a ring.
 const MIN_SLOTS: usize = 64;
 const MAX_SLOTS: usize = 4096;
