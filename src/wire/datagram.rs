@@ -9,15 +9,19 @@
 //! receiver and what it believes the receiver's is (0: not yet known); see
 //! [`crate::transport::reliable`].
 //!
-//! Sealing is AEGIS-128X2 (the AEGIS family of the IRTF CFRG draft, through the `aegis`
-//! crate, whose libaegis picks AES-NI, VAES or AVX-512 code at run time): the body is encrypted
-//! in place, the header is associated data, the 16-byte tag covers both. Chosen by measurement
-//! (in place, one core, 65,000 B): on an EPYC with AVX2 and VAES, 2.4–2.9 µs against 4.2–5.2
-//! for AEGIS-256X4, 3.9–4.9 for AEGIS-256X2 and 4.3–5.8 for AEGIS-128X4 (whose AVX2 code runs
-//! out of registers); on one with AVX-512, AEGIS-256X4 took 1.60 against AES-256-GCM's 2.8 in
-//! aws-lc. A bulk stream pays it twice per datagram (seal and open) on the threads that bound
-//! it. The 128-bit key matches the keys it is derived from (X25519 agreement, ~128-bit
-//! security); the tag is 128 bits either way.
+//! Sealing is AEGIS-128X2 or AEGIS-128X4 (the AEGIS family of the IRTF CFRG draft, through
+//! the `aegis` crate, whose libaegis picks AES-NI, VAES or AVX-512 code at run time): the body
+//! is encrypted in place, the header is associated data, the 16-byte tag covers both. Each
+//! sending host seals with the member its CPU runs fastest and says which in the header
+//! ([`FLAG_X4`], authenticated with the rest of it); a receiver opens either. Chosen by
+//! measurement (in place, one core, 65,000 B): on an EPYC with AVX2 and VAES, AEGIS-128X2
+//! 2.4–2.9 µs against 4.2–5.2 for AEGIS-256X4, 3.9–4.9 for AEGIS-256X2 and 4.3–5.8 for
+//! AEGIS-128X4 (whose AVX2 code runs out of registers); on one with AVX-512 and VAES,
+//! AEGIS-128X4 0.75–0.85 against AEGIS-128X2's 1.75 (and AEGIS-256X4 took 1.60 against
+//! AES-256-GCM's 2.8 in aws-lc). A bulk stream pays it twice per datagram (seal and open) on
+//! the threads that bound it. The 128-bit key matches the keys it is derived from (X25519
+//! agreement, ~128-bit security); the tag is 128 bits either way. The two ciphers never share
+//! a key: each has its own, derived apart.
 //! Each sending host seals with its own key derived from the shared secret (cluster or pair)
 //! and its index; the nonce is the sender's epoch and `nonce`, a per-process counter that
 //! starts at a random value, so no two datagrams under one key share a nonce.
@@ -26,15 +30,15 @@
 //! and a job tag where the AEAD tag goes, as GASNet's udp-conduit protects its messages.
 
 use aegis::aegis128x2::Aegis128X2;
+use aegis::aegis128x4::Aegis128X4;
 
+pub use super::aegis_raw::Cipher;
 use super::{aegis_raw, get_u16, get_u32, get_u64, WireError};
 
 pub const MAGIC: u16 = 0x4e53; // "SN"
-pub const VERSION: u8 = 7;
+pub const VERSION: u8 = 8;
 pub const HEADER_LEN: usize = 48;
 pub const TAG_LEN: usize = 16;
-/// AEGIS-128X2's rate: the encryptor takes whole blocks of this many bytes in one pass.
-const CIPHER_BLOCK: usize = 64;
 
 /// Header flag: the sender has the receiver's epoch (`dst_epoch`) as its session peer. An
 /// answer to a stale datagram names the epoch without it.
@@ -45,6 +49,9 @@ pub const FLAG_CONFIRM: u8 = 2;
 /// Header flag: a pure datagram whose body is padding, to the largest datagram size: a path
 /// MTU probe (`softnic doctor`). The receiver notes its size and ignores the body.
 pub const FLAG_PADDED: u8 = 4;
+/// Header flag: the body is sealed with AEGIS-128X4 (else AEGIS-128X2). Set by the sealing and
+/// consumed by the opening: the header [`DatagramHeader::open`] returns never carries it.
+pub const FLAG_X4: u8 = 8;
 
 /// A 32-byte datagram key: the cluster secret shared by all daemons (the simple mode), or the
 /// key of one pair of hosts (see [`crate::keys`]).
@@ -52,12 +59,15 @@ pub const FLAG_PADDED: u8 = 4;
 pub struct Key(pub [u8; 32]);
 
 impl Key {
-    /// The key host `sender`'s datagrams under this secret are sealed with.
+    /// The keys host `sender`'s datagrams under this secret are sealed with (one per cipher),
+    /// sealing with the cipher this CPU runs fastest.
     pub fn sealing(&self, sender: u16) -> SealKey {
-        let k = self.derive("softnic 2026-11 datagram sealing key (AEGIS-128X2)", sender);
-        let mut key = [0u8; 16];
-        key.copy_from_slice(&k[..16]);
-        SealKey::Aead(key)
+        let half = |k: [u8; 32]| -> [u8; 16] { k[..16].try_into().expect("16 of 32 bytes") };
+        SealKey::Aead(AeadKeys {
+            x2: half(self.derive("softnic 2026-11 datagram sealing key (AEGIS-128X2)", sender)),
+            x4: half(self.derive("softnic 2026-11 datagram sealing key (AEGIS-128X4)", sender)),
+            seal_with: Cipher::fastest_here(),
+        })
     }
 
     /// Host `sender`'s datagrams under this secret carry a tag in clear instead of being
@@ -82,10 +92,39 @@ impl Key {
 
 /// How one sending host's datagrams are protected (see [`Key::sealing`], [`Key::tagging`]).
 pub enum SealKey {
-    /// AEGIS-128X2 under this key.
-    Aead([u8; 16]),
+    /// AEGIS under these keys.
+    Aead(AeadKeys),
     /// The body in clear and this tag after it.
     Tag([u8; TAG_LEN]),
+}
+
+/// One sending host's AEGIS keys: it seals with `seal_with`; a receiver opens with the cipher
+/// the datagram names.
+#[derive(Clone)]
+pub struct AeadKeys {
+    x2: [u8; 16],
+    x4: [u8; 16],
+    seal_with: Cipher,
+}
+
+impl AeadKeys {
+    fn key(&self, c: Cipher) -> &[u8; 16] {
+        match c {
+            Cipher::X2 => &self.x2,
+            Cipher::X4 => &self.x4,
+        }
+    }
+}
+
+impl SealKey {
+    /// The same keys, sealing with `c` (whatever this CPU runs fastest): for tests of either
+    /// cipher on any machine.
+    pub fn sealing_with(self, c: Cipher) -> SealKey {
+        match self {
+            SealKey::Aead(k) => SealKey::Aead(AeadKeys { seal_with: c, ..k }),
+            tag => tag,
+        }
+    }
 }
 
 impl std::fmt::Debug for SealKey {
@@ -94,10 +133,13 @@ impl std::fmt::Debug for SealKey {
     }
 }
 
-/// The AEAD of a datagram whose header is `header`, under `key`: its nonce is the sender's
-/// epoch and counter.
-fn cipher(key: &[u8; 16], header: &[u8]) -> Aegis128X2<TAG_LEN> {
-    Aegis128X2::new(key, &nonce(header))
+/// Marks in `header` which cipher seals its body (before sealing: the header is associated
+/// data).
+fn mark(header: &mut [u8], c: Cipher) {
+    match c {
+        Cipher::X2 => header[3] &= !FLAG_X4,
+        Cipher::X4 => header[3] |= FLAG_X4,
+    }
 }
 
 /// A datagram's nonce: the sender's epoch and its per-datagram counter, from the header.
@@ -192,7 +234,19 @@ impl DatagramHeader {
         let (header, rest) = buf.split_at_mut(HEADER_LEN);
         let (body, tail) = rest.split_at_mut(len - HEADER_LEN);
         let tag = match key {
-            SealKey::Aead(k) => cipher(k, header).encrypt_in_place(body, header),
+            SealKey::Aead(k) => {
+                let c = k.seal_with;
+                mark(header, c);
+                let (key, n) = (k.key(c), nonce(header));
+                match c {
+                    Cipher::X2 => {
+                        Aegis128X2::<TAG_LEN>::new(key, &n).encrypt_in_place(body, header)
+                    }
+                    Cipher::X4 => {
+                        Aegis128X4::<TAG_LEN>::new(key, &n).encrypt_in_place(body, header)
+                    }
+                }
+            }
             SealKey::Tag(tag) => *tag,
         };
         tail[..TAG_LEN].copy_from_slice(&tag);
@@ -228,13 +282,15 @@ impl DatagramHeader {
             buf.resize(body_end + TAG_LEN, 0);
             return Self::seal(key, buf, body_end);
         };
-        let lead =
-            ((CIPHER_BLOCK - (len - HEADER_LEN) % CIPHER_BLOCK) % CIPHER_BLOCK).min(tail_len);
-        let whole = (tail_len - lead) / CIPHER_BLOCK * CIPHER_BLOCK;
+        let c = k.seal_with;
+        let rate = c.rate();
+        let lead = ((rate - (len - HEADER_LEN) % rate) % rate).min(tail_len);
+        let whole = (tail_len - lead) / rate * rate;
         // SAFETY (three reads of the tail): in bounds of it, by the caller's promise.
         unsafe { extend_from_raw(buf, tail, lead) };
         let (header, body) = buf.split_at_mut(HEADER_LEN);
-        let mut enc = aegis_raw::Encryptor::new(k, &nonce(header), header);
+        mark(header, c);
+        let mut enc = aegis_raw::Encryptor::new(c, k.key(c), &nonce(header), header);
         enc.update_in_place(body);
         let at = len + lead;
         // SAFETY: bytes another process may write, handed only to the cipher (C code, opaque
@@ -263,8 +319,9 @@ impl DatagramHeader {
             .then(|| get_u16(dgram, 4))
     }
 
-    /// Checks envelope and tag and decrypts the body in place; returns the header and the
-    /// body. On failure the body's bytes are unspecified (the datagram is dropped anyway).
+    /// Checks envelope and tag and decrypts the body in place with the cipher the header names;
+    /// returns the header (without [`FLAG_X4`]) and the body. On failure the body's bytes are
+    /// unspecified (the datagram is dropped anyway).
     pub fn open<'a>(
         key: &SealKey,
         dgram: &'a mut [u8],
@@ -279,7 +336,7 @@ impl DatagramHeader {
         if dgram[2] != VERSION {
             return Err(WireError::BadVersion(dgram[2]));
         }
-        let h = DatagramHeader {
+        let mut h = DatagramHeader {
             flags: dgram[3],
             src_host: get_u16(dgram, 4),
             dst_host: get_u16(dgram, 6),
@@ -295,9 +352,21 @@ impl DatagramHeader {
         match key {
             SealKey::Aead(k) => {
                 let tag: &[u8; TAG_LEN] = (&*tag).try_into().expect("a whole tag");
-                cipher(k, header)
-                    .decrypt_in_place(body, tag, header)
-                    .map_err(|_| WireError::BadTag)?;
+                let c = match h.flags & FLAG_X4 {
+                    0 => Cipher::X2,
+                    _ => Cipher::X4,
+                };
+                let (key, n) = (k.key(c), nonce(header));
+                let opened = match c {
+                    Cipher::X2 => {
+                        Aegis128X2::<TAG_LEN>::new(key, &n).decrypt_in_place(body, tag, header)
+                    }
+                    Cipher::X4 => {
+                        Aegis128X4::<TAG_LEN>::new(key, &n).decrypt_in_place(body, tag, header)
+                    }
+                };
+                opened.map_err(|_| WireError::BadTag)?;
+                h.flags &= !FLAG_X4;
             }
             SealKey::Tag(t) if tag[..] == t[..] => {}
             SealKey::Tag(_) => return Err(WireError::BadTag),
@@ -407,16 +476,45 @@ mod tests {
         );
     }
 
-    /// Sealing is AEGIS-128X2 with the nonce made of the sender's epoch and counter (checked
-    /// against the crate's one-shot encryption with that nonce built by hand), and sealing
-    /// with a tail read from elsewhere gives the same bytes wherever the tail starts; a body
-    /// with a flipped bit is refused.
+    /// Whichever cipher the sender seals with, the receiver opens it; the header says which,
+    /// and that is authenticated like the rest of it: a datagram whose flag is flipped is
+    /// refused, and the flag never reaches the transport.
+    #[test]
+    fn either_cipher_opens_and_its_flag_is_authenticated() {
+        let h = header(FLAG_CONFIRM, 3);
+        for c in [Cipher::X2, Cipher::X4] {
+            let sealed = || protected(&key().sealing_with(c), &h);
+            let mut buf = sealed();
+            assert_eq!(buf[3] & FLAG_X4 != 0, c == Cipher::X4, "{c:?} marked");
+            let (got, body) = DatagramHeader::open(&key(), &mut buf).unwrap();
+            assert_eq!((got, body), (h, &b"abc"[..]), "{c:?}");
+            let mut flipped = sealed();
+            flipped[3] ^= FLAG_X4;
+            assert_eq!(
+                DatagramHeader::open(&key(), &mut flipped).map(|_| ()),
+                Err(WireError::BadTag),
+                "{c:?} read as the other"
+            );
+        }
+    }
+
+    /// Sealing is AEGIS-128X2 or AEGIS-128X4, each under its own key, with the nonce made of
+    /// the sender's epoch and counter (checked against the crate's one-shot encryption with
+    /// that nonce built by hand), and sealing with a tail read from elsewhere gives the same
+    /// bytes wherever the tail starts; a body with a flipped bit is refused.
     #[test]
     fn sealing_with_a_tail_matches_sealing_in_place() {
-        let k = key();
-        let SealKey::Aead(raw) = &k else {
+        for c in [Cipher::X2, Cipher::X4] {
+            sealing_with_a_tail_matches_sealing_in_place_with(c);
+        }
+    }
+
+    fn sealing_with_a_tail_matches_sealing_in_place_with(c: Cipher) {
+        let k = key().sealing_with(c);
+        let SealKey::Aead(keys) = &k else {
             unreachable!("sealing gives AEAD keys")
         };
+        assert_ne!(keys.x2, keys.x4, "a key of its own per cipher");
         for body_len in [0, 1, 1000, 8191, 8192, 3 * 8192 + 5, 65000] {
             let mut buf = vec![0u8; HEADER_LEN + body_len + TAG_LEN];
             DatagramHeader {
@@ -432,19 +530,30 @@ mod tests {
             {
                 *b = i as u8;
             }
+            mark(&mut buf, c);
             let plain = buf.clone();
             let n = DatagramHeader::seal(&k, &mut buf, HEADER_LEN + body_len);
             assert_eq!(n, buf.len());
             let (header, rest) = plain.split_at(HEADER_LEN);
             let mut nonce = [0u8; 16];
             nonce[..12].copy_from_slice(&[4, 3, 2, 1, 0x0c, 0x0b, 0x0a, 9, 8, 7, 6, 5]);
-            let (c, t) = Aegis128X2::<TAG_LEN>::new(raw, &nonce).encrypt(&rest[..body_len], header);
+            let (ct, t) =
+                match c {
+                    Cipher::X2 => Aegis128X2::<TAG_LEN>::new(&keys.x2, &nonce)
+                        .encrypt(&rest[..body_len], header),
+                    Cipher::X4 => Aegis128X4::<TAG_LEN>::new(&keys.x4, &nonce)
+                        .encrypt(&rest[..body_len], header),
+                };
             assert_eq!(
                 &buf[HEADER_LEN..HEADER_LEN + body_len],
-                &c[..],
-                "{body_len} bytes"
+                &ct[..],
+                "{c:?}, {body_len} bytes"
             );
-            assert_eq!(&buf[HEADER_LEN + body_len..], &t[..], "{body_len} bytes");
+            assert_eq!(
+                &buf[HEADER_LEN + body_len..],
+                &t[..],
+                "{c:?}, {body_len} bytes"
+            );
             for split in [
                 0,
                 1,
@@ -452,6 +561,8 @@ mod tests {
                 63,
                 64,
                 65,
+                127,
+                128,
                 129,
                 body_len / 2,
                 body_len.saturating_sub(1),
@@ -471,7 +582,10 @@ mod tests {
                     )
                 };
                 assert_eq!(n, head.len());
-                assert_eq!(head, buf, "body of {body_len} bytes, tail from {split}");
+                assert_eq!(
+                    head, buf,
+                    "{c:?}, body of {body_len} bytes, tail from {split}"
+                );
             }
             let mut flipped = buf.clone();
             let (_, body) = DatagramHeader::open(&k, &mut buf).unwrap();

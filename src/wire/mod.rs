@@ -8,8 +8,8 @@ mod datagram;
 mod op;
 
 pub use datagram::{
-    extend_from_raw, DatagramHeader, Key, Keys, SealKey, FLAG_CONFIRM, FLAG_IN_SESSION,
-    FLAG_PADDED, HEADER_LEN, MAGIC, TAG_LEN, VERSION,
+    extend_from_raw, AeadKeys, Cipher, DatagramHeader, Key, Keys, SealKey, FLAG_CONFIRM,
+    FLAG_IN_SESSION, FLAG_PADDED, FLAG_X4, HEADER_LEN, MAGIC, TAG_LEN, VERSION,
 };
 pub use op::{
     ptl_acks, push_ptl_ack, AmoOp, OpHeader, OpIter, OpKind, OpRef, PtlHeader, Status, VShape,
