@@ -67,8 +67,9 @@ pub struct TransportConfig {
     pub lazy_delay: u64,
     /// Least time between two answers to stale datagrams from one peer.
     pub stale_answer_gap: u64,
-    /// Seal every datagram (AEGIS, see `wire::datagram`); `false`: a tag in clear, as GASNet's udp-conduit
-    /// (see [`crate::wire::Key::tagging`]) — for the udp conduit's baseline mode only.
+    /// Seal every datagram (AEGIS, see `wire::datagram`); `false`: a tag in clear, as GASNet's
+    /// udp-conduit (see [`crate::wire::Key::tagging`]) — for the udp conduit's baseline mode
+    /// only.
     pub authenticate: bool,
 }
 

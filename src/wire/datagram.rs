@@ -100,7 +100,6 @@ pub enum SealKey {
 
 /// One sending host's AEGIS keys: it seals with `seal_with`; a receiver opens with the cipher
 /// the datagram names.
-#[derive(Clone)]
 pub struct AeadKeys {
     x2: [u8; 16],
     x4: [u8; 16],
