@@ -113,6 +113,32 @@ impl AeadKeys {
             Cipher::X4 => &self.x4,
         }
     }
+
+    /// Encrypts `body` in place with `c` under its key, `header` (written, marked) as
+    /// associated data and the source of the nonce; returns the tag.
+    fn encrypt(&self, c: Cipher, header: &[u8], body: &mut [u8]) -> [u8; TAG_LEN] {
+        let (key, n) = (self.key(c), nonce(header));
+        match c {
+            Cipher::X2 => Aegis128X2::<TAG_LEN>::new(key, &n).encrypt_in_place(body, header),
+            Cipher::X4 => Aegis128X4::<TAG_LEN>::new(key, &n).encrypt_in_place(body, header),
+        }
+    }
+
+    /// [`AeadKeys::encrypt`]'s inverse: checks `tag` and decrypts `body` in place.
+    fn decrypt(
+        &self,
+        c: Cipher,
+        header: &[u8],
+        body: &mut [u8],
+        tag: &[u8; TAG_LEN],
+    ) -> Result<(), WireError> {
+        let (key, n) = (self.key(c), nonce(header));
+        let opened = match c {
+            Cipher::X2 => Aegis128X2::<TAG_LEN>::new(key, &n).decrypt_in_place(body, tag, header),
+            Cipher::X4 => Aegis128X4::<TAG_LEN>::new(key, &n).decrypt_in_place(body, tag, header),
+        };
+        opened.map_err(|_| WireError::BadTag)
+    }
 }
 
 impl SealKey {
@@ -234,17 +260,8 @@ impl DatagramHeader {
         let (body, tail) = rest.split_at_mut(len - HEADER_LEN);
         let tag = match key {
             SealKey::Aead(k) => {
-                let c = k.seal_with;
-                mark(header, c);
-                let (key, n) = (k.key(c), nonce(header));
-                match c {
-                    Cipher::X2 => {
-                        Aegis128X2::<TAG_LEN>::new(key, &n).encrypt_in_place(body, header)
-                    }
-                    Cipher::X4 => {
-                        Aegis128X4::<TAG_LEN>::new(key, &n).encrypt_in_place(body, header)
-                    }
-                }
+                mark(header, k.seal_with);
+                k.encrypt(k.seal_with, header, body)
             }
             SealKey::Tag(tag) => *tag,
         };
@@ -355,16 +372,7 @@ impl DatagramHeader {
                     0 => Cipher::X2,
                     _ => Cipher::X4,
                 };
-                let (key, n) = (k.key(c), nonce(header));
-                let opened = match c {
-                    Cipher::X2 => {
-                        Aegis128X2::<TAG_LEN>::new(key, &n).decrypt_in_place(body, tag, header)
-                    }
-                    Cipher::X4 => {
-                        Aegis128X4::<TAG_LEN>::new(key, &n).decrypt_in_place(body, tag, header)
-                    }
-                };
-                opened.map_err(|_| WireError::BadTag)?;
+                k.decrypt(c, header, body, tag)?;
                 h.flags &= !FLAG_X4;
             }
             SealKey::Tag(t) if tag[..] == t[..] => {}
