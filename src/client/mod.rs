@@ -50,6 +50,9 @@ const SPIN_FOR: Duration = Duration::from_micros(20);
 /// put 1 MiB 188 → 158–161, get 1 MiB 186–197 → 141–151; 64 KiB and smaller unchanged).
 pub const SPIN_BELOW_BYTES: u64 = 64 << 10;
 const YIELD_FOR: Duration = Duration::from_micros(500);
+/// The datagram bodies a daemon may name at attach (MTUs of 576 to 65,536 bytes).
+const DATAGRAM_BODY_MIN: usize = 512;
+const DATAGRAM_BODY_MAX: usize = 65_536;
 /// How long a full command ring is yielded on before the client sleeps until it half empties.
 const FULL_YIELD_FOR: Duration = Duration::from_micros(50);
 /// How long a leaving client waits for its daemon to take the commands still in its ring.
@@ -62,6 +65,8 @@ pub struct Client {
     client_bell: OwnedFd,
     pub host: u16,
     pub nhosts: u16,
+    /// See [`Client::datagram_body`].
+    datagram_body: usize,
     waiter: Waiter,
     /// The last command found the ring full past the yielding phase: the NIC pushes back.
     ring_full_streak: std::cell::Cell<bool>,
@@ -89,8 +94,8 @@ impl Client {
             },
             &[],
         )?;
-        let (host, nhosts) = match resp {
-            Response::HelloOk { host, nhosts } => (host, nhosts),
+        let (host, nhosts, body) = match resp {
+            Response::HelloOk { host, nhosts, body } => (host, nhosts, body as usize),
             Response::Error(e) => return Err(ClientError::Refused(e)),
             other => {
                 return Err(ClientError::Protocol(format!(
@@ -98,6 +103,12 @@ impl Client {
                 )))
             }
         };
+        // The transports' datagrams: an MTU of 576 to 65,536 bytes, less header and tag.
+        if !(DATAGRAM_BODY_MIN..=DATAGRAM_BODY_MAX).contains(&body) {
+            return Err(ClientError::Protocol(format!(
+                "hello named a datagram body of {body} bytes"
+            )));
+        }
         if fds.len() != 3 {
             return Err(ClientError::Protocol(format!(
                 "hello carried {} descriptors, expected 3",
@@ -130,8 +141,17 @@ impl Client {
             client_bell,
             host,
             nhosts,
+            datagram_body: body,
             ring_full_streak: std::cell::Cell::new(false),
         })
+    }
+
+    /// The bytes one datagram of this host's NIC carries behind its header: its ops, each an
+    /// op header, the op's fields and data (`OpRef::max_data` says how much data fits). A
+    /// transfer staged in pieces that are whole numbers of fragments leaves no partly filled
+    /// datagram between them, which would cost a send of its own.
+    pub fn datagram_body(&self) -> usize {
+        self.datagram_body
     }
 
     /// Registers `map` with remote permissions; returns its handle (handles count up from 0 in

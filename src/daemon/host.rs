@@ -728,6 +728,7 @@ impl HostNic {
                         Response::HelloOk {
                             host: self.core.index,
                             nhosts: self.core.nhosts,
+                            body: self.core.transport.body_capacity() as u32,
                         },
                         f,
                     ),

@@ -166,6 +166,17 @@ impl Portals {
         self.ep
     }
 
+    /// The put data one datagram carries (an extension, not in Portals 4): a put to another
+    /// host longer than this is sent as fragments of this size and a last one with the rest,
+    /// so puts whose lengths are multiples of it fill every datagram they take.
+    pub fn put_fragment_len(&self) -> usize {
+        crate::wire::OpRef::max_data(
+            crate::wire::OpKind::PtlReq,
+            self.ep.client().datagram_body(),
+        )
+        .max(1)
+    }
+
     fn cmd(&self) -> Command {
         Command {
             kind: CommandKind::Portals,

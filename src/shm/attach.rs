@@ -54,8 +54,16 @@ pub enum Request {
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Response {
-    HelloOk { host: u16, nhosts: u16 },
-    Registered { region: u32 },
+    /// `body`: the bytes a datagram of this host's transport carries behind its header (see
+    /// [`crate::client::Client::datagram_body`]).
+    HelloOk {
+        host: u16,
+        nhosts: u16,
+        body: u32,
+    },
+    Registered {
+        region: u32,
+    },
     Done,
     Stat(String),
     Pong,
@@ -164,9 +172,11 @@ impl Request {
 impl Response {
     pub fn encode(&self) -> Vec<u8> {
         match self {
-            Response::HelloOk { host, nhosts } => {
-                pack(101, [*host as u64, *nhosts as u64, 0, 0, 0, 0], "")
-            }
+            Response::HelloOk { host, nhosts, body } => pack(
+                101,
+                [*host as u64, *nhosts as u64, *body as u64, 0, 0, 0],
+                "",
+            ),
             Response::Registered { region } => pack(102, [*region as u64, 0, 0, 0, 0, 0], ""),
             Response::Done => pack(103, [0; FIELDS], ""),
             Response::Stat(s) => pack(104, [0; FIELDS], s),
@@ -181,6 +191,7 @@ impl Response {
             101 => Response::HelloOk {
                 host: f[0] as u16,
                 nhosts: f[1] as u16,
+                body: u32::try_from(f[2]).map_err(|_| bad("datagram body out of range"))?,
             },
             102 => Response::Registered {
                 region: f[0] as u32,
@@ -293,7 +304,11 @@ mod tests {
             assert_eq!(Request::decode(&r.encode()).unwrap(), r);
         }
         for r in [
-            Response::HelloOk { host: 1, nhosts: 2 },
+            Response::HelloOk {
+                host: 1,
+                nhosts: 2,
+                body: 64_936,
+            },
             Response::Stat("x y".into()),
             Response::Error("no".into()),
         ] {

@@ -112,9 +112,10 @@ fn velo_err(e: VeloError) -> GasnetError {
     }
 }
 
-/// The pieces of a Long payload of `len` bytes staged through the bounce ring.
+/// The pieces of a Long payload of `len` bytes staged through the bounce ring. The target
+/// counts them alike, so they do not depend on this host's datagram size.
 fn staged(len: usize) -> staging::Cuts {
-    staging::pieces(len, staging::FIRST, PIECE_MAX)
+    staging::pieces(len, staging::FIRST, PIECE_MAX, 1)
 }
 
 /// VELO messages the wire form of `len` bytes takes: two bytes of length in the first.

@@ -231,6 +231,9 @@ pub struct PortalsConduit {
     /// by, while bounce memory it reads mapped (and seals as it reads): copying here is the
     /// cheaper side (measured: docs/performance.md, stop 47).
     copy_max: usize,
+    /// The put data one datagram carries ([`Portals::put_fragment_len`]): copied pieces are
+    /// whole numbers of it.
+    put_quantum: usize,
     /// Implicit atomics (see `rma::implicit_atomic`): operand slots, their MD counting ACKs
     /// on a CT (and telling failures only, as full events, on `imp_eq`: what the error names),
     /// how many were issued, and how many failures were reported already.
@@ -351,6 +354,7 @@ impl PortalsConduit {
         p.me_append(ni, AM_PT, &basin, List::Overflow, CATCH_ME)
             .map_err(err)?;
         let credits_on = std::env::var("SOFTNIC_PORTALS_CREDITS").map_or(true, |v| v != "off");
+        let put_quantum = p.put_fragment_len();
         let mut c = PortalsConduit {
             p,
             ni,
@@ -395,6 +399,7 @@ impl PortalsConduit {
             ),
             firehose_on: true,
             copy_max: env_size(&["SOFTNIC_PORTALS_COPY_MAX"]).unwrap_or(usize::MAX),
+            put_quantum,
             imp,
             imp_md,
             imp_ct,

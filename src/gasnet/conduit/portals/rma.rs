@@ -181,9 +181,10 @@ impl PortalsConduit {
         } else {
             src.len() <= self.copy_max
         };
-        // A copy goes in growing pieces, each put once copied (see `staging`).
+        // A copy goes in growing pieces, each put once copied and filling whole datagrams
+        // (see `staging`).
         let first = if copied { staging::FIRST } else { CHUNK };
-        let cuts = staging::pieces(src.len(), first, CHUNK);
+        let cuts = staging::pieces(src.len(), first, CHUNK, self.put_quantum);
         let pieces = cuts.clone().count();
         if pieces > PIECES_MAX {
             return Err(GasnetError::TransferTooLarge(src.len()));
