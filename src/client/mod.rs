@@ -50,8 +50,7 @@ const SPIN_FOR: Duration = Duration::from_micros(20);
 /// put 1 MiB 188 → 158–161, get 1 MiB 186–197 → 141–151; 64 KiB and smaller unchanged).
 pub const SPIN_BELOW_BYTES: u64 = 64 << 10;
 const YIELD_FOR: Duration = Duration::from_micros(500);
-/// The datagram bodies a daemon may name at attach (MTUs of 576 to 65,536 bytes).
-const DATAGRAM_BODY_MIN: usize = 512;
+/// The largest datagram body a daemon may name at attach (a loopback frame's).
 const DATAGRAM_BODY_MAX: usize = 65_536;
 /// How long a full command ring is yielded on before the client sleeps until it half empties.
 const FULL_YIELD_FOR: Duration = Duration::from_micros(50);
@@ -103,8 +102,7 @@ impl Client {
                 )))
             }
         };
-        // The transports' datagrams: an MTU of 576 to 65,536 bytes, less header and tag.
-        if !(DATAGRAM_BODY_MIN..=DATAGRAM_BODY_MAX).contains(&body) {
+        if !(1..=DATAGRAM_BODY_MAX).contains(&body) {
             return Err(ClientError::Protocol(format!(
                 "hello named a datagram body of {body} bytes"
             )));

@@ -15,7 +15,8 @@ use rustix::net::{
 
 use crate::wire::{get_u32, get_u64};
 
-pub const PROTOCOL_VERSION: u64 = 1;
+/// 2: `HelloOk` names the datagram body.
+pub const PROTOCOL_VERSION: u64 = 2;
 const FIELDS: usize = 6;
 const FIXED: usize = 8 + FIELDS * 8;
 /// Largest message (the statistics text is the longest).
