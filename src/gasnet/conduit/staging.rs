@@ -68,9 +68,10 @@ impl Iterator for Cuts {
         }
         let to_bound = self.max - self.at % self.max;
         let mut n = self.next.min(to_bound);
-        // The piece after this one doubles from the third on; if it would cross the boundary,
-        // this one runs up to it.
-        let after = if self.taken >= 1 { 2 * n } else { n };
+        // The piece after this one is twice it from the third on (the first two are equal);
+        // if that one would cross the boundary, this one runs up to it.
+        let doubles = self.taken >= 1;
+        let after = if doubles { 2 * n } else { n };
         if n + after > to_bound {
             n = to_bound;
         }
@@ -78,7 +79,7 @@ impl Iterator for Cuts {
         let piece = (self.at, n);
         self.at += n;
         self.taken += 1;
-        if self.taken >= 2 {
+        if doubles {
             self.next = (n * 2).min(self.max).max(1);
         }
         Some(piece)
